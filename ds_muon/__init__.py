@@ -1,0 +1,36 @@
+"""ds_muon: the Muon optimizer for DeepSpeed ZeRO stage 3.
+
+Importing this package changes nothing in DeepSpeed. Use one of:
+
+* ``ds_muon.initialize(...)`` -- same signature and return value as ``deepspeed.initialize``;
+* ``ds_muon.enable()`` / ``ds_muon.disable()`` -- for frameworks (HF Trainer, Accelerate) that call
+  ``deepspeed.initialize`` themselves.
+
+The single-device reference optimizer is ``ds_muon.MuonAdamW``.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "MuonAdamW": "ds_muon.reference",
+    "initialize": "ds_muon.integration",
+    "enable": "ds_muon.integration",
+    "disable": "ds_muon.integration",
+    "enabled": "ds_muon.integration",
+    "MuonOptimizerParams": "ds_muon.config",
+    "ConfigError": "ds_muon.config",
+    "orthogonalize": "ds_muon.newton_schulz",
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy so that `import ds_muon` stays cheap and has no side effects on DeepSpeed.
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'ds_muon' has no attribute {name!r}")
