@@ -1,0 +1,592 @@
+"""Configuration of ds_muon: what a DeepSpeed config may say to it, checked before anything runs.
+
+The config surface
+------------------
+ds_muon reads two places of an ordinary DeepSpeed config (``ds_config.json``):
+
+``optimizer`` -- ``{"type": "Muon", "params": {...}}``.
+    The type is matched case-insensitively, as DeepSpeed does. ``params`` is modelled by
+    :class:`MuonOptimizerParams` (pydantic v2, ``extra="forbid"``): every key has a type, bounds,
+    a default, and a description stating its unit and its source. DeepSpeed does not validate
+    ``optimizer.params`` at all, so ds_muon validates it strictly: an unknown key is an error with
+    a "did you mean" hint, a key that only DeepSpeed's built-in Muon understands (``per_head_muon``,
+    ``torch_adam``, ...) is an error that says so, and a value of the wrong type is not coerced
+    (``"nesterov": "yes"`` is an error, not ``True``).
+
+    The keys DeepSpeed's built-in Muon accepts keep its meaning, so an existing config works
+    unchanged: ``lr``, ``momentum``, ``weight_decay``, ``muon_lr``, ``adam_lr``, ``betas``, ``eps``,
+    ``ns_method``, ``adam_w_mode`` (see ``DeepSpeedEngine._configure_basic_optimizer`` and
+    ``_muon_param_groups`` in deepspeed 0.18.9-0.19.8: ``lr``/``weight_decay`` are shared by both
+    halves, ``muon_lr``/``adam_lr`` override ``lr`` per half, ``betas``/``eps`` go to the AdamW
+    half, ``momentum``/``ns_method`` to the Muon half). The one visible difference is the default
+    ``ns_method``: DeepSpeed's is ``"gram"``, ours is ``"standard"`` until measurement picks one.
+    ds_muon adds ``nesterov``, ``ns_steps``, ``ns_dtype``, ``update_scale``,
+    ``adam_weight_decay``, ``exchange_dtype``, ``muon_params`` and ``adamw_params``, and accepts
+    ``adam_betas``/``adam_eps`` as aliases of ``betas``/``eps`` (design.md section 1 uses them).
+
+``zero_optimization`` -- DeepSpeed's own pydantic model (``extra="forbid"``) validates it, so
+    ds_muon adds no keys there and re-checks nothing DeepSpeed checks. It only checks what
+    matters to ds_muon and DeepSpeed leaves open: ``stage`` must be 3; an NVMe
+    ``offload_optimizer`` needs an ``nvme_path`` (DeepSpeed accepts ``None`` and fails later);
+    ``save_muon_momentum_buffer_in_memory`` without an optimizer offload only earns a warning
+    (see :func:`validate_ds_config`). The top-level ``gradient_clipping`` must be a number >= 0.
+
+Entry points
+------------
+* :func:`parse_muon_params` -- ``optimizer.params`` dict -> :class:`MuonOptimizerParams`.
+* :func:`validate_ds_config` -- a whole DeepSpeed config dict; ``None`` for non-Muon configs.
+* :func:`load_ds_config` -- a path to a JSON file (or a dict) -> dict.
+
+Every problem raises :class:`ConfigError` (a ``ValueError``) whose message has one line per
+problem: the key path, the offending value, and what is allowed or how to fix it.
+JSON Schema generated from these models lives in ``ds_config_schemas/`` (``python -m
+ds_muon.schema``); a test fails when it drifts from this module.
+
+This module imports neither torch nor deepspeed, so it is cheap to import and to test.
+"""
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+import os
+import types
+import typing
+import warnings
+from typing import Annotated, Any, Literal, Optional, Union
+
+import annotated_types
+from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
+from pydantic_core import PydanticCustomError
+
+__all__ = [
+    "ConfigError",
+    "MuonOptimizerParams",
+    "parse_muon_params",
+    "validate_ds_config",
+    "load_ds_config",
+    "OPTIMIZER_PARAMS_PATH",
+    "UNSUPPORTED_BUILTIN_KEYS",
+]
+
+OPTIMIZER_PARAMS_PATH = "optimizer.params"
+MUON_TYPE = "muon"
+
+# Keys DeepSpeed's built-in Muon path reads from optimizer.params that ds_muon does not support,
+# with the reason and the fix. (DeepSpeed 0.18.9-0.19.8: deepspeed/__init__.py reads
+# per_head_muon; DeepSpeedEngine.get_optimizer_configuration pops torch_adam, foreach,
+# fp32_optimizer_states; _configure_basic_optimizer rejects max_grad_norm.)
+UNSUPPORTED_BUILTIN_KEYS: dict[str, str] = {
+    "per_head_muon": ("is an option of DeepSpeed's built-in Muon (Newton-Schulz per attention head) that ds_muon "
+                      "does not support: ds_muon orthogonalizes each weight matrix as a whole; remove the key, "
+                      "or use DeepSpeed's built-in Muon"),
+    "torch_adam": ("is an option of DeepSpeed's built-in Muon that ds_muon does not support: ds_muon picks the "
+                   "AdamW implementation itself (FusedAdam on an accelerator, DeepSpeedCPUAdam when the optimizer "
+                   "is offloaded); remove the key"),
+    "foreach": ("only has an effect with torch_adam in DeepSpeed's built-in Muon, which ds_muon does not "
+                "support; remove the key"),
+    "fp32_optimizer_states": ("is an option of DeepSpeed's built-in Muon that ds_muon does not support: ds_muon "
+                              "keeps Muon momentum in fp32 whatever the model dtype; remove the key"),
+    "max_grad_norm": ("is not an optimizer parameter (DeepSpeed rejects it too); set the top-level "
+                      "'gradient_clipping' of the DeepSpeed config instead"),
+}
+
+_AUTO_HINT = (" ('auto' is a placeholder the Hugging Face DeepSpeed integration fills in; validate the "
+              "config after it has done so, or write the number)")
+
+
+class ConfigError(ValueError):
+    """A ds_muon configuration problem.
+
+    ``str(err)`` names each offending key path, its value, and what is allowed / the fix, one line
+    per problem. ``err.problems`` holds those lines as a list.
+    """
+
+    def __init__(self, problems: Union[str, list[str]], header: Optional[str] = None):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        if header is None and len(self.problems) > 1:
+            header = f"invalid ds_muon configuration ({len(self.problems)} problems):"
+        lines = ([header] if header else []) + [("  " if header else "") + p for p in self.problems]
+        super().__init__("\n".join(lines))
+
+
+def _custom(reason: str, **ctx: Any) -> PydanticCustomError:
+    # `reason` is a template for pydantic; escape braces so it is taken literally.
+    ctx["reason"] = reason
+    return PydanticCustomError("ds_muon", reason.replace("{", "{{").replace("}", "}}"), ctx)
+
+
+_Beta = Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)]
+
+# name -> alias (accepted on input, not both at once).
+_ALIASES: dict[str, str] = {"betas": "adam_betas", "eps": "adam_eps"}
+
+
+def _add_aliases_to_schema(schema: dict[str, Any]) -> None:
+    """Make the generated JSON Schema accept each alias, and reject a name together with its alias."""
+    props = schema.get("properties", {})
+    exclusions = []
+    for name, alias in _ALIASES.items():
+        if name in props:
+            entry = copy.deepcopy(props[name])
+            entry["title"] = alias.replace("_", " ").title()
+            entry["description"] = f"Alias of '{name}', same meaning; give one or the other, not both."
+            props[alias] = entry
+            exclusions.append({"not": {"required": [name, alias]}})
+    if exclusions:
+        schema["allOf"] = exclusions
+
+
+class MuonOptimizerParams(BaseModel):
+    """The params of "optimizer": {"type": "Muon", "params": {...}} in a DeepSpeed config, as ds_muon reads them.
+
+    Muon updates the hidden >=2-D weight matrices; AdamW updates everything else (embeddings, the
+    output head, norms, biases). Keys shared with DeepSpeed's built-in Muon keep its meaning.
+    """
+
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        populate_by_name=True,
+        strict=True,  # no silent coercion: "0.02" is not a number, "yes" is not a bool
+        title="ds_muon Muon optimizer params",
+        json_schema_extra=_add_aliases_to_schema,
+    )
+
+    # ---- learning rates -------------------------------------------------------------------
+    lr: float = Field(
+        0.02, gt=0, allow_inf_nan=False,
+        description=("Shared learning rate (unit: step size per optimizer step, multiplying the scaled "
+                     "orthogonalized update for Muon parameters and the Adam update for AdamW parameters). "
+                     "Both halves use it unless muon_lr / adam_lr override it. Source: DeepSpeed built-in "
+                     "Muon 'lr', same meaning; default 0.02 as in Keller Jordan's Muon."))
+    muon_lr: Optional[float] = Field(
+        None, gt=0, allow_inf_nan=False,
+        description=("Learning rate of the Muon parameters (unit: as lr); null means use lr. Source: DeepSpeed "
+                     "built-in Muon 'muon_lr', same meaning."))
+    adam_lr: Optional[float] = Field(
+        None, gt=0, allow_inf_nan=False,
+        description=("Learning rate of the AdamW parameters (unit: as lr); null means use lr. Source: DeepSpeed "
+                     "built-in Muon 'adam_lr', same meaning."))
+
+    # ---- Muon -------------------------------------------------------------------------------
+    momentum: float = Field(
+        0.95, ge=0, lt=1, allow_inf_nan=False,
+        description=("Muon momentum coefficient beta (dimensionless): m <- beta*m + (1-beta)*g, kept in fp32 "
+                     "on the rank that holds the shard. Source: DeepSpeed built-in Muon 'momentum', same meaning; "
+                     "default 0.95 as in Keller Jordan's Muon."))
+    nesterov: bool = Field(
+        True,
+        description=("Nesterov momentum for Muon: orthogonalize lerp(g, m, beta) instead of m. Source: Keller "
+                     "Jordan's Muon (nesterov=True there; DeepSpeed's built-in Muon always uses it)."))
+    ns_method: Literal["standard", "gram", "polar_express"] = Field(
+        "standard",
+        description=("Newton-Schulz iteration that orthogonalizes the update: 'standard' = Keller Jordan's quintic "
+                     "iteration, 'gram' = Gram-matrix Newton-Schulz (as in DeepSpeed's built-in Muon), "
+                     "'polar_express' = Polar Express (Amsel et al., arXiv:2505.16932, per-step optimal "
+                     "coefficients). Source: DeepSpeed built-in Muon 'ns_method' ('standard', 'gram'), extended. "
+                     "The default 'standard' is provisional, to be picked by measurement; note DeepSpeed's "
+                     "built-in default is 'gram'."))
+    ns_steps: int = Field(
+        5, ge=1, le=100,
+        description="Number of Newton-Schulz iterations (count). Source: Keller Jordan's Muon (ns_steps=5).")
+    ns_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto",
+        description=("Floating-point dtype the Newton-Schulz iteration computes in. 'auto': float32 on CPU; on an "
+                     "accelerator float16 for ns_method 'gram' and bfloat16 otherwise. Source: ds_muon (the "
+                     "built-in Muon fixes bf16, fp16 for gram)."))
+    update_scale: Literal["shape", "rms_match"] = Field(
+        "shape",
+        description=("Dimensionless multiplier of the orthogonalized update of a (rows, cols) matrix (conv "
+                     "weights as (out, in*k*k)): 'shape' = sqrt(max(1, rows/cols)); 'rms_match' = "
+                     "0.2*sqrt(max(rows, cols)), which matches AdamW's update RMS so AdamW's lr and weight decay "
+                     "carry over. Source: 'shape' from Keller Jordan's Muon, 'rms_match' from Moonlight (Liu et "
+                     "al., arXiv:2502.16982)."))
+
+    # ---- weight decay ----------------------------------------------------------------------
+    weight_decay: float = Field(
+        0.0, ge=0, allow_inf_nan=False,
+        description=("Decoupled weight decay coefficient (unit: fraction per unit of lr per step: p <- "
+                     "p*(1 - lr*weight_decay)). Applies to both halves unless adam_weight_decay overrides it for "
+                     "AdamW parameters. Source: DeepSpeed built-in Muon 'weight_decay', same meaning."))
+    adam_weight_decay: Optional[float] = Field(
+        None, ge=0, allow_inf_nan=False,
+        description=("Decoupled weight decay of the AdamW parameters (unit: as weight_decay); null means use "
+                     "weight_decay. Source: ds_muon."))
+
+    # ---- AdamW -------------------------------------------------------------------------------
+    betas: tuple[_Beta, _Beta] = Field(
+        (0.9, 0.999),
+        validation_alias=AliasChoices("betas", "adam_betas"),
+        strict=False,  # a JSON list is the natural spelling of the pair; the items stay strict
+        description=("AdamW coefficients [beta1, beta2] (dimensionless) of the running averages of the gradient "
+                     "and its square. Also accepted as 'adam_betas'. Source: DeepSpeed built-in Muon 'betas' "
+                     "(passed to its AdamW half), same meaning; default as torch.optim.AdamW."))
+    eps: float = Field(
+        1e-8, gt=0, allow_inf_nan=False,
+        validation_alias=AliasChoices("eps", "adam_eps"),
+        description=("AdamW denominator epsilon (unit: gradient units). Also accepted as 'adam_eps'. Source: "
+                     "DeepSpeed built-in Muon 'eps', same meaning; default as torch.optim.AdamW."))
+    adam_w_mode: bool = Field(
+        True,
+        json_schema_extra={"const": True},
+        description=("Decoupled weight decay for the AdamW half (AdamW rather than Adam with L2). Only true is "
+                     "supported. Source: DeepSpeed built-in Muon 'adam_w_mode'."))
+
+    # ---- communication -----------------------------------------------------------------------
+    exchange_dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto",
+        description=("Dtype of the Muon update in the owner all_to_all exchange (to the matrix owner and back). "
+                     "'auto': the Newton-Schulz compute dtype if that is bfloat16, else float32. Source: ds_muon."))
+
+    # ---- which parameters use Muon -----------------------------------------------------------
+    muon_params: list[str] = Field(
+        default_factory=list,
+        description=("fnmatch-style glob patterns (case-sensitive) over model.named_parameters() names that put a "
+                     "parameter in the Muon half. An explicit param.use_muon attribute still wins, and adamw_params "
+                     "is checked first. Source: ds_muon."))
+    adamw_params: list[str] = Field(
+        default_factory=list,
+        description=("fnmatch-style glob patterns (case-sensitive) over model.named_parameters() names that put a "
+                     "parameter in the AdamW half; checked before muon_params, so a name matched by both goes to "
+                     "AdamW. An explicit param.use_muon attribute still wins. Source: ds_muon."))
+
+    # ---- validators --------------------------------------------------------------------------
+    @model_validator(mode="before")
+    @classmethod
+    def _name_and_alias_not_both(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, alias in _ALIASES.items():
+                if name in data and alias in data:
+                    raise _custom(
+                        f"both '{name}' and its alias '{alias}' are given",
+                        key=alias, value=data[alias],
+                        allowed=f"one of '{name}' or '{alias}', not both (they mean the same)")
+        return data
+
+    @field_validator("adam_w_mode")
+    @classmethod
+    def _only_adamw(cls, value: bool) -> bool:
+        if value is not True:
+            raise _custom(
+                "ds_muon only implements decoupled weight decay (AdamW) for its AdamW half; Adam with L2 "
+                "regularization (adam_w_mode=false) is not supported",
+                allowed="true (or leave the key out)")
+        return value
+
+    @field_validator("muon_params", "adamw_params")
+    @classmethod
+    def _patterns_non_empty(cls, value: list[str]) -> list[str]:
+        for pattern in value:
+            if not pattern.strip():
+                raise _custom("a pattern is empty", allowed="non-empty fnmatch glob patterns such as '*.mlp.*.weight'")
+        return value
+
+    @model_validator(mode="after")
+    def _patterns_disjoint(self) -> "MuonOptimizerParams":
+        both = sorted(set(self.muon_params) & set(self.adamw_params))
+        if both:
+            raise _custom(f"pattern(s) {both} are in both muon_params and adamw_params",
+                          key="adamw_params", value=self.adamw_params,
+                          allowed="each pattern in one list only")
+        return self
+
+    # ---- resolved settings -------------------------------------------------------------------
+    def muon_group_defaults(self) -> dict[str, Any]:
+        """Settings of the Muon param group(s), with muon_lr resolved."""
+        return {
+            "lr": self.muon_lr if self.muon_lr is not None else self.lr,
+            "momentum": self.momentum,
+            "nesterov": self.nesterov,
+            "ns_method": self.ns_method,
+            "ns_steps": self.ns_steps,
+            "ns_dtype": self.ns_dtype,
+            "update_scale": self.update_scale,
+            "weight_decay": self.weight_decay,
+            "exchange_dtype": self.exchange_dtype,
+        }
+
+    def adamw_group_defaults(self) -> dict[str, Any]:
+        """Settings of the AdamW param group(s), with adam_lr and adam_weight_decay resolved."""
+        return {
+            "lr": self.adam_lr if self.adam_lr is not None else self.lr,
+            "betas": tuple(self.betas),
+            "eps": self.eps,
+            "weight_decay": self.adam_weight_decay if self.adam_weight_decay is not None else self.weight_decay,
+        }
+
+    def resolved_exchange_dtype(self, ns_compute_dtype: Any) -> str:
+        """The exchange dtype name ('bfloat16' or 'float32') with 'auto' resolved.
+
+        ``ns_compute_dtype`` is the resolved Newton-Schulz dtype, as a ``torch.dtype`` or its name
+        (``ds_muon.newton_schulz.resolve_ns_dtype`` owns the 'auto' rule for ``ns_dtype``).
+        """
+        if self.exchange_dtype != "auto":
+            return self.exchange_dtype
+        name = str(ns_compute_dtype).removeprefix("torch.")
+        return "bfloat16" if name in ("bfloat16", "bf16") else "float32"
+
+
+# ------------------------------------------------------------------------------------------------
+# Turning pydantic errors into readable ones
+# ------------------------------------------------------------------------------------------------
+def _fmt_num(x: Any) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def _allowed_for_field(name: str) -> str:
+    """A human description of what field ``name`` accepts, derived from its annotation and bounds."""
+    if name in ("betas",):
+        return "a pair [beta1, beta2] of numbers, each in [0, 1)"
+    field = MuonOptimizerParams.model_fields.get(name)
+    if field is None:
+        return "see the MuonOptimizerParams documentation"
+    ann = field.annotation
+    optional = False
+    origin = typing.get_origin(ann)
+    if origin is Union or origin is types.UnionType:
+        args = [a for a in typing.get_args(ann) if a is not type(None)]
+        optional = len(args) < len(typing.get_args(ann))
+        ann = args[0] if len(args) == 1 else ann
+    if typing.get_origin(ann) is Literal:
+        text = "one of " + ", ".join(repr(v) for v in typing.get_args(ann))
+    elif ann is bool:
+        text = "true or false"
+    elif ann in (int, float):
+        lo = hi = None
+        for m in field.metadata:
+            if isinstance(m, annotated_types.Gt):
+                lo = ("(", m.gt)
+            elif isinstance(m, annotated_types.Ge):
+                lo = ("[", m.ge)
+            elif isinstance(m, annotated_types.Lt):
+                hi = (")", m.lt)
+            elif isinstance(m, annotated_types.Le):
+                hi = ("]", m.le)
+        kind = "an integer" if ann is int else "a number"
+        if lo and hi:
+            text = f"{kind} in {lo[0]}{_fmt_num(lo[1])}, {_fmt_num(hi[1])}{hi[0]}"
+        elif lo:
+            text = f"{kind} {'>' if lo[0] == '(' else '>='} {_fmt_num(lo[1])}"
+        elif hi:
+            text = f"{kind} {'<' if hi[0] == ')' else '<='} {_fmt_num(hi[1])}"
+        else:
+            text = kind
+    elif typing.get_origin(ann) is list:
+        text = "a list of fnmatch glob pattern strings"
+    else:
+        text = "see the MuonOptimizerParams documentation"
+    if optional:
+        text += " or null"
+    return text
+
+
+def _known_keys() -> list[str]:
+    return list(MuonOptimizerParams.model_fields) + list(_ALIASES.values())
+
+
+def _alias_to_field(key: str) -> str:
+    for name, alias in _ALIASES.items():
+        if key == alias:
+            return name
+    return key
+
+
+def _suggest(key: str) -> list[str]:
+    candidates = _known_keys()
+    norm = key.strip().lower().replace("-", "_").replace(" ", "_")
+    if norm in candidates and norm != key:
+        return [norm]
+    return difflib.get_close_matches(norm, candidates, n=2, cutoff=0.6)
+
+
+def _loc_path(path: str, loc: tuple) -> str:
+    out = path
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _unknown_key_line(path: str, key: str, value: Any) -> str:
+    where = _loc_path(path, (key,))
+    if key in UNSUPPORTED_BUILTIN_KEYS:
+        return f"{where}: {value!r} is not accepted: '{key}' {UNSUPPORTED_BUILTIN_KEYS[key]}"
+    line = f"{where}: unknown key (value {value!r})"
+    suggestions = _suggest(key)
+    if suggestions:
+        line += "; did you mean " + " or ".join(repr(s) for s in suggestions) + "?"
+    line += (" Known keys: " if suggestions else "; known keys: ") + ", ".join(_known_keys())
+    return line
+
+
+def _error_lines(err: ValidationError, path: str) -> list[str]:
+    lines = []
+    for e in err.errors(include_url=False):
+        loc = tuple(e.get("loc", ()))
+        ctx = e.get("ctx") or {}
+        if e["type"] == "extra_forbidden" and len(loc) == 1:
+            lines.append(_unknown_key_line(path, str(loc[0]), e.get("input")))
+            continue
+        if "key" in ctx:  # a model-level ds_muon check that names its key
+            loc = (ctx["key"],)
+        value = ctx["value"] if "value" in ctx else e.get("input")
+        if e["type"] == "model_type" and not loc:
+            lines.append(f"{path}: {value!r} is invalid: must be an object (a dict of optimizer settings)")
+            continue
+        field = _alias_to_field(str(loc[0])) if loc else ""
+        reason = ctx.get("reason", e.get("msg", "invalid"))
+        allowed = ctx.get("allowed") or _allowed_for_field(field)
+        line = f"{_loc_path(path, loc)}: {value!r} is invalid: {reason}; allowed: {allowed}"
+        if value == "auto" and "auto" not in allowed:
+            line += _AUTO_HINT
+        lines.append(line)
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------
+# Public entry points
+# ------------------------------------------------------------------------------------------------
+def parse_muon_params(params: Optional[dict], path: str = OPTIMIZER_PARAMS_PATH) -> MuonOptimizerParams:
+    """Validate the ``optimizer.params`` of a Muon config. ``None`` (no params) means all defaults.
+
+    Raises ConfigError naming ``<path>.<key>`` for each problem.
+    """
+    if params is None:
+        params = {}
+    if isinstance(params, MuonOptimizerParams):
+        return params
+    if not isinstance(params, dict):
+        raise ConfigError(f"{path}: {params!r} is invalid: must be an object (a dict of optimizer settings)")
+    bad_keys = [k for k in params if not isinstance(k, str)]
+    if bad_keys:
+        raise ConfigError([f"{path}: key {k!r} is invalid: keys must be strings" for k in bad_keys])
+    try:
+        return MuonOptimizerParams.model_validate(params)
+    except ValidationError as err:
+        raise ConfigError(_error_lines(err, path)) from None
+
+
+def _is_muon(ds_config: dict) -> bool:
+    opt = ds_config.get("optimizer")
+    if not isinstance(opt, dict):
+        return False
+    kind = opt.get("type")
+    return isinstance(kind, str) and kind.lower() == MUON_TYPE
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def validate_ds_config(ds_config: dict) -> Optional[MuonOptimizerParams]:
+    """Check the ds_muon-relevant parts of a DeepSpeed config dict.
+
+    Returns None when the optimizer type is not Muon (case-insensitive), so other configs pass
+    through untouched. For a Muon config returns the validated :class:`MuonOptimizerParams`, or
+    raises ConfigError listing every problem found:
+
+    * ``optimizer.params`` as in :func:`parse_muon_params`;
+    * ``zero_optimization.stage`` must be 3;
+    * ``zero_optimization.offload_optimizer.device == "nvme"`` needs a ``nvme_path``;
+    * ``gradient_clipping`` must be a number >= 0 (0 disables clipping).
+
+    ``zero_optimization.save_muon_momentum_buffer_in_memory: true`` without an optimizer offload
+    (``offload_optimizer.device`` "cpu" or "nvme") has no effect: the momentum already lives in
+    accelerator memory. That is a ``UserWarning``, not an error, because the config is still
+    correct and the same file is often shared between offloaded and non-offloaded runs.
+
+    Everything else in ``zero_optimization`` is left to DeepSpeed's own pydantic model.
+    """
+    if not isinstance(ds_config, dict):
+        raise ConfigError(f"DeepSpeed config: {type(ds_config).__name__} is invalid: validate_ds_config takes a "
+                          f"dict; use load_ds_config(path) to read a JSON file")
+    if not _is_muon(ds_config):
+        return None
+
+    problems: list[str] = []
+    params: Optional[MuonOptimizerParams] = None
+    try:
+        params = parse_muon_params(ds_config["optimizer"].get("params"))
+    except ConfigError as err:
+        problems.extend(err.problems)
+
+    zero = ds_config.get("zero_optimization")
+    if zero is None:
+        zero = {}
+    if not isinstance(zero, dict):
+        problems.append(f"zero_optimization: {zero!r} is invalid: must be an object with \"stage\": 3")
+        zero = {}
+    stage = zero.get("stage", None)
+    if not (_is_number(stage) and stage == 3):
+        shown = "missing (DeepSpeed's default is 0)" if stage is None else f"{stage!r} is invalid"
+        problems.append(f"zero_optimization.stage: {shown}: ds_muon serves ZeRO stage 3 (which runs on one GPU "
+                        f"too); set zero_optimization.stage to 3, or use DeepSpeed's built-in Muon for stages 0-2")
+
+    offload = zero.get("offload_optimizer")
+    device = None
+    if isinstance(offload, dict):
+        device = offload.get("device")
+        device = str(getattr(device, "value", device)).lower() if device is not None else None
+        if device == "nvme":
+            nvme_path = offload.get("nvme_path")
+            if nvme_path is None or (isinstance(nvme_path, str) and not nvme_path.strip()):
+                problems.append(
+                    f"zero_optimization.offload_optimizer.nvme_path: {nvme_path!r} is invalid: "
+                    f"offload_optimizer.device is 'nvme', so a directory on a local NVMe drive is required; "
+                    f"set nvme_path (e.g. \"/local_nvme\"), or use device 'cpu'")
+
+    if zero.get("save_muon_momentum_buffer_in_memory") is True and device not in ("cpu", "nvme"):
+        warnings.warn(
+            "zero_optimization.save_muon_momentum_buffer_in_memory is true but the optimizer is not offloaded "
+            "(offload_optimizer.device is not 'cpu' or 'nvme'), so it has no effect: the Muon momentum already "
+            "stays in accelerator memory. Remove it, or offload the optimizer.",
+            UserWarning, stacklevel=2)
+
+    if "gradient_clipping" in ds_config:
+        clip = ds_config["gradient_clipping"]
+        if not _is_number(clip) or clip < 0 or clip != clip:
+            line = (f"gradient_clipping: {clip!r} is invalid: the global gradient-norm clip threshold must be a "
+                    f"number >= 0; allowed: a number >= 0 (0 disables clipping)")
+            if clip == "auto":
+                line += _AUTO_HINT
+            problems.append(line)
+
+    if problems:
+        raise ConfigError(problems)
+    return params
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise ConfigError(f"duplicate key {key!r} in the DeepSpeed config; JSON would silently keep only "
+                              f"the last value, so remove one")
+        out[key] = value
+    return out
+
+
+def load_ds_config(path_or_dict: Union[str, os.PathLike, dict]) -> dict:
+    """Return the DeepSpeed config as a dict: a deep copy of a dict, or the parsed JSON file at a path.
+
+    Duplicate keys in the file are an error (plain ``json`` would keep the last one silently).
+    """
+    if isinstance(path_or_dict, dict):
+        return copy.deepcopy(path_or_dict)
+    if not isinstance(path_or_dict, (str, os.PathLike)):
+        raise ConfigError(f"DeepSpeed config: {path_or_dict!r} is invalid: pass a dict or the path of a JSON file")
+    path = os.fspath(path_or_dict)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh, object_pairs_hook=_no_duplicate_keys)
+    except FileNotFoundError:
+        raise ConfigError(f"DeepSpeed config: file {path!r} does not exist") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"DeepSpeed config: {path!r} is not valid JSON: {err.msg} at line {err.lineno}, "
+                          f"column {err.colno}") from None
+    except ConfigError as err:
+        raise ConfigError(f"DeepSpeed config {path!r}: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"DeepSpeed config: {path!r} holds a JSON {type(data).__name__}, not an object")
+    return data

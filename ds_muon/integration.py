@@ -1,0 +1,162 @@
+"""``ds_muon.initialize`` and ``ds_muon.enable()``: routing DeepSpeed's ``"Muon"`` to ds_muon.
+
+DeepSpeed hooks used (checked against deepspeed 0.19.8; design.md §2):
+
+* ``deepspeed.set_optimizer_flags(config, model)`` tags ``param.use_muon`` before the engine is
+  built, overwriting any user tag. Replaced (for Muon configs only) by ds_muon's validation and
+  :func:`ds_muon.selection.tag_model`, which respects explicit user tags. It runs before the
+  engine exists, so a bad config fails before any accelerator memory is allocated.
+* ``DeepSpeedEngine._configure_basic_optimizer`` builds the inner optimizer from the config.
+  For ``"Muon"`` ds_muon builds :class:`~ds_muon.zero3.ZeroMuonInner` (not DeepSpeed's
+  ``MuonWithAuxAdam``, so the built-in ZeRO-3 Muon path stays off).
+* ``DeepSpeedEngine._configure_zero_optimizer`` imports ``DeepSpeedZeroOptimizer_Stage3``
+  function-locally; for the duration of that call only, and only when the inner optimizer is
+  ds_muon's, the module attribute is replaced by :class:`~ds_muon.zero3.MuonZeroOptimizer`.
+
+Non-Muon configs pass through all three untouched. Importing ds_muon patches nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from typing import Any, Iterator
+
+import deepspeed
+import deepspeed.runtime.zero.stage3 as ds_stage3
+import deepspeed.runtime.zero.utils as ds_zero_utils
+import torch.distributed as dist
+from deepspeed.runtime.engine import DeepSpeedEngine
+
+from .config import ConfigError, load_ds_config, validate_ds_config
+from .param_groups import split_param_groups
+from .selection import tag_model
+from .zero3 import MuonZeroOptimizer, ZeroMuonInner
+
+_lock = threading.RLock()
+_originals: dict[str, Any] = {}
+_depth = 0
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _set_optimizer_flags(config_class, model) -> None:
+    cfg = validate_ds_config(config_class._param_dict)
+    if cfg is None:
+        return _originals["set_optimizer_flags"](config_class, model)
+    tag_model(model, cfg.muon_params, cfg.adamw_params, log=_is_rank0())
+
+
+def _configure_basic_optimizer(self: DeepSpeedEngine, model_parameters):
+    cfg = validate_ds_config(self._config._param_dict)
+    if cfg is None:
+        return _originals["_configure_basic_optimizer"](self, model_parameters)
+    if self.has_moe_layers:
+        raise ConfigError("ds_muon does not support DeepSpeed MoE layers yet; tag stacked expert weights "
+                          "(a 3-D parameter per layer) instead, which Muon treats as a batch of matrices")
+    groups = split_param_groups(model_parameters, cfg.muon_group_defaults(), cfg.adamw_group_defaults())
+    adam_cls, adam_kwargs = self.get_optimizer_configuration({}, True)
+
+    def adamw_factory(adam_groups: list[dict]):
+        return adam_cls(adam_groups, **adam_kwargs)
+
+    return ZeroMuonInner(groups, adamw_factory, cfg)
+
+
+def _configure_zero_optimizer(self: DeepSpeedEngine, optimizer):
+    if not isinstance(optimizer, ZeroMuonInner):
+        return _originals["_configure_zero_optimizer"](self, optimizer)
+    stage = self.zero_optimization_stage()
+    if stage != 3:
+        raise ConfigError(f"zero_optimization.stage is {stage}; ds_muon serves ZeRO stage 3 (which runs on one GPU "
+                          "too). Set zero_optimization.stage to 3.")
+    if self.super_offload():
+        raise ConfigError("zero_optimization.super_offload is not supported by ds_muon; turn it off")
+    with _swapped(ds_stage3, "DeepSpeedZeroOptimizer_Stage3", MuonZeroOptimizer):
+        return _originals["_configure_zero_optimizer"](self, optimizer)
+
+
+@contextlib.contextmanager
+def _swapped(obj: Any, name: str, value: Any) -> Iterator[None]:
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+def enable() -> None:
+    """From now on, ``deepspeed.initialize`` with optimizer ``"Muon"`` and ZeRO-3 uses ds_muon.
+
+    For frameworks that call ``deepspeed.initialize`` themselves (HF Trainer, Accelerate). Other
+    configs are untouched. Calls nest: each ``enable()`` needs its ``disable()``.
+    """
+    global _depth
+    with _lock:
+        if _depth == 0:
+            _originals["set_optimizer_flags"] = deepspeed.set_optimizer_flags
+            _originals["_configure_basic_optimizer"] = DeepSpeedEngine._configure_basic_optimizer
+            _originals["_configure_zero_optimizer"] = DeepSpeedEngine._configure_zero_optimizer
+            deepspeed.set_optimizer_flags = _set_optimizer_flags
+            DeepSpeedEngine._configure_basic_optimizer = _configure_basic_optimizer
+            DeepSpeedEngine._configure_zero_optimizer = _configure_zero_optimizer
+            # DeepSpeed asks for zero_allow_untested_optimizer unless the inner optimizer's type is listed.
+            if ZeroMuonInner not in ds_zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
+                ds_zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(ZeroMuonInner)
+        _depth += 1
+
+
+def disable() -> None:
+    """Undo one :func:`enable`; the last one restores DeepSpeed exactly as it was."""
+    global _depth
+    with _lock:
+        if _depth == 0:
+            return
+        _depth -= 1
+        if _depth == 0:
+            deepspeed.set_optimizer_flags = _originals.pop("set_optimizer_flags")
+            DeepSpeedEngine._configure_basic_optimizer = _originals.pop("_configure_basic_optimizer")
+            DeepSpeedEngine._configure_zero_optimizer = _originals.pop("_configure_zero_optimizer")
+            if ZeroMuonInner in ds_zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
+                ds_zero_utils.ZERO_SUPPORTED_OPTIMIZERS.remove(ZeroMuonInner)
+
+
+def is_enabled() -> bool:
+    """Whether :func:`enable` is in effect."""
+    return _depth > 0
+
+
+@contextlib.contextmanager
+def enabled() -> Iterator[None]:
+    """``with ds_muon.enabled(): ...`` -- :func:`enable` for the duration of the block."""
+    enable()
+    try:
+        yield
+    finally:
+        disable()
+
+
+def _find_config(args: Any, kwargs: dict) -> Any:
+    for key in ("config", "config_params"):
+        if kwargs.get(key) is not None:
+            return kwargs[key]
+    return getattr(args, "deepspeed_config", None)
+
+
+@functools.wraps(deepspeed.initialize)
+def initialize(args: Any = None, model=None, *rest: Any, **kwargs: Any):
+    """``deepspeed.initialize`` with ds_muon serving ``"optimizer": {"type": "Muon"}`` under ZeRO-3.
+
+    Same signature and return value as ``deepspeed.initialize``:
+    ``(engine, optimizer, training_dataloader, lr_scheduler)``. The config is validated first, so
+    a bad key or value raises :class:`ds_muon.config.ConfigError` (naming the key and the allowed
+    values) before DeepSpeed allocates anything.
+    """
+    config = _find_config(args, kwargs)
+    if config is not None:
+        validate_ds_config(load_ds_config(config))
+    with enabled():
+        return deepspeed.initialize(args, model, *rest, **kwargs)

@@ -1,0 +1,186 @@
+"""The owner plan: which data-parallel rank orthogonalizes which Muon matrix (design.md §3).
+
+Pure and deterministic: built from shapes and the world size alone, identically on every rank, so
+no collective is needed to agree on it. One plan per Muon sub-group.
+
+Layout facts it relies on (DeepSpeed ZeRO-3): a parameter with ``numel`` elements is split into
+``W`` chunks of ``chunk = ceil(numel / W)`` elements, zero padded past ``numel``; rank ``r`` holds
+chunk ``r``; a sub-group's local fp32 shard concatenates its parameters' chunks in order.
+
+Exchange layout (both directions use the same per-rank ordering):
+
+* Every rank sends to owner ``d`` its chunks of the matrices ``d`` owns, in plan order:
+  ``split_sizes[d] = sum(chunk for slots owned by d)`` elements.
+* Owner ``d`` therefore receives a ``(W, split_sizes[d])`` block, row ``s`` from source ``s``; a
+  matrix it owns occupies columns ``[owner_offset, owner_offset + chunk)`` of every row, so row-major
+  over ``(W, chunk)`` it is the full padded flat matrix.
+* The way back is the transpose: owner ``d`` sends row ``s`` to rank ``s``, which receives, per
+  owner, its own chunks in the same order it sent them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from .matrix import ns_view_shape
+from .newton_schulz import ns_flops
+
+
+@dataclass(frozen=True)
+class MatrixSlot:
+    """One Muon parameter in a sub-group's plan.
+
+    Attributes:
+        index: position of the parameter in the sub-group's parameter list.
+        name: parameter name (for messages).
+        shape: logical parameter shape.
+        ns_shape: ``(batch, rows, cols)`` view Newton–Schulz runs on.
+        numel: logical element count.
+        chunk: elements each rank holds, ``ceil(numel / W)`` (padded).
+        shard_offset: element offset of this parameter's chunk in the local flat shard.
+        owner: rank that runs Newton–Schulz on it.
+        owner_offset: column offset of its chunk inside the owner's ``(W, split_sizes[owner])`` block.
+        cost: Newton–Schulz matmul FLOPs for it.
+    """
+
+    index: int
+    name: str
+    shape: tuple[int, ...]
+    ns_shape: tuple[int, int, int]
+    numel: int
+    chunk: int
+    shard_offset: int
+    owner: int
+    owner_offset: int
+    cost: int
+
+
+@dataclass(frozen=True)
+class ShapeBatch:
+    """Same-shape matrices one owner orthogonalizes in a single batched call.
+
+    Their chunks are adjacent in the owner's block: columns ``[start, start + count * chunk)``.
+    """
+
+    ns_shape: tuple[int, int, int]
+    numel: int
+    chunk: int
+    start: int
+    count: int
+
+
+@dataclass(frozen=True)
+class ExchangePlan:
+    """Owner plan for one Muon sub-group.
+
+    Attributes:
+        world_size: data-parallel size ``W``.
+        slots: the Muon matrices, in exchange order (by owner, then by shape, then index).
+        split_sizes: elements every rank sends to each owner (and gets back from it), length ``W``.
+        batches: per rank, its :class:`ShapeBatch` list.
+        shard_numel: elements of the local flat shard the plan covers.
+    """
+
+    world_size: int
+    slots: tuple[MatrixSlot, ...]
+    split_sizes: tuple[int, ...]
+    batches: tuple[tuple[ShapeBatch, ...], ...]
+    shard_numel: int
+
+    def load(self) -> list[int]:
+        """Newton–Schulz FLOPs per rank."""
+        loads = [0] * self.world_size
+        for s in self.slots:
+            loads[s.owner] += s.cost
+        return loads
+
+    def imbalance(self) -> float:
+        """max / mean Newton–Schulz FLOPs over ranks (1.0 = perfect; 1.0 when there is no work)."""
+        loads = self.load()
+        mean = sum(loads) / len(loads)
+        return max(loads) / mean if mean else 1.0
+
+    def sent_elements(self, rank: int) -> int:
+        """Elements ``rank`` sends per step in both exchanges: its chunks of the matrices it does
+        not own, plus ``W - 1`` chunks of each matrix it owns."""
+        out = sum(self.split_sizes) - self.split_sizes[rank]
+        return out + (self.world_size - 1) * self.split_sizes[rank]
+
+    def describe(self) -> str:
+        """A short printable summary: matrices, FLOPs per rank, imbalance."""
+        loads = ", ".join(f"{x / 1e9:.3g}" for x in self.load())
+        return (f"{len(self.slots)} Muon matrices over W={self.world_size}; NS GFLOP per rank [{loads}]; "
+                f"imbalance max/mean {self.imbalance():.3f}")
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """What the plan needs to know about one parameter of a sub-group."""
+
+    name: str
+    shape: tuple[int, ...]
+    numel: int
+
+
+def chunk_size(numel: int, world_size: int) -> int:
+    """ZeRO-3's per-rank partition size: ``ceil(numel / world_size)``."""
+    return math.ceil(numel / world_size)
+
+
+def build_plan(params: Sequence[ParamInfo], world_size: int, ns_steps: int = 5, ns_method: str = "standard",
+               policy: str = "lpt") -> ExchangePlan:
+    """Assign each Muon matrix of a sub-group to an owner rank.
+
+    Args:
+        params: the sub-group's parameters, in the sub-group's order (all of them Muon).
+        world_size: data-parallel size.
+        ns_steps, ns_method: used for the cost model (:func:`ds_muon.newton_schulz.ns_flops`).
+        policy: ``"lpt"`` (longest processing time first: largest cost to the least-loaded rank,
+            ties to the lower rank) or ``"round_robin"`` (the baseline: matrix ``i`` to rank ``i % W``).
+
+    Returns:
+        The :class:`ExchangePlan`.
+
+    Raises:
+        ValueError: ``world_size < 1``, an unknown policy, or a parameter with fewer than 2 dims.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if policy not in ("lpt", "round_robin"):
+        raise ValueError(f"policy must be 'lpt' or 'round_robin', got {policy!r}")
+    infos = []
+    offset = 0
+    for i, p in enumerate(params):
+        b, m, n = ns_view_shape(p.shape)
+        chunk = chunk_size(p.numel, world_size)
+        infos.append((i, p, (b, m, n), chunk, offset, ns_flops(m, n, ns_steps, ns_method, batch=b)))
+        offset += chunk
+
+    owners: dict[int, int] = {}
+    if policy == "round_robin":
+        owners = {i: i % world_size for i, *_ in infos}
+    else:
+        loads = [0] * world_size
+        for i, _, _, _, _, cost in sorted(infos, key=lambda t: (-t[5], -t[3], t[0])):
+            r = min(range(world_size), key=lambda k: (loads[k], k))
+            owners[i] = r
+            loads[r] += cost
+
+    order = sorted(infos, key=lambda t: (owners[t[0]], t[2], t[0]))
+    split = [0] * world_size
+    slots = []
+    for i, p, ns_shape, chunk, off, cost in order:
+        r = owners[i]
+        slots.append(MatrixSlot(i, p.name, tuple(p.shape), ns_shape, p.numel, chunk, off, r, split[r], cost))
+        split[r] += chunk
+
+    batches: list[list[ShapeBatch]] = [[] for _ in range(world_size)]
+    for s in slots:
+        rank_batches = batches[s.owner]
+        last = rank_batches[-1] if rank_batches else None
+        if last is not None and last.ns_shape == s.ns_shape and last.start + last.count * last.chunk == s.owner_offset:
+            rank_batches[-1] = ShapeBatch(last.ns_shape, last.numel, last.chunk, last.start, last.count + 1)
+        else:
+            rank_batches.append(ShapeBatch(s.ns_shape, s.numel, s.chunk, s.owner_offset, 1))
+    return ExchangePlan(world_size, tuple(slots), tuple(split), tuple(tuple(b) for b in batches), offset)

@@ -1,0 +1,76 @@
+"""Splitting user parameter groups into Muon and AdamW halves.
+
+Shared by the single-device reference optimizer and the ZeRO-3 inner optimizer, so both see the
+same groups with the same hyperparameters. A ZeRO-3 sub-group never mixes param groups, so every
+sub-group is all-Muon or all-AdamW (design.md §2).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from .selection import param_shape, tag_model
+
+# Keys a user param group may set, per half. A shared key (lr, weight_decay) applies to both
+# halves unless the half-specific one (muon_lr / adam_lr, adam_weight_decay) is also given.
+MUON_KEYS = ("lr", "momentum", "nesterov", "ns_method", "ns_steps", "ns_dtype", "update_scale", "weight_decay",
+             "exchange_dtype")
+ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
+_RENAMES_MUON = {"muon_lr": "lr"}
+_RENAMES_ADAMW = {"adam_lr": "lr", "adam_weight_decay": "weight_decay", "adam_betas": "betas", "adam_eps": "eps"}
+_ALL_GROUP_KEYS = set(MUON_KEYS) | set(ADAMW_KEYS) | set(_RENAMES_MUON) | set(_RENAMES_ADAMW) | {"params", "use_muon"}
+
+
+def _half_settings(defaults: dict, overrides: dict, keys: tuple[str, ...], renames: dict) -> dict:
+    settings = dict(defaults)
+    settings.update({k: v for k, v in overrides.items() if k in keys})
+    settings.update({renames[k]: v for k, v in overrides.items() if k in renames})
+    return settings
+
+
+def split_param_groups(params: Any, muon_defaults: dict, adamw_defaults: dict,
+                       muon_patterns: Iterable[str] = (), adamw_patterns: Iterable[str] = ()) -> list[dict]:
+    """Turn ``params`` into param groups each flagged ``use_muon`` True or False.
+
+    Args:
+        params: an ``nn.Module`` (parameters are selected by :func:`ds_muon.selection.tag_model`),
+            an iterable of parameters, or an iterable of param-group dicts. Parameters must carry
+            ``use_muon`` unless a module is given; untagged ones go through the shape rule
+            (>= 2-D -> Muon), which cannot recognise embeddings or heads, so pass the module.
+        muon_defaults / adamw_defaults: hyperparameters of each half (see ``MUON_KEYS``/``ADAMW_KEYS``).
+
+    Returns:
+        A list of group dicts ``{"params": [...], "use_muon": bool, <hyperparameters>}``, Muon half
+        first for each incoming group; halves with no trainable parameter are dropped; unknown
+        group keys are carried into both halves.
+
+    Raises:
+        ValueError: a Muon parameter with fewer than 2 dims (names its shape).
+    """
+    if isinstance(params, nn.Module):
+        tag_model(params, muon_patterns, adamw_patterns)
+        params = list(params.parameters())
+    params = list(params)
+    if not params:
+        raise ValueError("optimizer got an empty parameter list")
+    groups = params if isinstance(params[0], dict) else [{"params": params}]
+    out: list[dict] = []
+    for group in groups:
+        overrides = {k: v for k, v in group.items() if k != "params"}
+        members = [group["params"]] if isinstance(group["params"], torch.Tensor) else list(group["params"])
+        for p in members:
+            if getattr(p, "use_muon", None) is None:
+                p.use_muon = len(param_shape(p)) >= 2
+            if p.use_muon and len(param_shape(p)) < 2:
+                raise ValueError(f"a parameter of shape {param_shape(p)} has use_muon=True; Muon needs >= 2 dims. "
+                                 "Set use_muon=False on it.")
+        extra = {k: v for k, v in overrides.items() if k not in _ALL_GROUP_KEYS}
+        for flag, defaults, keys, renames in ((True, muon_defaults, MUON_KEYS, _RENAMES_MUON),
+                                              (False, adamw_defaults, ADAMW_KEYS, _RENAMES_ADAMW)):
+            half = [p for p in members if bool(p.use_muon) is flag and p.requires_grad]
+            if half:
+                out.append(dict(extra, params=half, use_muon=flag, **_half_settings(defaults, overrides, keys,
+                                                                                      renames)))
+    return out

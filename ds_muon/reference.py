@@ -1,0 +1,118 @@
+"""The single-device reference optimizer: Muon for hidden matrices, AdamW for the rest.
+
+This class is the oracle that every distributed ds_muon path is compared against, parameter by
+parameter. It favours clarity over speed.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .config import parse_muon_params
+from .matrix import ns_view_shape, update_scale
+from .newton_schulz import orthogonalize, resolve_ns_dtype
+from .param_groups import split_param_groups
+from .selection import param_shape
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    r"""Muon with an auxiliary AdamW, on one device.
+
+    For a parameter ``W`` with ``use_muon=True`` (shape ``(m, n)``, a stack ``(b, m, n)``, or a conv
+    weight ``(out, in, kh, kw)`` seen as ``(out, in*kh*kw)``), with gradient ``G`` (any float dtype;
+    all optimizer math is fp32):
+
+    .. math::
+        M &\leftarrow \beta M + (1-\beta) G                         && \text{momentum, fp32}\\
+        U &\leftarrow \text{nesterov} \; ? \; (1-\beta) G + \beta M : M \\
+        O &\leftarrow \mathrm{NS}_k(U) \cdot s(m, n)                 && \text{Newton–Schulz, } k=\text{ns\_steps}\\
+        W &\leftarrow W (1 - \eta \lambda) - \eta O                  && \text{decoupled weight decay}
+
+    with ``s = sqrt(max(1, m/n))`` (``update_scale="shape"``, Keller Jordan,
+    https://kellerjordan.github.io/posts/muon/) or ``s = 0.2 sqrt(max(m, n))``
+    (``"rms_match"``, Moonlight, arXiv 2502.16982). ``NS`` is selected by ``ns_method``
+    (:mod:`ds_muon.newton_schulz`). Other parameters get AdamW (Loshchilov & Hutter,
+    arXiv 1711.05101) exactly as ``torch.optim.AdamW``:
+
+    .. math::
+        m &\leftarrow \beta_1 m + (1-\beta_1) g, \quad v \leftarrow \beta_2 v + (1-\beta_2) g^2 \\
+        W &\leftarrow W (1 - \eta\lambda) - \eta \frac{m / (1-\beta_1^t)}{\sqrt{v / (1-\beta_2^t)} + \epsilon}
+
+    A parameter whose ``.grad`` is ``None`` is skipped (its state is untouched).
+
+    Args:
+        params: an ``nn.Module`` (parameters selected by :func:`ds_muon.selection.tag_model`),
+            parameters tagged ``use_muon``, or param-group dicts. Group keys override the
+            defaults per group (``lr``/``weight_decay`` apply to both halves; ``muon_lr``,
+            ``adam_lr``, ``adam_weight_decay`` to one).
+        **hyperparameters: the keys of the ``"Muon"`` DeepSpeed optimizer config
+            (:class:`ds_muon.config.MuonOptimizerParams`): ``lr``, ``muon_lr``, ``momentum``,
+            ``nesterov``, ``ns_method``, ``ns_steps``, ``ns_dtype``, ``update_scale``,
+            ``weight_decay``, ``adam_lr``, ``betas``, ``eps``, ``adam_weight_decay``, ...
+
+    Raises:
+        ds_muon.config.ConfigError: a bad hyperparameter (names the key and the allowed values).
+        ValueError: ``use_muon=True`` on a parameter with fewer than 2 dims.
+
+    State per Muon parameter: ``momentum_buffer`` (fp32, the parameter's shape). Per AdamW
+    parameter: ``step`` (int), ``exp_avg``, ``exp_avg_sq`` (fp32).
+    """
+
+    def __init__(self, params: Any, **hyperparameters: Any) -> None:
+        cfg = parse_muon_params(hyperparameters, path="MuonAdamW")
+        groups = split_param_groups(params, cfg.muon_group_defaults(), cfg.adamw_group_defaults(),
+                                    cfg.muon_params, cfg.adamw_params)
+        super().__init__(groups, {})
+        self.config = cfg
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Apply one update to every parameter that has a gradient. Returns ``closure()``'s loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if group["use_muon"]:
+                    self._muon(p, group)
+                else:
+                    self._adamw(p, group)
+        return loss
+
+    def _muon(self, p: torch.Tensor, group: dict) -> None:
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+        m = state["momentum_buffer"]
+        g = p.grad.float()
+        beta = group["momentum"]
+        m.lerp_(g, 1 - beta)
+        u = g.lerp_(m, beta) if group["nesterov"] else m
+        b, rows, cols = ns_view_shape(param_shape(p))
+        ns_dtype = resolve_ns_dtype(group["ns_dtype"], group["ns_method"], p.device)
+        o = orthogonalize(u.reshape(b, rows, cols), group["ns_method"], group["ns_steps"], ns_dtype)
+        o = o.float().mul_(update_scale(rows, cols, group["update_scale"]))
+        p.mul_(1 - group["lr"] * group["weight_decay"])
+        p.add_(o.view(p.shape).to(p.dtype), alpha=-group["lr"])
+
+    def _adamw(self, p: torch.Tensor, group: dict) -> None:
+        state = self.state[p]
+        if "step" not in state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+        state["step"] += 1
+        t = state["step"]
+        beta1, beta2 = group["betas"]
+        g = p.grad.float()
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        exp_avg.mul_(beta1).add_(g, alpha=1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**t)).add_(group["eps"])
+        p.mul_(1 - group["lr"] * group["weight_decay"])
+        p.addcdiv_(exp_avg.to(p.dtype), denom.to(p.dtype), value=-group["lr"] / (1 - beta1**t))

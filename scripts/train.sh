@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Train the example model with DeepSpeed ZeRO-3 + ds_muon, from a fresh checkout.
+#
+#   scripts/train.sh                          # tiny model, 2 processes (CPU or GPUs), examples/ds_config_cpu.json
+#   NPROC=8 scripts/train.sh --model small --deepspeed_config examples/ds_config.json
+#
+# What it does: creates .venv (or uses $VENV) if missing; installs torch (the CPU build torch==2.13.0 when there
+# is no nvidia-smi, so pip does not pull a multi-GB CUDA build) unless torch is already importable; installs
+# this package (pip install -e .); then runs `deepspeed --num_gpus $NPROC examples/train.py "$@"`.
+# On a CPU-only machine DeepSpeed picks its CPU accelerator and gloo by itself; nothing else is needed.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+VENV="${VENV:-.venv}"
+NPROC="${NPROC:-2}"
+PYTHON="${PYTHON:-python3}"
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+    echo ">> creating virtual environment $VENV"
+    "$PYTHON" -m venv "$VENV"
+fi
+export PATH="$(cd "$VENV/bin" && pwd):$PATH"        # the launcher, and ninja for DeepSpeed's JIT-built ops
+
+if ! python -c "import torch" 2>/dev/null; then
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        echo ">> installing torch (CUDA build)"
+        python -m pip install torch
+    else
+        echo ">> installing torch==2.13.0 (CPU build)"
+        python -m pip install "torch==2.13.0"
+    fi
+fi
+
+# Reinstall only when the package metadata changed (the editable install tracks source edits by itself).
+stamp="$VENV/.ds_muon-installed"
+if [[ ! -f "$stamp" || pyproject.toml -nt "$stamp" ]] || ! python -c "import ds_muon, deepspeed" 2>/dev/null; then
+    echo ">> installing ds_muon (pip install -e .)"
+    python -m pip install -e .
+    touch "$stamp"
+fi
+
+echo ">> deepspeed --num_gpus $NPROC examples/train.py $*"
+exec deepspeed --num_gpus "$NPROC" examples/train.py "$@"

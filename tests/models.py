@@ -1,0 +1,73 @@
+"""Tiny models and data shared by the single-device and distributed tests."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, DIM = 37, 24
+
+
+class ParityNet(nn.Module):
+    """A tiny LM-shaped model covering every case the parity tests need.
+
+    Muon matrices of mixed shapes (11 of them, so the count is not divisible by W = 2, 3, 4):
+    GQA-like q (24x24) / k, v (12x24), o (24x24), kv_proj (24x12), a conv weight (24, 24, 3, 1)
+    seen as (24, 72), up (41x24) / down (24x41) with odd numels, a 3-D stacked-expert parameter
+    (3, 24, 16) tagged ``use_muon=True``, expert_out (24x16), and ``extra`` (24x24), which gets no
+    gradient when ``use_extra`` is False. AdamW: the embedding (tied to the output head), two
+    LayerNorms, biases. ``frozen`` does not train.
+    """
+
+    def __init__(self, tie: bool = True) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.norm1 = nn.LayerNorm(DIM)
+        self.q = nn.Linear(DIM, DIM, bias=False)
+        self.k = nn.Linear(DIM, 12, bias=False)
+        self.v = nn.Linear(DIM, 12, bias=True)
+        self.o = nn.Linear(DIM, DIM, bias=False)
+        self.kv_proj = nn.Linear(12, DIM, bias=False)
+        self.conv = nn.Conv2d(DIM, DIM, kernel_size=(3, 1), padding=(1, 0))
+        self.up = nn.Linear(DIM, 41)
+        self.down = nn.Linear(41, DIM)
+        self.experts = nn.Parameter(torch.randn(3, DIM, 16) * 0.2)
+        self.experts.use_muon = True
+        self.expert_out = nn.Linear(16, DIM, bias=False)
+        self.frozen = nn.Linear(DIM, DIM)
+        self.frozen.requires_grad_(False)
+        self.extra = nn.Linear(DIM, DIM, bias=False)
+        self.norm2 = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        if tie:
+            self.head.weight = self.embed.weight
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.head
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor, use_extra: bool = True) -> torch.Tensor:
+        """tokens, targets: (B, T) int64. Returns the mean cross-entropy (scalar)."""
+        x = self.embed(tokens)
+        h = self.norm1(x)
+        h = x + self.o(F.silu(self.q(h))) + self.kv_proj(self.k(h) * F.silu(self.v(h)))
+        h = h + self.conv(h.transpose(1, 2).unsqueeze(-1)).squeeze(-1).transpose(1, 2)
+        h = h + self.down(F.gelu(self.up(h)))
+        e = torch.einsum("btd,edf->btef", h, self.experts).mean(2)
+        h = h + self.expert_out(F.silu(e))
+        h = h + self.frozen(h)
+        if use_extra:
+            h = h + self.extra(h)
+        logits = self.head(self.norm2(h))
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def batch(step: int, rank: int, micro: int, batch_size: int = 2, seq: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic (tokens, targets) for one micro-batch of one rank, shape (batch_size, seq)."""
+    g = torch.Generator().manual_seed(1_000_003 * step + 1009 * rank + micro)
+    data = torch.randint(0, VOCAB, (batch_size, seq + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def use_extra(step: int) -> bool:
+    """``extra`` is skipped on odd optimizer steps (a layer with no gradient in some steps)."""
+    return step % 2 == 0

@@ -1,0 +1,118 @@
+"""ds_muon ZeRO-3 vs. the single-device oracle ``ds_muon.MuonAdamW``, parameter by parameter.
+
+CPU, gloo, fp32 (Newton–Schulz and exchange in fp32). Tolerance: ``harness.PARITY_RTOL`` = 1e-5
+relative to each parameter's norm, and 1e-3 relative to how far the parameter moved.
+Each world size spawns one process group and runs several configurations in it.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist_util import run_distributed
+from tests.harness import (PARITY_RTOL, build_engine, clone_tags, compare, ds_config, gathered_params,
+                           reference_model, train_engine, train_reference)
+
+STEPS = 3
+
+
+def _wd_groups(model):
+    """Per-group weight decay: matrices and embeddings decay at 0.1, 1-D parameters not at all."""
+    from ds_muon.selection import param_shape
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [{"params": [p for n, p in named if len(param_shape(p)) >= 2], "weight_decay": 0.1},
+            {"params": [p for n, p in named if len(param_shape(p)) < 2], "weight_decay": 0.0}]
+
+
+def _untag_o(model):
+    model.o.weight.use_muon = False  # a user's explicit AdamW choice for a 2-D weight
+
+
+def _run_case(rank: int, world_size: int, case: dict) -> dict | None:
+    import ds_muon
+    from ds_muon.zero3 import MuonZeroOptimizer
+
+    cfg = ds_config(gas=case.get("gas", 1), clip=case.get("clip", 0.0), **case.get("zero", {}))
+    groups_fn = _wd_groups if case.get("groups") else None
+    engine, model = build_engine(cfg, zero_init=case.get("zero_init", False), model_parameters=groups_fn,
+                                 before=_untag_o if case.get("untag_o") else None)
+    assert type(engine.optimizer) is MuonZeroOptimizer, type(engine.optimizer)
+    assert engine.optimizer.use_muon is False  # DeepSpeed's built-in ZeRO-3 Muon path is off
+    init = gathered_params(model)
+    tags = clone_tags(model)
+    norms = train_engine(engine, STEPS, rank, case.get("gas", 1))
+    got = gathered_params(model)
+    result = {"steps": engine.optimizer.muon_step_count, "norms": norms, "tags": tags,
+              "n_sub_groups": len(engine.optimizer.fp16_groups), "n_muon_sub_groups": len(engine.optimizer.muon_plans)}
+    engine.destroy()
+    if rank != 0:
+        return result
+
+    ref = reference_model(init, tags)
+    params = groups_fn(ref) if groups_fn else ref.parameters()
+    opt = ds_muon.MuonAdamW(params, **cfg["optimizer"]["params"])
+    result["ref_norms"] = train_reference(ref, opt, STEPS, world_size, case.get("gas", 1), case.get("clip", 0.0))
+    want = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    result["errors"] = compare(got, want, init)
+
+    # The same run with every parameter on AdamW, and with plain SGD+momentum: a silent fallback to
+    # either would land near one of these, far outside the parity tolerance.
+    alt = {}
+    for label in ("adamw", "sgd"):
+        m = reference_model(init, {n: False for n in tags})
+        if label == "adamw":
+            o = ds_muon.MuonAdamW(m.parameters(), **cfg["optimizer"]["params"])
+        else:
+            o = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.02, momentum=0.9)
+        train_reference(m, o, STEPS, world_size, case.get("gas", 1), case.get("clip", 0.0))
+        alt[label] = compare(got, {n: p.detach() for n, p in m.named_parameters()}, init)
+    result["alt"] = alt
+    return result
+
+
+def parity_worker(rank: int, world_size: int, cases: list[dict]) -> list[dict | None]:
+    return [_run_case(rank, world_size, case) for case in cases]
+
+
+CASES = {
+    1: [dict(name="w1-clip", gas=1, clip=0.5)],
+    2: [dict(name="w2-plain", gas=1),
+        dict(name="w2-gas4-clip-allreduce", gas=4, clip=0.5,
+             zero=dict(reduce_scatter=False, contiguous_gradients=False, overlap_comm=True)),
+        dict(name="w2-zeroinit-groups-untag-small-buckets", gas=1, zero_init=True, groups=True, untag_o=True,
+             zero=dict(reduce_bucket_size=100, sub_group_size=500))],
+    3: [dict(name="w3-gas4-clip-overlap", gas=4, clip=0.5, zero=dict(reduce_scatter=True, overlap_comm=True)),
+        dict(name="w3-subgroups", gas=1, zero=dict(sub_group_size=300))],
+    4: [dict(name="w4-clip", gas=1, clip=0.5),
+        dict(name="w4-gas4-zeroinit", gas=4, zero_init=True)],
+}
+
+
+@pytest.mark.parametrize("world_size", sorted(CASES))
+def test_parity_with_oracle(world_size: int) -> None:
+    cases = CASES[world_size]
+    results = run_distributed(parity_worker, world_size, cases)
+    for case, res in zip(cases, results[0]):
+        name = case["name"]
+        assert res["steps"] == STEPS, (name, res["steps"])
+        assert res["n_muon_sub_groups"] >= 1
+        if case.get("zero", {}).get("sub_group_size"):
+            assert res["n_muon_sub_groups"] >= 2, f"{name}: sub_group_size should split the Muon group"
+        # every rank reports the same global grad norm, equal to the raw gradient norm of the oracle
+        for other in results:
+            assert other[0 if False else cases.index(case)]["norms"] == res["norms"]
+        torch.testing.assert_close(torch.tensor(res["norms"]), torch.tensor(res["ref_norms"]), rtol=1e-5, atol=0)
+        if case.get("clip"):
+            assert max(res["ref_norms"]) > case["clip"], f"{name}: clipping was never active"
+        tags = res["tags"]
+        assert tags["experts"] and tags["q.weight"] and tags["conv.weight"] and not tags["embed.weight"]
+        assert tags["o.weight"] is (not case.get("untag_o", False))
+        for pname, err in res["errors"].items():
+            assert err["rel"] <= PARITY_RTOL, f"{name}: {pname} rel error {err['rel']:.2e} > {PARITY_RTOL}"
+            if err["moved"] > 0:
+                assert err["rel_update"] <= 1e-3, f"{name}: {pname} update rel error {err['rel_update']:.2e}"
+            else:
+                assert pname.startswith("frozen"), f"{name}: trainable {pname} did not move"
+        for label, errs in res["alt"].items():
+            worst = max(errs[p]["rel"] for p in ("q.weight", "experts", "conv.weight", "down.weight"))
+            assert worst > 1000 * PARITY_RTOL, f"{name}: result is indistinguishable from {label}"
