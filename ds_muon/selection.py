@@ -7,9 +7,9 @@ Order of precedence, first match wins:
    names (``adamw_params`` is checked first, so a parameter matched by both goes to AdamW).
 3. The module-type rule: Muon for the >=2-D weights of hidden linear and convolution layers
    (``nn.Linear``, ``nn.Conv1d/2d/3d``, transposed convs, Hugging Face's GPT-2 ``Conv1D``).
-   AdamW for everything else: embeddings, the output head (``get_output_embeddings()``, a
-   linear tied to an embedding, or a linear attached directly to the root module such as
-   ``lm_head``/``score``/``classifier``/``fc``), norms, biases, 0-D/1-D parameters, and >=2-D
+   AdamW for everything else: embeddings (and any linear tied to one), the output head
+   (``get_output_embeddings()`` where the model has it, and the last linear/conv module in
+   registration order, e.g. ``lm_head``/``score``/``classifier``/``fc``), norms, biases, 0-D/1-D parameters, and >=2-D
    parameters of modules the rule does not recognise (tag those yourself; AdamW is never wrong,
    only possibly slower to train).
 
@@ -97,7 +97,7 @@ class Selection:
         return "\n".join(lines)
 
 
-def _output_head_ids(model: nn.Module, embedding_weight_ids: set[int]) -> set[int]:
+def _output_head_ids(model: nn.Module) -> set[int]:
     ids: set[int] = set()
     get_out = getattr(model, "get_output_embeddings", None)
     if callable(get_out):
@@ -109,11 +109,12 @@ def _output_head_ids(model: nn.Module, embedding_weight_ids: set[int]) -> set[in
             ids.update(id(p) for p in head.parameters(recurse=False))
         elif isinstance(head, torch.Tensor):
             ids.add(id(head))
-    # A matrix module hung directly on the root (lm_head, score, classifier, fc, head) maps the
-    # trunk's features to the model's outputs.
-    for _, child in model.named_children():
-        if _is_matrix_module(child):
-            ids.update(id(p) for p in child.parameters(recurse=False) if len(param_shape(p)) >= 2)
+    # The last matrix module in registration order maps the trunk's features to the outputs
+    # (lm_head, score, classifier, fc, head, or a nested final projection): models register
+    # their layers in forward order.
+    matrix_modules = [m for m in model.modules() if _is_matrix_module(m)]
+    if matrix_modules:
+        ids.update(id(p) for p in matrix_modules[-1].parameters(recurse=False) if len(param_shape(p)) >= 2)
     return ids
 
 
@@ -144,7 +145,7 @@ def select_muon_params(model: nn.Module,
         for p in module.parameters(recurse=False):
             owner.setdefault(id(p), module)
     embedding_ids = {id(p) for m in model.modules() if isinstance(m, _EMBEDDING_MODULES) for p in m.parameters(False)}
-    head_ids = _output_head_ids(model, embedding_ids)
+    head_ids = _output_head_ids(model)
 
     sel = Selection()
     for name, p in model.named_parameters():

@@ -3,13 +3,14 @@
 Token ids are raw bytes (0..255), so the model's vocab is 256 and there is no tokenizer.
 
 Default corpus: the Python standard library's own ``.py`` sources (the directory from
-``sysconfig.get_paths()["stdlib"]``, walked in sorted order, ``site-packages`` skipped), concatenated up to
-``max_bytes``. Every machine with Python has it, so the example needs no download. Any text file can be used
+``sysconfig.get_paths()["stdlib"]``, walked in sorted order, ``site-packages`` skipped, then shuffled with a fixed
+seed), concatenated up to ``max_bytes``. Every machine with Python has it, so the example needs no download. Any text file can be used
 instead (``path=``). The last ``val_fraction`` of the bytes is held out for validation.
 """
 from __future__ import annotations
 
 import os
+import random
 import sysconfig
 from pathlib import Path
 from typing import Iterator
@@ -20,26 +21,32 @@ DEFAULT_MAX_BYTES = 8 * 1024 * 1024
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
-def stdlib_sources(max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
-    """The stdlib's .py files, in deterministic (sorted walk) order, concatenated and capped at max_bytes."""
+def stdlib_sources(max_bytes: int = DEFAULT_MAX_BYTES, order_seed: int = 0) -> bytes:
+    """The stdlib's .py files, concatenated and capped at max_bytes.
+
+    The file list is walked in sorted order and then shuffled with a fixed seed, so the result is deterministic
+    while the capped sample (and the held-out tail) is drawn from the whole library rather than from the first
+    packages alphabetically (whose tail would be ``encodings/``' codec tables).
+    """
     root = Path(sysconfig.get_paths()["stdlib"])
-    chunks, total = [], 0
+    paths = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
-        for name in sorted(filenames):
-            if not name.endswith(".py"):
-                continue
-            try:
-                data = (Path(dirpath) / name).read_bytes()
-            except OSError:
-                continue
-            chunks.append(data)
-            total += len(data)
-            if total >= max_bytes:
-                return b"".join(chunks)[:max_bytes]
+        paths += [Path(dirpath) / name for name in sorted(filenames) if name.endswith(".py")]
+    random.Random(order_seed).shuffle(paths)
+    chunks, total = [], 0
+    for path in paths:
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
     if not chunks:
         raise RuntimeError(f"no .py files found under {root}")
-    return b"".join(chunks)
+    return b"".join(chunks)[:max_bytes]
 
 
 class ByteCorpus:

@@ -31,15 +31,6 @@ import ds_muon  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CONFIG = os.path.join(HERE, "ds_config_cpu.json")
-# Used only when --deepspeed_config is left at its default and that file does not exist.
-FALLBACK_CONFIG = {
-    "train_micro_batch_size_per_gpu": 8,
-    "gradient_accumulation_steps": 1,
-    "gradient_clipping": 1.0,
-    "optimizer": {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 3e-3}},
-    "zero_optimization": {"stage": 3},
-    "steps_per_print": 1_000_000,
-}
 
 
 def parse_args() -> argparse.Namespace:
@@ -63,14 +54,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def load_config(args: argparse.Namespace) -> dict:
-    path = args.deepspeed_config or DEFAULT_CONFIG
-    if os.path.exists(path):
-        with open(path) as f:
-            config = json.load(f)
-    elif args.deepspeed_config is None:
-        config = json.loads(json.dumps(FALLBACK_CONFIG))
-    else:
-        raise FileNotFoundError(path)
+    with open(args.deepspeed_config or DEFAULT_CONFIG) as f:
+        config = json.load(f)
     opt = config.setdefault("optimizer", {"type": "Muon", "params": {}})
     if args.optimizer == "adamw":
         opt["type"], opt["params"] = "AdamW", {"lr": opt.get("params", {}).get("adam_lr", 3e-3)}
@@ -114,13 +99,7 @@ def main() -> None:
     else:
         model = CausalLM(cfg)
 
-    # TEMPORARY-FALLBACK-BEGIN (remove once ds_muon.integration exists)
-    try:
-        _init = ds_muon.initialize
-    except ImportError:
-        _init = deepspeed.initialize
-    engine, _, _, _ = _init(model=model, model_parameters=model.parameters(), config=config)
-    # TEMPORARY-FALLBACK-END
+    engine, _, _, _ = ds_muon.initialize(model=model, model_parameters=model.parameters(), config=config)
 
     muon = [p for p in model.parameters() if getattr(p, "use_muon", False)]
     other = [p for p in model.parameters() if not getattr(p, "use_muon", False)]
