@@ -3,9 +3,10 @@
 Token ids are raw bytes (0..255), so the model's vocab is 256 and there is no tokenizer.
 
 Default corpus: the Python standard library's own ``.py`` sources (the directory from
-``sysconfig.get_paths()["stdlib"]``, walked in sorted order, ``site-packages`` skipped, then shuffled with a fixed
-seed), concatenated up to ``max_bytes``. Every machine with Python has it, so the example needs no download. Any text file can be used
-instead (``path=``). The last ``val_fraction`` of the bytes is held out for validation.
+``sysconfig.get_paths()["stdlib"]``, walked in sorted order, ``site-packages`` skipped, then shuffled with a
+fixed seed), concatenated up to ``max_bytes``. Every machine with Python has it, so the example needs no
+download. Any text file can be used instead (``path=``). The last ``val_fraction`` of the bytes is held out
+for validation.
 """
 from __future__ import annotations
 
@@ -72,11 +73,11 @@ class ByteCorpus:
         pass ``seed + rank`` so that each data-parallel rank draws different windows.
         """
         data = self.train if split == "train" else self.val
-        if len(data) < seq_len + 2:
-            raise ValueError(f"{split} split has {len(data)} bytes, fewer than seq_len + 2 = {seq_len + 2}")
+        if len(data) < seq_len + 1:
+            raise ValueError(f"{split} split has {len(data)} bytes, fewer than seq_len + 1 = {seq_len + 1}")
         gen = torch.Generator().manual_seed(seed)
         span = torch.arange(seq_len + 1)
         while True:
-            starts = torch.randint(0, len(data) - seq_len - 1, (batch_size, 1), generator=gen)
+            starts = torch.randint(0, len(data) - seq_len, (batch_size, 1), generator=gen)
             window = data[starts + span].long()                       # (B, T + 1)
             yield window[:, :-1].to(device), window[:, 1:].to(device)

@@ -199,10 +199,10 @@ class CausalLM(nn.Module):
         return self(input_ids, targets)
 
 
-def count_params(model: nn.Module) -> int:
-    """Unique parameter elements (tied weights counted once; uses ``ds_numel`` under ZeRO-3)."""
+def count_params(params) -> int:
+    """Elements of unique parameters (tied weights counted once; ``ds_numel`` under ZeRO-3)."""
     seen, total = set(), 0
-    for p in model.parameters():
+    for p in params:
         if id(p) not in seen:
             seen.add(id(p))
             total += getattr(p, "ds_numel", p.numel())

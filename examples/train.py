@@ -3,7 +3,7 @@
 CPU (2 processes, gloo; DeepSpeed picks its CPU accelerator by itself when there is no GPU):
     deepspeed --num_gpus 2 examples/train.py                        # tiny model, examples/ds_config_cpu.json
 GPUs:
-    deepspeed --num_gpus 8 examples/train.py --model small --deepspeed_config examples/ds_config.json
+    deepspeed --num_gpus 8 examples/train.py --model small --deepspeed_config examples/ds_config_gpu_bf16.json
 Or simply ``scripts/train.sh [args...]`` (creates .venv, installs, launches with NPROC=2 processes).
 
 The corpus is the Python standard library's own sources (or ``--data FILE``), byte-level (vocab 256).
@@ -36,8 +36,9 @@ DEFAULT_CONFIG = os.path.join(HERE, "ds_config_cpu.json")
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(PRESETS), default="tiny")
-    p.add_argument("--steps", type=int, default=600, help="optimizer steps (tiny on 2 CPU processes: ~2-3 min)")
+    p.add_argument("--steps", type=int, default=600, help="optimizer steps (tiny, 2 CPU processes: ~2.5 min)")
     p.add_argument("--vocab-size", type=int, default=None, help="override the preset's vocab (>= 256 for bytes)")
+    p.add_argument("--tie-embeddings", action="store_true", help="tie lm_head to the token embedding")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the preset's max_seq_len)")
     p.add_argument("--data", default=None, help="a text file; default: the Python stdlib's .py sources")
     p.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES, help="corpus size cap in bytes")
@@ -45,8 +46,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--eval-batches", type=int, default=8, help="micro-batches per rank per validation")
     p.add_argument("--save-dir", default="checkpoints/", help="DeepSpeed checkpoint directory ('' to skip)")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--optimizer", choices=["config", "muon", "adamw"], default="config",
-                   help="override the config's optimizer type (lr values stay from the config if present)")
+    p.add_argument("--adamw", action="store_true",
+                   help="baseline: replace the config's optimizer by AdamW (lr = the config's adam_lr)")
     p.add_argument("--zero-init", action="store_true", help="build the model under deepspeed.zero.Init")
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", -1)))
     p = deepspeed.add_config_arguments(p)
@@ -56,11 +57,10 @@ def parse_args() -> argparse.Namespace:
 def load_config(args: argparse.Namespace) -> dict:
     with open(args.deepspeed_config or DEFAULT_CONFIG) as f:
         config = json.load(f)
-    opt = config.setdefault("optimizer", {"type": "Muon", "params": {}})
-    if args.optimizer == "adamw":
-        opt["type"], opt["params"] = "AdamW", {"lr": opt.get("params", {}).get("adam_lr", 3e-3)}
-    elif args.optimizer == "muon":
-        opt["type"] = "Muon"
+    if args.adamw:
+        params = config.get("optimizer", {}).get("params", {})
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": params.get("adam_lr", 3e-3),
+                                                           "weight_decay": params.get("weight_decay", 0.0)}}
     config.pop("train_batch_size", None)            # derived from micro batch x accumulation x world size
     return config
 
@@ -82,12 +82,17 @@ def evaluate(engine, corpus: ByteCorpus, args, batch_size: int, seq_len: int) ->
 
 def main() -> None:
     args = parse_args()
+    if "RANK" not in os.environ:                     # plain `python examples/train.py`: a single process
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     log = print if rank == 0 else (lambda *a, **k: None)
     config = load_config(args)
 
-    cfg = ModelConfig.preset(args.model, **({"vocab_size": args.vocab_size} if args.vocab_size else {}))
+    cfg = ModelConfig.preset(args.model, tie_embeddings=args.tie_embeddings,
+                             **({"vocab_size": args.vocab_size} if args.vocab_size else {}))
     if cfg.vocab_size < 256:
         raise ValueError(f"vocab_size {cfg.vocab_size} < 256: byte-level data needs at least 256")
     seq_len = args.seq_len or cfg.max_seq_len
@@ -103,10 +108,9 @@ def main() -> None:
 
     muon = [p for p in model.parameters() if getattr(p, "use_muon", False)]
     other = [p for p in model.parameters() if not getattr(p, "use_muon", False)]
-    numel = lambda ps: sum(getattr(p, "ds_numel", p.numel()) for p in ps)  # noqa: E731
-    log(f"model {args.model}: {count_params(model):,} params | world {world} | device {engine.device}")
-    log(f"optimizer {config['optimizer']['type']}: Muon {len(muon)} tensors / {numel(muon):,} elements, "
-        f"AdamW {len(other)} tensors / {numel(other):,} elements")
+    log(f"model {args.model}: {count_params(model.parameters()):,} params | world {world} | device {engine.device}")
+    log(f"optimizer {config['optimizer']['type']}: Muon {len(muon)} tensors / {count_params(muon):,} elements, "
+        f"AdamW {len(other)} tensors / {count_params(other):,} elements")
 
     corpus = ByteCorpus(args.data, max_bytes=args.max_bytes)
     log(corpus)

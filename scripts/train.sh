@@ -2,7 +2,7 @@
 # Train the example model with DeepSpeed ZeRO-3 + ds_muon, from a fresh checkout.
 #
 #   scripts/train.sh                          # tiny model, 2 processes (CPU or GPUs), examples/ds_config_cpu.json
-#   NPROC=8 scripts/train.sh --model small --deepspeed_config examples/ds_config.json
+#   NPROC=8 scripts/train.sh --model small --deepspeed_config examples/ds_config_gpu_bf16.json
 #
 # What it does: creates .venv (or uses $VENV) if missing; installs torch (the CPU build torch==2.13.0 when there
 # is no nvidia-smi, so pip does not pull a multi-GB CUDA build) unless torch is already importable; installs

@@ -15,11 +15,12 @@ class ParityNet(nn.Module):
     GQA-like q (24x24) / k, v (12x24), o (24x24), kv_proj (24x12), a conv weight (24, 24, 3, 1)
     seen as (24, 72), up (41x24) / down (24x41) with odd numels, a 3-D stacked-expert parameter
     (3, 24, 16) tagged ``use_muon=True``, expert_out (24x16), and ``extra`` (24x24), which gets no
-    gradient when ``use_extra`` is False. AdamW: the embedding (tied to the output head), two
+    gradient when ``use_extra`` is False (``conv=False`` drops the conv: DeepSpeed 0.19.8's
+    built-in Muon fails on 4-D weights, and the comparison in test_comm_accounting needs it to run). AdamW: the embedding (tied to the output head), two
     LayerNorms, biases. ``frozen`` does not train.
     """
 
-    def __init__(self, tie: bool = True) -> None:
+    def __init__(self, tie: bool = True, conv: bool = True) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
         self.norm1 = nn.LayerNorm(DIM)
@@ -28,7 +29,7 @@ class ParityNet(nn.Module):
         self.v = nn.Linear(DIM, 12, bias=True)
         self.o = nn.Linear(DIM, DIM, bias=False)
         self.kv_proj = nn.Linear(12, DIM, bias=False)
-        self.conv = nn.Conv2d(DIM, DIM, kernel_size=(3, 1), padding=(1, 0))
+        self.conv = nn.Conv2d(DIM, DIM, kernel_size=(3, 1), padding=(1, 0)) if conv else None
         self.up = nn.Linear(DIM, 41)
         self.down = nn.Linear(41, DIM)
         self.experts = nn.Parameter(torch.randn(3, DIM, 16) * 0.2)
@@ -50,7 +51,8 @@ class ParityNet(nn.Module):
         x = self.embed(tokens)
         h = self.norm1(x)
         h = x + self.o(F.silu(self.q(h))) + self.kv_proj(self.k(h) * F.silu(self.v(h)))
-        h = h + self.conv(h.transpose(1, 2).unsqueeze(-1)).squeeze(-1).transpose(1, 2)
+        if self.conv is not None:
+            h = h + self.conv(h.transpose(1, 2).unsqueeze(-1)).squeeze(-1).transpose(1, 2)
         h = h + self.down(F.gelu(self.up(h)))
         e = torch.einsum("btd,edf->btef", h, self.experts).mean(2)
         h = h + self.expert_out(F.silu(e))
