@@ -27,6 +27,7 @@ import deepspeed.runtime.zero.stage3 as ds_stage3
 import deepspeed.runtime.zero.utils as ds_zero_utils
 import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.utils import logger as ds_logger
 
 from .config import ConfigError, load_ds_config, validate_ds_config
 from .param_groups import split_param_groups
@@ -46,7 +47,12 @@ def _set_optimizer_flags(config_class, model) -> None:
     cfg = validate_ds_config(config_class._param_dict)
     if cfg is None:
         return _originals["set_optimizer_flags"](config_class, model)
-    tag_model(model, cfg.muon_params, cfg.adamw_params, log=_is_rank0())
+    selection = tag_model(model, cfg.muon_params, cfg.adamw_params, log=False)
+    if _is_rank0():  # DeepSpeed's own logger, so the summary shows where DeepSpeed's start-up lines do
+        ds_logger.info(selection.summary())
+        if not any(selection.use_muon.values()):
+            ds_logger.warning("ds_muon: no parameter was selected for Muon, so this run is pure AdamW. Tag "
+                              "matrices with param.use_muon=True or set optimizer.params.muon_params.")
 
 
 def _configure_basic_optimizer(self: DeepSpeedEngine, model_parameters):

@@ -12,19 +12,17 @@ DeepSpeedCPUAdam when offloaded).
 """
 from __future__ import annotations
 
-import logging
 from typing import Callable, Optional
 
 import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+from deepspeed.utils import logger
 
 from .exchange import BufferPool, OwnerExchange
 from .matrix import update_scale
 from .newton_schulz import orthogonalize, resolve_ns_dtype
 from .ownership import ExchangePlan, ParamInfo, build_plan
-
-logger = logging.getLogger("ds_muon")
 
 MOMENTUM_KEY = "momentum_buffer"
 

@@ -42,7 +42,7 @@ def gathered_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     import deepspeed
     params = list(model.parameters())
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-        return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+        return {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
 
 
 def build_engine(config: dict, zero_init: bool = False, model_fn: Callable = ParityNet, model_parameters=None,
@@ -68,7 +68,7 @@ def train_engine(engine, steps: int, rank: int, gas: int, micro_batch: int = 2) 
     norms = []
     for step in range(steps):
         for micro in range(gas):
-            tokens, targets = batch(step, rank, micro, micro_batch)
+            tokens, targets = (t.to(engine.device) for t in batch(step, rank, micro, micro_batch))
             loss = engine(tokens, targets, use_extra(step))
             engine.backward(loss)
             engine.step()

@@ -1,0 +1,189 @@
+"""Step time, optimizer-step time, peak memory and bytes per step: ds_muon vs. DeepSpeed's built-in
+Muon vs. AdamW (FusedAdam), ZeRO-3, same model, data and GPUs, in one invocation.
+
+    python benchmarks/step_time.py --nproc 2 [--model 934m] [--steps 20] [--out results.json]
+
+The driver launches one ``torchrun`` worker group per optimizer (a fresh process each, so peak
+memory is per optimizer), then prints a table and the ratios against AdamW and the built-in.
+
+Targets (issue 6, 2xH200, 934M model, micro-batch 4 x 1024, bf16): ds_muon step <= 0.85x the
+built-in's, ds_muon optimizer step <= 0.5x the built-in's, peak memory <= the built-in's, and
+ds_muon step - AdamW step <= 1.25x the Newton–Schulz floor (NS FLOPs per rank / measured bf16
+matmul rate). The table reports what is reached.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OPTIMIZERS = ("adamw", "builtin_muon", "ds_muon")
+
+
+def ds_config(kind: str, micro_batch: int) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "steps_per_print": 1_000_000,
+        "zero_optimization": {"stage": 3, "overlap_comm": True, "reduce_scatter": kind != "builtin_muon"},
+    }
+    if kind == "adamw":
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}}
+    else:
+        cfg["optimizer"] = {"type": "Muon", "params": {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1,
+                                                       "adam_lr": 3e-4}}
+    return cfg
+
+
+def matmul_tflops(device) -> float:
+    """Measured dense bf16 matmul rate (TFLOP/s) on 8192^3."""
+    import torch
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    n = 20
+    for _ in range(n):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * 8192**3 * n / (time.perf_counter() - t) / 1e12
+
+
+def worker(args) -> None:
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    sys.path.insert(0, os.path.join(REPO, "examples"))
+    sys.path.insert(0, REPO)
+    from model import CausalLM, ModelConfig
+    from tests.comm_counter import by_op, counting, install
+    install()
+    deepspeed.init_distributed()
+    rank = dist.get_rank()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    cfg = ds_config(args.optimizer, args.micro_batch)
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig.preset(args.model, max_seq_len=args.seq_len))
+    n_params = sum(p.numel() for p in model.parameters())
+    if args.optimizer == "ds_muon":
+        import ds_muon
+        engine, _, _, _ = ds_muon.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    else:
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    vocab = model.cfg.vocab_size
+    g = torch.Generator(device="cpu").manual_seed(rank)
+    step_times, opt_times, losses = [], [], []
+    torch.cuda.reset_peak_memory_stats(device)
+    comm = None
+    for i in range(args.warmup + args.steps):
+        x = torch.randint(0, vocab, (args.micro_batch, args.seq_len + 1), generator=g).to(device)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        counter = counting() if i == args.warmup else None
+        records = counter.__enter__() if counter else None
+        loss = engine(x[:, :-1], x[:, 1:])
+        engine.backward(loss)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        if counter:
+            counter.__exit__(None, None, None)
+            comm = dict(by_op(records))
+        losses.append(loss.item())
+        if i >= args.warmup:
+            step_times.append(t2 - t0)
+            opt_times.append(t2 - t1)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30
+    result = dict(optimizer=args.optimizer, step_s=statistics.median(step_times), opt_step_s=statistics.median(opt_times),
+                  peak_gib=peak, comm_bytes=comm, comm_total=sum(comm.values()), params=n_params,
+                  first_loss=losses[0], last_loss=losses[-1], world=dist.get_world_size())
+    if args.optimizer == "ds_muon":
+        plans = engine.optimizer.muon_plans.values()
+        from ds_muon.newton_schulz import ns_flops
+        result["imbalance"] = max(p.imbalance() for p in plans)
+        loads = [sum(p.load()[r] for p in plans) for r in range(dist.get_world_size())]
+        result["ns_gflop_per_rank_max"] = max(loads) / 1e9
+        result["matmul_tflops"] = matmul_tflops(device)
+        result["ns_floor_s"] = max(loads) / (result["matmul_tflops"] * 1e12)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+    dist.barrier()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--optimizer", choices=OPTIMIZERS)
+    ap.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--model", default="934m")
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for opt in args.optimizers.split(","):
+            out = os.path.join(tmp, f"{opt}.json")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), __file__,
+                   "--worker", "--optimizer", opt, "--model", args.model, "--micro-batch", str(args.micro_batch),
+                   "--seq-len", str(args.seq_len), "--warmup", str(args.warmup), "--steps", str(args.steps),
+                   "--out", out]
+            print(">>", " ".join(cmd), flush=True)
+            proc = subprocess.run(cmd)
+            if proc.returncode == 0 and os.path.exists(out):
+                with open(out) as f:
+                    results[opt] = json.load(f)
+            else:
+                results[opt] = {"error": f"exit {proc.returncode}"}
+    print_table(results)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+def print_table(results: dict) -> None:
+    ok = {k: v for k, v in results.items() if "error" not in v}
+    print("\n| optimizer | step s | optimizer step s | peak GiB | bytes/step (rank 0) |")
+    print("|---|---|---|---|---|")
+    for k, v in ok.items():
+        print(f"| {k} | {v['step_s']:.3f} | {v['opt_step_s']:.3f} | {v['peak_gib']:.1f} | {v['comm_total'] / 2**20:.0f} MiB |")
+    for k, v in results.items():
+        if "error" in v:
+            print(f"| {k} | failed: {v['error']} | | | |")
+    if "ds_muon" in ok:
+        d = ok["ds_muon"]
+        print(f"\nNS floor {d['ns_floor_s']:.4f} s (max {d['ns_gflop_per_rank_max']:.0f} GFLOP per rank at "
+              f"{d['matmul_tflops']:.0f} TFLOP/s measured); owner imbalance max/mean {d['imbalance']:.3f}")
+        if "adamw" in ok:
+            a = ok["adamw"]
+            print(f"ds_muon/AdamW step {d['step_s'] / a['step_s']:.2f}x; ds_muon - AdamW step "
+                  f"{d['step_s'] - a['step_s']:.4f} s = {(d['step_s'] - a['step_s']) / d['ns_floor_s']:.2f}x NS floor")
+        if "builtin_muon" in ok:
+            b = ok["builtin_muon"]
+            print(f"ds_muon/built-in: step {d['step_s'] / b['step_s']:.2f}x, optimizer step "
+                  f"{d['opt_step_s'] / b['opt_step_s']:.2f}x, peak {d['peak_gib'] / b['peak_gib']:.2f}x, "
+                  f"bytes/step {d['comm_total'] / b['comm_total']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Run the ds_muon test suite from a fresh checkout (the README's second command; .ci/run calls it).
+#
+#   scripts/test.sh                 # all tests
+#   scripts/test.sh -k parity -x    # extra arguments go to pytest
+#
+# Creates .venv (or $VENV) if missing, installs torch (the CPU build torch==2.13.0 when there is no nvidia-smi,
+# so pip does not pull a multi-GB CUDA build) unless torch is already importable, installs ds_muon with its
+# test extra (pip install -e ".[test]"), then runs pytest. Multi-rank tests spawn 1-4 CPU processes on gloo.
+# pytest's exit code is the script's, so "no tests collected" (5) fails too.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+VENV="${VENV:-.venv}"
+PYTHON="${PYTHON:-python3}"
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+    echo ">> creating virtual environment $VENV"
+    "$PYTHON" -m venv "$VENV"
+fi
+export PATH="$(cd "$VENV/bin" && pwd):$PATH"
+# One JIT-op cache per environment: DeepSpeed's CPU ops (shared-memory comm, FusedAdam) build on first use.
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$(cd "$VENV" && pwd)/torch_extensions}"
+
+if ! python -c "import torch" 2>/dev/null; then
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        python -m pip install torch
+    else
+        echo ">> installing torch==2.13.0 (CPU build)"
+        python -m pip install "torch==2.13.0"
+    fi
+fi
+echo ">> installing ds_muon (pip install -e .[test])"
+python -m pip install -q -e ".[test]"
+
+echo ">> python -m pytest $*"
+exec python -m pytest "$@"

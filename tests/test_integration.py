@@ -1,0 +1,154 @@
+"""``ds_muon.initialize`` / ``enable()``: routing, pass-through, bad input, and the built-in staying off."""
+from __future__ import annotations
+
+import pytest
+
+from tests.dist_util import run_distributed
+from tests.harness import ds_config
+
+
+def test_import_patches_nothing_and_enable_disable_restore() -> None:
+    import deepspeed
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    originals = (deepspeed.set_optimizer_flags, DeepSpeedEngine._configure_basic_optimizer,
+                 DeepSpeedEngine._configure_zero_optimizer)
+    import ds_muon
+    import ds_muon.integration as integ
+    assert (deepspeed.set_optimizer_flags, DeepSpeedEngine._configure_basic_optimizer,
+            DeepSpeedEngine._configure_zero_optimizer) == originals
+    ds_muon.enable()
+    ds_muon.enable()  # nests
+    assert integ.is_enabled() and deepspeed.set_optimizer_flags is integ._set_optimizer_flags
+    ds_muon.disable()
+    assert integ.is_enabled()
+    ds_muon.disable()
+    assert not integ.is_enabled()
+    assert (deepspeed.set_optimizer_flags, DeepSpeedEngine._configure_basic_optimizer,
+            DeepSpeedEngine._configure_zero_optimizer) == originals
+    with ds_muon.enabled():
+        assert DeepSpeedEngine._configure_zero_optimizer is integ._configure_zero_optimizer
+    assert DeepSpeedEngine._configure_zero_optimizer is originals[2]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_stage_below_3_is_refused_before_the_engine(stage: int, monkeypatch) -> None:
+    import ds_muon
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    def no_engine(*a, **k):  # pragma: no cover - reached only if validation failed to run first
+        raise AssertionError("the engine was constructed before the config was validated")
+
+    monkeypatch.setattr(DeepSpeedEngine, "__init__", no_engine)
+    cfg = ds_config()
+    cfg["zero_optimization"] = {"stage": stage}
+    with pytest.raises(ds_muon.ConfigError, match=r"zero_optimization\.stage.*ZeRO stage 3"):
+        ds_muon.initialize(model=object(), config=cfg)
+
+
+def test_typo_is_refused_before_the_engine(monkeypatch) -> None:
+    import ds_muon
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    monkeypatch.setattr(DeepSpeedEngine, "__init__", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
+    cfg = ds_config()
+    cfg["optimizer"]["params"]["momentun"] = 0.9
+    with pytest.raises(ds_muon.ConfigError, match=r"optimizer\.params\.momentun.*did you mean 'momentum'"):
+        ds_muon.initialize(model=object(), config=cfg)
+
+
+def _train(engine, steps: int = 2) -> None:
+    import torch.distributed as dist
+    from tests.models import batch
+    for step in range(steps):
+        tokens, targets = batch(step, dist.get_rank(), 0)
+        engine.backward(engine(tokens, targets, True))
+        engine.step()
+
+
+def integration_worker(rank: int, world_size: int) -> dict:
+    import deepspeed
+    import torch
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    import ds_muon
+    from ds_muon.zero3 import MuonZeroOptimizer, ZeroMuonInner
+    from tests.harness import build_engine
+    from tests.models import ParityNet
+
+    out = {}
+    # DeepSpeed's built-in ZeRO-3 Muon must never run alongside ours: make it explode if touched.
+    import deepspeed.runtime.zero.muon.original_muon as original_muon
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+    def boom(*a, **k):
+        raise AssertionError("DeepSpeed's built-in Muon ran")
+
+    saved = (original_muon.muon_update, MuonWithAuxAdam.step, DeepSpeedZeroOptimizer_Stage3._apply_muon_to_accumulated_grads)
+    original_muon.muon_update, MuonWithAuxAdam.step = boom, boom
+    engine, _ = build_engine(ds_config())
+    inner_apply = type(engine.optimizer)._apply_muon_to_accumulated_grads
+    _train(engine)
+    out["initialize_type"] = type(engine.optimizer).__name__
+    out["inner_type"] = type(engine.optimizer.optimizer).__name__
+    out["inner_adamw"] = type(engine.optimizer.optimizer.adamw).__name__
+    out["use_muon_builtin"] = engine.optimizer.use_muon
+    out["steps"] = engine.optimizer.muon_step_count
+    out["enabled_after"] = ds_muon.integration.is_enabled()
+    engine.destroy()
+
+    # enable() for frameworks that call deepspeed.initialize themselves
+    ds_muon.enable()
+    try:
+        torch.manual_seed(0)
+        model = ParityNet()
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config())
+        _train(engine)
+        out["enable_type"] = type(engine.optimizer).__name__
+        out["enable_steps"] = engine.optimizer.muon_step_count
+        engine.destroy()
+        # non-Muon configs pass through untouched, even while enabled
+        model = ParityNet()
+        cfg = ds_config(optimizer={"type": "AdamW", "params": {"lr": 1e-3}})
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        out["adamw_type"] = type(engine.optimizer) is DeepSpeedZeroOptimizer_Stage3
+        out["adamw_inner"] = type(engine.optimizer.optimizer).__name__
+        engine.destroy()
+        # a stage below 3 through the enable() path is refused with the same message
+        cfg = ds_config()
+        cfg["zero_optimization"] = {"stage": 2}
+        try:
+            deepspeed.initialize(model=ParityNet(), model_parameters=ParityNet().parameters(), config=cfg)
+            out["stage2"] = "no error"
+        except ds_muon.ConfigError as exc:
+            out["stage2"] = str(exc)
+    finally:
+        ds_muon.disable()
+    original_muon.muon_update, MuonWithAuxAdam.step = saved[0], saved[1]
+    out["isinstance_checks"] = (issubclass(MuonZeroOptimizer, DeepSpeedZeroOptimizer_Stage3),
+                                not issubclass(ZeroMuonInner, MuonWithAuxAdam))
+    out["apply_untouched"] = inner_apply is saved[2]
+
+    # after disable(), DeepSpeed is itself again: the same config builds the built-in Muon
+    torch.manual_seed(0)
+    model = ParityNet(conv=False)
+    cfg = ds_config(reduce_scatter=False, optimizer={"type": "Muon", "params": {"lr": 0.02}})
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    out["after_disable_type"] = type(engine.optimizer).__name__
+    out["after_disable_builtin"] = engine.optimizer.use_muon
+    engine.destroy()
+    return out
+
+
+def test_integration_paths() -> None:
+    res = run_distributed(integration_worker, 2)[0]
+    assert res["initialize_type"] == "MuonZeroOptimizer"
+    assert res["inner_type"] == "ZeroMuonInner"
+    assert res["use_muon_builtin"] is False
+    assert res["inner_adamw"] == "FusedAdam"  # AdamW sub-groups: DeepSpeed's element-wise fused optimizer
+    assert res["steps"] == 2
+    assert res["enabled_after"] is False  # initialize() leaves DeepSpeed as it found it
+    assert res["enable_type"] == "MuonZeroOptimizer" and res["enable_steps"] == 2
+    assert res["adamw_type"] is True and res["adamw_inner"] == "FusedAdam"
+    assert "ZeRO stage 3" in res["stage2"] and "zero_optimization.stage" in res["stage2"]
+    assert res["isinstance_checks"] == (True, True)
+    assert res["apply_untouched"]
+    assert res["after_disable_type"] == "DeepSpeedZeroOptimizer_Stage3" and res["after_disable_builtin"] is True
