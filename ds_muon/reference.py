@@ -67,6 +67,21 @@ class MuonAdamW(torch.optim.Optimizer):
         super().__init__(groups, {})
         self.config = cfg
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """``torch.optim.Optimizer.load_state_dict``, keeping fp32 state fp32.
+
+        Torch casts floating-point state to each parameter's dtype; here momentum and Adam moments
+        stay fp32 whatever the model dtype (design.md §3), so they are restored from ``state_dict``
+        without that rounding.
+        """
+        super().load_state_dict(state_dict)
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for saved_id, p in zip(saved_ids, params):
+            for key, value in state_dict["state"].get(saved_id, {}).items():
+                if torch.is_tensor(value) and value.dtype == torch.float32:
+                    self.state[p][key] = value.to(device=p.device, copy=True)
+
     @torch.no_grad()
     def step(self, closure=None):
         """Apply one update to every parameter that has a gradient. Returns ``closure()``'s loss."""
@@ -92,7 +107,7 @@ class MuonAdamW(torch.optim.Optimizer):
         g = p.grad.float()
         beta = group["momentum"]
         m.lerp_(g, 1 - beta)
-        u = g.lerp_(m, beta) if group["nesterov"] else m
+        u = torch.lerp(g, m, beta) if group["nesterov"] else m  # not in place: g may be p.grad itself
         b, rows, cols = ns_view_shape(param_shape(p))
         ns_dtype = resolve_ns_dtype(group["ns_dtype"], group["ns_method"], p.device)
         o = orthogonalize(u.reshape(b, rows, cols), group["ns_method"], group["ns_steps"], ns_dtype)

@@ -8,8 +8,9 @@ Order of precedence, first match wins:
 3. The module-type rule: Muon for the >=2-D weights of hidden linear and convolution layers
    (``nn.Linear``, ``nn.Conv1d/2d/3d``, transposed convs, Hugging Face's GPT-2 ``Conv1D``).
    AdamW for everything else: embeddings (and any linear tied to one), the output head
-   (``get_output_embeddings()`` where the model has it, and the last linear/conv module in
-   registration order, e.g. ``lm_head``/``score``/``classifier``/``fc``), norms, biases, 0-D/1-D parameters, and >=2-D
+   (``get_output_embeddings()`` where the model declares one, otherwise the last linear/conv
+   module in registration order, e.g. ``lm_head``/``score``/``classifier``/``fc``; a model with
+   no head at all therefore sends its last hidden matrix to AdamW), norms, biases, 0-D/1-D parameters, and >=2-D
    parameters of modules the rule does not recognise (tag those yourself; AdamW is never wrong,
    only possibly slower to train).
 
@@ -100,18 +101,20 @@ class Selection:
 def _output_head_ids(model: nn.Module) -> set[int]:
     ids: set[int] = set()
     get_out = getattr(model, "get_output_embeddings", None)
+    head = None
     if callable(get_out):
         try:
             head = get_out()
         except (NotImplementedError, AttributeError):
             head = None
-        if isinstance(head, nn.Module):
-            ids.update(id(p) for p in head.parameters(recurse=False))
-        elif isinstance(head, torch.Tensor):
-            ids.add(id(head))
-    # The last matrix module in registration order maps the trunk's features to the outputs
-    # (lm_head, score, classifier, fc, head, or a nested final projection): models register
-    # their layers in forward order.
+    if isinstance(head, nn.Module):
+        return {id(p) for p in head.parameters(recurse=False)}
+    if isinstance(head, torch.Tensor):
+        return {id(head)}
+    # No declared output embeddings (plain modules, or HF classification models whose
+    # get_output_embeddings() is None): the last matrix module in registration order maps the
+    # trunk's features to the outputs (lm_head, score, classifier, fc, head, or a nested final
+    # projection), because models register their layers in forward order.
     matrix_modules = [m for m in model.modules() if _is_matrix_module(m)]
     if matrix_modules:
         ids.update(id(p) for p in matrix_modules[-1].parameters(recurse=False) if len(param_shape(p)) >= 2)
@@ -152,7 +155,9 @@ def select_muon_params(model: nn.Module,
         shape = param_shape(p)
         sel.numels[name] = param_numel(p)
         explicit = getattr(p, "use_muon", None)
-        if explicit is not None and not getattr(p, "_ds_muon_auto", False):
+        # tag_model records what it decided in _ds_muon_auto; a use_muon that differs from it was
+        # set by the user afterwards and counts as explicit.
+        if explicit is not None and getattr(p, "_ds_muon_auto", None) is not bool(explicit):
             choice, reason = bool(explicit), EXPLICIT
         elif any(fnmatch.fnmatchcase(name, pat) for pat in adamw_patterns):
             choice, reason = False, PATTERN
@@ -182,8 +187,9 @@ def tag_model(model: nn.Module,
               log: bool = True) -> Selection:
     """Run :func:`select_muon_params` and write ``param.use_muon`` on every parameter.
 
-    Parameters the rule decided (not the user) are also marked ``param._ds_muon_auto = True`` so a
-    later call re-decides them instead of mistaking them for explicit user tags.
+    Parameters the rule decided (not the user) also get ``param._ds_muon_auto = <the decision>``, so
+    a later call re-decides them instead of mistaking them for explicit user tags, while a
+    ``use_muon`` the user changes afterwards still counts as explicit.
 
     Returns:
         The :class:`Selection`; its summary is logged at INFO on the ``ds_muon`` logger when ``log``.
@@ -192,7 +198,7 @@ def tag_model(model: nn.Module,
     for name, p in model.named_parameters():
         if sel.reasons[name] != EXPLICIT:
             p.use_muon = sel.use_muon[name]
-            p._ds_muon_auto = True
+            p._ds_muon_auto = sel.use_muon[name]
     if log:
         logger.info("%s", sel.summary())
         if not any(sel.use_muon.values()):
