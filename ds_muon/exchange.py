@@ -52,12 +52,17 @@ class OwnerExchange:
             ``plan.world_size``.
         exchange_dtype: dtype on the wire (bf16 halves the bytes; fp32 is exact).
         compute_dtype: dtype Newton–Schulz runs in on the owner.
+        device: where the exchange buffers live and Newton–Schulz runs (the accelerator; with
+            optimizer offload the shard ``u``/``out`` stay in CPU memory and only the buffers
+            are on ``device``). ``None``: the device of ``u``.
         pool: buffer pool to draw from (shared across sub-groups).
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup], exchange_dtype: torch.dtype,
-                 compute_dtype: torch.dtype, pool: Optional[BufferPool] = None) -> None:
+                 compute_dtype: torch.dtype, device: Optional[torch.device] = None,
+                 pool: Optional[BufferPool] = None) -> None:
         self.group = group
+        self.device = device
         self.exchange_dtype = exchange_dtype
         self.compute_dtype = compute_dtype
         self.pool = pool or BufferPool()
@@ -91,7 +96,7 @@ class OwnerExchange:
                              f"W={W}, u {u.numel()}, out {out.numel()}")
         splits = list(plan.split_sizes)
         total, mine = sum(splits), splits[me]
-        device, xdt = u.device, self.exchange_dtype
+        device, xdt = self.device or u.device, self.exchange_dtype
         order = [slice(s.shard_offset, s.shard_offset + s.chunk) for s in plan.slots]
 
         # Pack this rank's chunks in exchange order (cast to the wire dtype on the way).

@@ -140,7 +140,7 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             compute = resolve_ns_dtype(group["ns_dtype"], group["ns_method"], device)
             self._muon_exchanges[i] = OwnerExchange(self._get_sub_group_process_group(i),
                                                     _exchange_dtype(group["exchange_dtype"], compute), compute,
-                                                    self._muon_pool)
+                                                    device, self._muon_pool)
             if self._get_sub_group_partition_rank(i) == 0:
                 logger.info("ds_muon sub-group %d: %s", i, plan.describe())
 

@@ -45,6 +45,17 @@ def gathered_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
 
 
+def fp32_master_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full fp32 master weights of trainable parameters (what the optimizer steps), gathered via
+    ``deepspeed.utils.safe_get_full_fp32_param``; other parameters as gathered. Collective."""
+    from deepspeed.utils import safe_get_full_fp32_param
+    out = gathered_params(model)
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            out[n] = safe_get_full_fp32_param(p).detach().float().cpu().clone()
+    return out
+
+
 def build_engine(config: dict, zero_init: bool = False, model_fn: Callable = ParityNet, model_parameters=None,
                  before: Callable | None = None):
     """Seeded model -> ``ds_muon.initialize``. Returns ``(engine, model)``."""

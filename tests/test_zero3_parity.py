@@ -1,7 +1,8 @@
 """ds_muon ZeRO-3 vs. the single-device oracle ``ds_muon.MuonAdamW``, parameter by parameter.
 
 CPU, gloo, fp32 (Newton–Schulz and exchange in fp32). Tolerance: ``harness.PARITY_RTOL`` = 1e-5
-relative to each parameter's norm, and 1e-3 relative to how far the parameter moved.
+relative to each parameter's norm, and 1e-3 relative to how far the parameter moved (the bf16
+case states its own, looser tolerances).
 Each world size spawns one process group and runs several configurations in it.
 """
 from __future__ import annotations
@@ -10,8 +11,8 @@ import pytest
 import torch
 
 from tests.dist_util import run_distributed
-from tests.harness import (PARITY_RTOL, build_engine, clone_tags, compare, ds_config, gathered_params,
-                           reference_model, train_engine, train_reference)
+from tests.harness import (PARITY_RTOL, build_engine, clone_tags, compare, ds_config, fp32_master_params,
+                           gathered_params, reference_model, train_engine, train_reference)
 
 STEPS = 3
 
@@ -33,6 +34,8 @@ def _run_case(rank: int, world_size: int, case: dict) -> dict | None:
     from ds_muon.zero3 import MuonZeroOptimizer
 
     cfg = ds_config(gas=case.get("gas", 1), clip=case.get("clip", 0.0), **case.get("zero", {}))
+    if case.get("bf16"):
+        cfg["bf16"] = {"enabled": True}
     groups_fn = _wd_groups if case.get("groups") else None
     engine, model = build_engine(cfg, zero_init=case.get("zero_init", False), model_parameters=groups_fn,
                                  before=_untag_o if case.get("untag_o") else None)
@@ -41,7 +44,7 @@ def _run_case(rank: int, world_size: int, case: dict) -> dict | None:
     init = gathered_params(model)
     tags = clone_tags(model)
     norms = train_engine(engine, STEPS, rank, case.get("gas", 1))
-    got = gathered_params(model)
+    got = fp32_master_params(model) if case.get("bf16") else gathered_params(model)
     result = {"steps": engine.optimizer.muon_step_count, "norms": norms, "tags": tags,
               "n_sub_groups": len(engine.optimizer.fp16_groups), "n_muon_sub_groups": len(engine.optimizer.muon_plans)}
     engine.destroy()
@@ -80,7 +83,10 @@ CASES = {
         dict(name="w2-gas4-clip-allreduce", gas=4, clip=0.5,
              zero=dict(reduce_scatter=False, contiguous_gradients=False, overlap_comm=True)),
         dict(name="w2-zeroinit-groups-untag-small-buckets", gas=1, zero_init=True, groups=True, untag_o=True,
-             zero=dict(reduce_bucket_size=100, sub_group_size=500))],
+             zero=dict(reduce_bucket_size=100, sub_group_size=500)),
+        # bf16 model (fp32 master weights and optimizer) against the fp32 oracle: forward/backward
+        # in bf16 differ from fp32 by bf16 rounding, hence the looser, stated tolerances.
+        dict(name="w2-bf16-gas2-clip", gas=2, clip=0.5, bf16=True, rtol=1e-2, rtol_update=8e-2, rtol_norm=5e-3)],
     3: [dict(name="w3-gas4-clip-overlap", gas=4, clip=0.5, zero=dict(reduce_scatter=True, overlap_comm=True)),
         dict(name="w3-subgroups", gas=1, zero=dict(sub_group_size=300))],
     4: [dict(name="w4-clip", gas=1, clip=0.5),
@@ -101,16 +107,18 @@ def test_parity_with_oracle(world_size: int) -> None:
         # every rank reports the same global grad norm, equal to the raw gradient norm of the oracle
         for other in results:
             assert other[0 if False else cases.index(case)]["norms"] == res["norms"]
-        torch.testing.assert_close(torch.tensor(res["norms"]), torch.tensor(res["ref_norms"]), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(res["norms"]), torch.tensor(res["ref_norms"]),
+                                   rtol=case.get("rtol_norm", 1e-5), atol=0)
         if case.get("clip"):
             assert max(res["ref_norms"]) > case["clip"], f"{name}: clipping was never active"
         tags = res["tags"]
         assert tags["experts"] and tags["q.weight"] and tags["conv.weight"] and not tags["embed.weight"]
         assert tags["o.weight"] is (not case.get("untag_o", False))
+        rtol, rtol_update = case.get("rtol", PARITY_RTOL), case.get("rtol_update", 1e-3)
         for pname, err in res["errors"].items():
-            assert err["rel"] <= PARITY_RTOL, f"{name}: {pname} rel error {err['rel']:.2e} > {PARITY_RTOL}"
+            assert err["rel"] <= rtol, f"{name}: {pname} rel error {err['rel']:.2e} > {rtol}"
             if err["moved"] > 0:
-                assert err["rel_update"] <= 1e-3, f"{name}: {pname} update rel error {err['rel_update']:.2e}"
+                assert err["rel_update"] <= rtol_update, f"{name}: {pname} update rel error {err['rel_update']:.2e}"
             else:
                 assert pname.startswith("frozen"), f"{name}: trainable {pname} did not move"
         for label, errs in res["alt"].items():
