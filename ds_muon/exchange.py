@@ -99,28 +99,27 @@ class OwnerExchange:
         device, xdt = self.device or u.device, self.exchange_dtype
         order = [slice(s.shard_offset, s.shard_offset + s.chunk) for s in plan.slots]
 
-        # Pack this rank's chunks in exchange order (cast to the wire dtype on the way).
-        send = self.pool.get("send", total, xdt, device)
-        torch._foreach_copy_(list(send.split([s.chunk for s in plan.slots])), [u[sl] for sl in order])
-        recv = self.pool.get("recv", W * mine, xdt, device)
-        self._all_to_all(recv, send, [mine] * W, splits)
+        # Two buffers, each reused in place: `shard_side` holds this rank's packed chunks and later
+        # receives its chunks of the results; `owner_side` holds the owned matrices' chunks from
+        # every rank and is overwritten with the results (shape batches use disjoint columns).
+        shard_side = self.pool.get("shard_side", total, xdt, device)
+        torch._foreach_copy_(list(shard_side.split([s.chunk for s in plan.slots])), [u[sl] for sl in order])
+        owner_side = self.pool.get("owner_side", W * mine, xdt, device)
+        self._all_to_all(owner_side, shard_side, [mine] * W, splits)
 
         # Owner: rebuild each full matrix, orthogonalize per shape batch, cut it back into chunks.
-        block_in = recv.view(W, mine)
-        back = self.pool.get("back", W * mine, xdt, device)
-        block_out = back.view(W, mine)
+        block = owner_side.view(W, mine)
         for batch in plan.batches[me]:
             k, c, numel = batch.count, batch.chunk, batch.numel
             b, rows, cols = batch.ns_shape
-            cols_sl = slice(batch.start, batch.start + k * c)
+            chunks = block[:, batch.start:batch.start + k * c].view(W, k, c).permute(1, 0, 2)
             full = self.pool.get("matrix", k * W * c, self.compute_dtype, device).view(k, W * c)
-            full.view(k, W, c).copy_(block_in[:, cols_sl].view(W, k, c).permute(1, 0, 2))
+            full.view(k, W, c).copy_(chunks)
             mats = full.as_strided((k, b, rows, cols), (W * c, rows * cols, cols, 1))
             mats.copy_(fn(mats))
             full[:, numel:].zero_()
-            block_out[:, cols_sl].view(W, k, c).copy_(full.view(k, W, c).permute(1, 0, 2))
+            chunks.copy_(full.view(k, W, c))
 
         # Back to the shards: from owner d this rank receives its chunks of d's matrices.
-        result = self.pool.get("result", total, xdt, device)
-        self._all_to_all(result, back, splits, [mine] * W)
-        torch._foreach_copy_([out[sl] for sl in order], list(result.split([s.chunk for s in plan.slots])))
+        self._all_to_all(shard_side, owner_side, splits, [mine] * W)
+        torch._foreach_copy_([out[sl] for sl in order], list(shard_side.split([s.chunk for s in plan.slots])))

@@ -34,6 +34,60 @@ CASES = [
 ]
 
 
+def fp16_overflow_check(rank: int, world: int) -> dict:
+    """fp16 with dynamic loss scaling; step 2's loss is poisoned (NaN gradients). DeepSpeed must skip
+    that step: the Muon momentum and the fp32 weights stay bit-identical, and the run matches the
+    oracle that skips the same step (fp16 forward/backward vs. fp32 oracle: reported)."""
+    import ds_muon
+    from tests.harness import fp32_master_params
+    from tests.models import batch, use_extra
+    cfg = ds_config(gas=1, clip=0.5, optimizer={"type": "Muon", "params": dict(MUON_PARAMS)})
+    cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    engine, model = build_engine(cfg)
+    init, tags = gathered_params(model), clone_tags(model)
+    opt = engine.optimizer
+    skipped, same_momentum, same_weights = [], None, None
+    for step in range(4):
+        if step == 2:
+            mom = {i: opt.optimizer.state[opt.fp32_partitioned_groups_flat[i]]["momentum_buffer"].clone()
+                   for i in opt.muon_plans}
+            w = [t.clone() for t in opt.fp32_partitioned_groups_flat]
+        tokens, targets = (t.to(engine.device) for t in batch(step, rank, 0))
+        loss = engine(tokens, targets, use_extra(step))
+        if step == 2:
+            loss = loss * float("nan")
+        engine.backward(loss)
+        engine.step()
+        skipped.append(bool(opt.overflow))
+        if step == 2:
+            same_momentum = all(torch.equal(mom[i], opt.optimizer.state[opt.fp32_partitioned_groups_flat[i]]
+                                            ["momentum_buffer"]) for i in opt.muon_plans)
+            same_weights = all(torch.equal(a, b) for a, b in zip(w, opt.fp32_partitioned_groups_flat))
+    got = fp32_master_params(model)
+    engine.destroy()
+    out = dict(skipped=skipped, same_momentum=same_momentum, same_weights=same_weights)
+    if rank == 0:
+        ref = reference_model(init, tags)
+        ref_opt = ds_muon.MuonAdamW(ref.parameters(), **cfg["optimizer"]["params"])
+        trainable = [p for p in ref.parameters() if p.requires_grad]
+        for step in range(4):
+            if skipped[step]:
+                continue
+            ref_opt.zero_grad(set_to_none=True)
+            for r in range(world):
+                tokens, targets = batch(step, r, 0)
+                (ref(tokens, targets, use_extra(step)) / world).backward()
+            for p in trainable:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            torch.nn.utils.clip_grad_norm_(trainable, 0.5)
+            ref_opt.step()
+        errs = compare(got, {n: p.detach() for n, p in ref.named_parameters()}, init)
+        out["max_rel"] = max(e["rel"] for e in errs.values())
+        out["max_rel_update"] = max(e["rel_update"] for e in errs.values() if e["moved"] > 0)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -64,7 +118,14 @@ def main() -> None:
             print(f"[parity W={world}] {case['name']:<36} max rel err {worst:.2e}  "
                   f"max rel-to-update err {worst_upd:.2e}  {'PASS' if ok else ('(reported)' if ok is None else 'FAIL')}",
                   flush=True)
+    fp16 = fp16_overflow_check(rank, world)
     if rank == 0:
+        ok = fp16["skipped"] == [False, False, True, False] and fp16["same_momentum"] and fp16["same_weights"]
+        rows.append(dict(case="fp16 overflow at step 2 skipped", world=world, passed=bool(ok), **fp16))
+        print(f"[parity W={world}] fp16 overflow: skipped {fp16['skipped']}, momentum unchanged "
+              f"{fp16['same_momentum']}, weights unchanged {fp16['same_weights']}, vs oracle max rel err "
+              f"{fp16['max_rel']:.2e}, rel-to-update {fp16['max_rel_update']:.2e}  {'PASS' if ok else 'FAIL'}",
+              flush=True)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(rows, f, indent=2)
