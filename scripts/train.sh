@@ -39,7 +39,7 @@ fi
 stamp="$VENV/.ds_muon-installed"
 if [[ ! -f "$stamp" || pyproject.toml -nt "$stamp" ]] || ! python -c "import ds_muon, deepspeed" 2>/dev/null; then
     echo ">> installing ds_muon (pip install -e .)"
-    python -m pip install -e .
+    python -m pip install -q -e .
     touch "$stamp"
 fi
 
