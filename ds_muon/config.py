@@ -322,10 +322,17 @@ class MuonOptimizerParams(BaseModel):
         ``ns_compute_dtype`` is the resolved Newton-Schulz dtype, as a ``torch.dtype`` or its name
         (``ds_muon.newton_schulz.resolve_ns_dtype`` owns the 'auto' rule for ``ns_dtype``).
         """
-        if self.exchange_dtype != "auto":
-            return self.exchange_dtype
-        name = str(ns_compute_dtype).removeprefix("torch.")
-        return "bfloat16" if name in ("bfloat16", "bf16") else "float32"
+        return resolve_exchange_dtype(self.exchange_dtype, ns_compute_dtype)
+
+
+def resolve_exchange_dtype(exchange_dtype: str, ns_compute_dtype: Any) -> str:
+    """``'bfloat16'`` or ``'float32'``: ``exchange_dtype`` with ``'auto'`` resolved against the
+    Newton-Schulz compute dtype (a ``torch.dtype`` or its name): bf16 on the wire only when NS itself
+    computes in bf16 (an fp16 Gram NS gets an fp32 exchange: bf16 would lose more than fp16 keeps)."""
+    if exchange_dtype != "auto":
+        return exchange_dtype
+    name = str(ns_compute_dtype).removeprefix("torch.")
+    return "bfloat16" if name in ("bfloat16", "bf16") else "float32"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -521,7 +528,8 @@ def validate_ds_config(ds_config: dict) -> Optional[MuonOptimizerParams]:
     if not (_is_number(stage) and stage == 3):
         shown = "missing (DeepSpeed's default is 0)" if stage is None else f"{stage!r} is invalid"
         problems.append(f"zero_optimization.stage: {shown}: ds_muon serves ZeRO stage 3 (which runs on one GPU "
-                        f"too); set zero_optimization.stage to 3, or use DeepSpeed's built-in Muon for stages 0-2")
+                        f"too); set zero_optimization.stage to 3, or use DeepSpeed's built-in Muon for stages 0-2 (call "
+                        f"ds_muon.disable() first if ds_muon.enable() is in effect)")
 
     offload = zero.get("offload_optimizer")
     device = None
@@ -535,6 +543,26 @@ def validate_ds_config(ds_config: dict) -> Optional[MuonOptimizerParams]:
                     f"zero_optimization.offload_optimizer.nvme_path: {nvme_path!r} is invalid: "
                     f"offload_optimizer.device is 'nvme', so a directory on a local NVMe drive is required; "
                     f"set nvme_path (e.g. \"/local_nvme\"), or use device 'cpu'")
+
+    if device == "nvme":
+        problems.append("zero_optimization.offload_optimizer.device: 'nvme' is not supported by this ds_muon "
+                        "version yet (it is planned); use device 'cpu', or no optimizer offload")
+    if isinstance(offload, dict) and _is_number(offload.get("ratio")) and offload["ratio"] != 1.0:
+        problems.append(f"zero_optimization.offload_optimizer.ratio: {offload['ratio']!r} is invalid: ds_muon "
+                        "does not support partial optimizer offload; remove ratio (or set it to 1.0)")
+    for key in ("zenflow", "super_offload"):
+        if zero.get(key):
+            problems.append(f"zero_optimization.{key}: is not supported by ds_muon; remove it")
+    tp = ds_config.get("tensor_parallel")
+    if isinstance(tp, dict) and _is_number(tp.get("autotp_size")) and tp["autotp_size"] > 1:
+        problems.append(f"tensor_parallel.autotp_size: {tp['autotp_size']!r} is invalid: ds_muon orthogonalizes "
+                        "whole matrices and does not support tensor parallelism yet; set autotp_size to 1")
+    autocast = ds_config.get("torch_autocast")
+    if isinstance(autocast, dict) and autocast.get("enabled"):
+        problems.append("torch_autocast.enabled: true is not supported by ds_muon; use \"bf16\" or \"fp16\" "
+                        "mixed precision instead")
+    if params is not None:
+        problems.extend(_scheduler_problems(ds_config.get("scheduler"), params))
 
     if zero.get("save_muon_momentum_buffer_in_memory") is True and device not in ("cpu", "nvme"):
         warnings.warn(
@@ -555,6 +583,27 @@ def validate_ds_config(ds_config: dict) -> Optional[MuonOptimizerParams]:
     if problems:
         raise ConfigError(problems)
     return params
+
+
+# DeepSpeed schedulers that write one absolute lr (the key named) into every param group. Their
+# ratio-based siblings (WarmupCosineLR) scale each group's own lr and are fine.
+_SCALAR_LR_SCHEDULERS = {"WarmupLR": "warmup_max_lr", "WarmupDecayLR": "warmup_max_lr",
+                         "OneCycle": "cycle_max_lr", "LRRangeTest": "lr_range_test_min_lr"}
+
+
+def _scheduler_problems(scheduler: Any, params: MuonOptimizerParams) -> list[str]:
+    if not isinstance(scheduler, dict) or scheduler.get("type") not in _SCALAR_LR_SCHEDULERS:
+        return []
+    muon_lr, adam_lr = params.muon_group_defaults()["lr"], params.adamw_group_defaults()["lr"]
+    key = _SCALAR_LR_SCHEDULERS[scheduler["type"]]
+    value = (scheduler.get("params") or {}).get(key)
+    if muon_lr == adam_lr or isinstance(value, (list, tuple)):
+        return []
+    return [f"scheduler.params.{key}: {value!r} is invalid: DeepSpeed's {scheduler['type']} writes this one learning "
+            f"rate into every param group, which would replace both Muon's lr ({_fmt_num(muon_lr)}) and AdamW's "
+            f"({_fmt_num(adam_lr)}); use scheduler type \"WarmupCosineLR\" (it scales each group's own lr), pass a "
+            "torch.optim.lr_scheduler.LambdaLR as lr_scheduler to ds_muon.initialize, or set muon_lr equal to "
+            "adam_lr"]
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:

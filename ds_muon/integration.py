@@ -18,7 +18,7 @@ Non-Muon configs pass through all three untouched. Importing ds_muon patches not
 from __future__ import annotations
 
 import contextlib
-import functools
+import inspect
 import threading
 from typing import Any, Iterator
 
@@ -80,7 +80,11 @@ def _configure_zero_optimizer(self: DeepSpeedEngine, optimizer):
                           "too). Set zero_optimization.stage to 3.")
     if self.super_offload():
         raise ConfigError("zero_optimization.super_offload is not supported by ds_muon; turn it off")
-    with _swapped(ds_stage3, "DeepSpeedZeroOptimizer_Stage3", MuonZeroOptimizer):
+    if self.mpu is not None:
+        raise ConfigError("ds_muon does not support model parallelism (an mpu was given): Muon must orthogonalize "
+                          "whole matrices, not tensor-parallel slices")
+    # Held under the lock: another thread's non-Muon initialize must not see the swapped class.
+    with _lock, _swapped(ds_stage3, "DeepSpeedZeroOptimizer_Stage3", MuonZeroOptimizer):
         return _originals["_configure_zero_optimizer"](self, optimizer)
 
 
@@ -152,7 +156,6 @@ def _find_config(args: Any, kwargs: dict) -> Any:
     return getattr(args, "deepspeed_config", None)
 
 
-@functools.wraps(deepspeed.initialize)
 def initialize(args: Any = None, model=None, *rest: Any, **kwargs: Any):
     """``deepspeed.initialize`` with ds_muon serving ``"optimizer": {"type": "Muon"}`` under ZeRO-3.
 
@@ -166,3 +169,6 @@ def initialize(args: Any = None, model=None, *rest: Any, **kwargs: Any):
         validate_ds_config(load_ds_config(config))
     with enabled():
         return deepspeed.initialize(args, model, *rest, **kwargs)
+
+
+initialize.__signature__ = inspect.signature(deepspeed.initialize)  # same parameters, our docstring

@@ -21,6 +21,7 @@ ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
 _RENAMES_MUON = {"muon_lr": "lr"}
 _RENAMES_ADAMW = {"adam_lr": "lr", "adam_weight_decay": "weight_decay", "adam_betas": "betas", "adam_eps": "eps"}
 _ALL_GROUP_KEYS = set(MUON_KEYS) | set(ADAMW_KEYS) | set(_RENAMES_MUON) | set(_RENAMES_ADAMW) | {"params", "use_muon"}
+# A group may also say "use_muon": True/False, which tags every parameter in it.
 
 
 def _half_settings(defaults: dict, overrides: dict, keys: tuple[str, ...], renames: dict) -> dict:
@@ -61,6 +62,10 @@ def split_param_groups(params: Any, muon_defaults: dict, adamw_defaults: dict,
         overrides = {k: v for k, v in group.items() if k != "params"}
         members = [group["params"]] if isinstance(group["params"], torch.Tensor) else list(group["params"])
         for p in members:
+            if "use_muon" in group:  # a group-level tag applies to each of its parameters
+                p.use_muon = bool(group["use_muon"])
+            if not p.requires_grad:
+                continue
             if getattr(p, "use_muon", None) is None:
                 p.use_muon = len(param_shape(p)) >= 2
             if p.use_muon and len(param_shape(p)) < 2:

@@ -19,6 +19,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.utils import logger
 
+from .config import resolve_exchange_dtype
 from .exchange import BufferPool, OwnerExchange
 from .matrix import update_scale
 from .newton_schulz import orthogonalize, resolve_ns_dtype
@@ -139,7 +140,8 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             self.muon_plans[i] = plan
             compute = resolve_ns_dtype(group["ns_dtype"], group["ns_method"], device)
             self._muon_exchanges[i] = OwnerExchange(self._get_sub_group_process_group(i),
-                                                    _exchange_dtype(group["exchange_dtype"], compute), compute,
+                                                    getattr(torch, resolve_exchange_dtype(group["exchange_dtype"],
+                                                                                          compute)), compute,
                                                     device, self._muon_pool)
             if self._get_sub_group_partition_rank(i) == 0:
                 logger.info("ds_muon sub-group %d: %s", i, plan.describe())
@@ -199,10 +201,3 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         fp32.mul_(1 - group["lr"] * group["weight_decay"])
         fp32.add_(grad, alpha=-group["lr"])
 
-
-def _exchange_dtype(name: str, compute: torch.dtype) -> torch.dtype:
-    if name == "float32":
-        return torch.float32
-    if name == "bfloat16":
-        return torch.bfloat16
-    return torch.bfloat16 if compute in (torch.bfloat16, torch.float16) else torch.float32

@@ -43,6 +43,13 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
         pickle.dump(result, f)
     if result[0] == "error":
         os._exit(1)  # don't wait in a collective for peers that will never come
+    try:  # leave together, then skip interpreter teardown (gloo/DeepSpeed destructors can abort there)
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+    finally:
+        os._exit(0)
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 600,

@@ -38,6 +38,8 @@ class ParityNet(nn.Module):
         self.frozen = nn.Linear(DIM, DIM)
         self.frozen.requires_grad_(False)
         self.extra = nn.Linear(DIM, DIM, bias=False)
+        self.pad_a = nn.Linear(7, 5, bias=False)   # 35 elements: ZeRO-3 pads it at W = 2, 3, 4
+        self.pad_b = nn.Linear(3, 1, bias=False)   # 3 elements: fewer than W = 4, one rank holds only padding
         self.norm2 = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         if tie:
@@ -59,6 +61,9 @@ class ParityNet(nn.Module):
         h = h + self.frozen(h)
         if use_extra:
             h = h + self.extra(h)
+        # into one feature only: a shift of all features would vanish in the LayerNorm below
+        z = self.pad_b(F.silu(self.pad_a(h[..., :7]))[..., :3])
+        h = torch.cat([h[..., :1] + z, h[..., 1:]], dim=-1)
         logits = self.head(self.norm2(h))
         return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 

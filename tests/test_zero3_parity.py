@@ -34,6 +34,7 @@ def _run_case(rank: int, world_size: int, case: dict) -> dict | None:
     from ds_muon.zero3 import MuonZeroOptimizer
 
     cfg = ds_config(gas=case.get("gas", 1), clip=case.get("clip", 0.0), **case.get("zero", {}))
+    cfg["optimizer"]["params"].update(case.get("params", {}))
     if case.get("bf16"):
         cfg["bf16"] = {"enabled": True}
     groups_fn = _wd_groups if case.get("groups") else None
@@ -84,10 +85,15 @@ CASES = {
              zero=dict(reduce_scatter=False, contiguous_gradients=False, overlap_comm=True)),
         dict(name="w2-zeroinit-groups-untag-small-buckets", gas=1, zero_init=True, groups=True, untag_o=True,
              zero=dict(reduce_bucket_size=100, sub_group_size=500)),
+        dict(name="w2-cpu-offload-gas2-clip", gas=2, clip=0.5, zero=dict(offload_optimizer={"device": "cpu"})),
         # bf16 model (fp32 master weights and optimizer) against the fp32 oracle: forward/backward
-        # in bf16 differ from fp32 by bf16 rounding, hence the looser, stated tolerances.
-        dict(name="w2-bf16-gas2-clip", gas=2, clip=0.5, bf16=True, rtol=1e-2, rtol_update=8e-2, rtol_norm=5e-3)],
-    3: [dict(name="w3-gas4-clip-overlap", gas=4, clip=0.5, zero=dict(reduce_scatter=True, overlap_comm=True)),
+        # in bf16 differ from fp32 by bf16 rounding, hence the looser, stated tolerances: Muon matrices
+        # within 5e-2 of their update; AdamW parameters whose gradients are at bf16 noise level
+        # (zero-initialised biases) only within 0.5 (Adam normalizes that noise into full-size steps).
+        dict(name="w2-bf16-gas2-clip", gas=2, clip=0.5, bf16=True, rtol=1e-2, rtol_update=5e-2, rtol_norm=5e-3,
+             adamw_rtol_update=0.5)],
+    3: [dict(name="w3-gas4-clip-overlap-no-nesterov", gas=4, clip=0.5, params=dict(nesterov=False),
+             zero=dict(reduce_scatter=True, overlap_comm=True)),
         dict(name="w3-subgroups", gas=1, zero=dict(sub_group_size=300))],
     4: [dict(name="w4-clip", gas=1, clip=0.5),
         dict(name="w4-gas4-zeroinit", gas=4, zero_init=True)],
@@ -106,16 +112,20 @@ def test_parity_with_oracle(world_size: int) -> None:
             assert res["n_muon_sub_groups"] >= 2, f"{name}: sub_group_size should split the Muon group"
         # every rank reports the same global grad norm, equal to the raw gradient norm of the oracle
         for other in results:
-            assert other[0 if False else cases.index(case)]["norms"] == res["norms"]
+            assert other[cases.index(case)]["norms"] == res["norms"]
         torch.testing.assert_close(torch.tensor(res["norms"]), torch.tensor(res["ref_norms"]),
                                    rtol=case.get("rtol_norm", 1e-5), atol=0)
         if case.get("clip"):
             assert max(res["ref_norms"]) > case["clip"], f"{name}: clipping was never active"
         tags = res["tags"]
-        assert tags["experts"] and tags["q.weight"] and tags["conv.weight"] and not tags["embed.weight"]
+        assert tags["experts"] and tags["q.weight"] and tags["conv.weight"] and tags["pad_b.weight"]
+        assert not tags["embed.weight"] and not tags["norm1.weight"]
         assert tags["o.weight"] is (not case.get("untag_o", False))
         rtol, rtol_update = case.get("rtol", PARITY_RTOL), case.get("rtol_update", 1e-3)
         for pname, err in res["errors"].items():
+            if not tags[pname] and "adamw_rtol_update" in case:
+                assert err["rel_update"] <= case["adamw_rtol_update"], f"{name}: {pname} {err['rel_update']:.2e}"
+                continue
             assert err["rel"] <= rtol, f"{name}: {pname} rel error {err['rel']:.2e} > {rtol}"
             if err["moved"] > 0:
                 assert err["rel_update"] <= rtol_update, f"{name}: {pname} update rel error {err['rel_update']:.2e}"
