@@ -239,6 +239,13 @@ class MuonOptimizerParams(BaseModel):
         "auto",
         description=("Dtype of the Muon update in the owner all_to_all exchange (to the matrix owner and back). "
                      "'auto': the Newton-Schulz compute dtype if that is bfloat16, else float32. Source: ds_muon."))
+    exchange_bucket_mb: float = Field(
+        256.0, gt=0, le=1_048_576, allow_inf_nan=False,
+        description=("Size of one owner-exchange bucket (unit: MiB of full Muon matrices in the exchange dtype; a "
+                     "matrix larger than this is a bucket of its own). A sub-group's matrices are exchanged and "
+                     "orthogonalized bucket by bucket, the next bucket's all_to_all overlapping the current one's "
+                     "Newton-Schulz; at most 3 buckets hold buffers at once, so the exchange needs about "
+                     "6 x exchange_bucket_mb / W MiB of accelerator memory per rank. Source: ds_muon."))
 
     # ---- which parameters use Muon -----------------------------------------------------------
     muon_params: list[str] = Field(

@@ -1,17 +1,20 @@
 """The owner exchange: shard -> owner (all_to_all), Newton–Schulz on the owner, owner -> shard.
 
-Runtime only: it knows the :class:`~ds_muon.ownership.ExchangePlan`, a process group and tensors,
+Runtime only: it knows the :class:`~ds_muon.ownership.BucketedPlan`, a process group and tensors,
 nothing about DeepSpeed. Per rank per step it sends ``plan.sent_elements(rank)`` elements, on
 average ``2 * P * (W - 1) / W**2`` for ``P`` Muon elements, and never any optimizer state.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from .ownership import ExchangePlan
+from .ownership import BucketedPlan, ExchangePlan
+
+# Buckets holding exchange buffers at once: one computing, one returning, one arriving.
+PIPELINE_DEPTH = 3
 
 # fn(batch) -> update: batch has shape (count, b, rows, cols) in the compute dtype; the result has
 # the same shape (any float dtype) and already includes the update scale.
@@ -70,56 +73,88 @@ class OwnerExchange:
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
 
     def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]):
+        """Start ``out <- all_to_all(inp)``; returns a work handle to ``wait()`` on, or None (W=1, done)."""
         if self.world_size == 1:
             out.copy_(inp)
-        else:
-            dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
+            return None
+        return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
 
     @torch.no_grad()
-    def run(self, plan: ExchangePlan, u: torch.Tensor, out: torch.Tensor, fn: OrthogonalizeFn) -> None:
+    def run(self, plan: Union[ExchangePlan, BucketedPlan], u: torch.Tensor, out: torch.Tensor,
+            fn: OrthogonalizeFn) -> None:
         """Orthogonalize every matrix of the sub-group and write this rank's chunks of the result.
 
+        Buckets are pipelined: while the owner runs Newton–Schulz on bucket ``k``, bucket ``k+1``'s
+        exchange-in and bucket ``k-1``'s exchange-out are in flight (async collectives; on GPU they
+        run on the communicator's stream). At most ``PIPELINE_DEPTH`` buckets hold buffers at once,
+        so device memory for the exchange is bounded by that many buckets.
+
         Args:
-            plan: the sub-group's plan (same on every rank).
+            plan: the sub-group's plan (same on every rank); an :class:`ExchangePlan` is one bucket.
             u: ``(plan.shard_numel,)`` local flat shard of the pre-orthogonalization update
-                (momentum or its Nesterov blend), any float dtype.
+                (momentum or its Nesterov blend), any float dtype, any device.
             out: ``(plan.shard_numel,)`` local flat shard receiving the scaled orthogonalized
-                update (may alias ``u``: ``u`` is fully read before ``out`` is written).
+                update (may alias ``u``: every slot of ``u`` is read before the same slot is written).
             fn: the owner-side orthogonalization, see ``OrthogonalizeFn``.
 
         Raises:
             ValueError: the plan's world size or shard size does not match.
         """
-        W, me = self.world_size, self.rank
+        W = self.world_size
+        buckets = plan.buckets if isinstance(plan, BucketedPlan) else (plan,)
         if plan.world_size != W or u.numel() != plan.shard_numel or out.numel() != plan.shard_numel:
             raise ValueError(f"plan for W={plan.world_size}, shard {plan.shard_numel} does not match "
                              f"W={W}, u {u.numel()}, out {out.numel()}")
-        splits = list(plan.split_sizes)
-        total, mine = sum(splits), splits[me]
-        device, xdt = self.device or u.device, self.exchange_dtype
-        order = [slice(s.shard_offset, s.shard_offset + s.chunk) for s in plan.slots]
+        device = self.device or u.device
+        in_flight: dict[int, tuple] = {}   # bucket -> (stage, work handle, shard_side, owner_side)
 
-        # Two buffers, each reused in place: `shard_side` holds this rank's packed chunks and later
-        # receives its chunks of the results; `owner_side` holds the owned matrices' chunks from
-        # every rank and is overwritten with the results (shape batches use disjoint columns).
-        shard_side = self.pool.get("shard_side", total, xdt, device)
-        torch._foreach_copy_(list(shard_side.split([s.chunk for s in plan.slots])), [u[sl] for sl in order])
-        owner_side = self.pool.get("owner_side", W * mine, xdt, device)
-        self._all_to_all(owner_side, shard_side, [mine] * W, splits)
+        def start_in(k: int) -> None:
+            b, slot = buckets[k], k % PIPELINE_DEPTH
+            splits, mine = list(b.split_sizes), b.split_sizes[self.rank]
+            shard_side = self.pool.get(f"shard_side{slot}", sum(splits), self.exchange_dtype, device)
+            owner_side = self.pool.get(f"owner_side{slot}", W * mine, self.exchange_dtype, device)
+            torch._foreach_copy_(list(shard_side.split([s.chunk for s in b.slots])),
+                                 [u[s.shard_offset:s.shard_offset + s.chunk] for s in b.slots])
+            in_flight[k] = ("in", self._all_to_all(owner_side, shard_side, [mine] * W, splits), shard_side, owner_side)
 
-        # Owner: rebuild each full matrix, orthogonalize per shape batch, cut it back into chunks.
+        def finish_out(k: int) -> None:
+            _, work, shard_side, _ = in_flight.pop(k)
+            if work is not None:
+                work.wait()
+            b = buckets[k]
+            torch._foreach_copy_([out[s.shard_offset:s.shard_offset + s.chunk] for s in b.slots],
+                                 list(shard_side.split([s.chunk for s in b.slots])))
+
+        if buckets:
+            start_in(0)
+        for k, b in enumerate(buckets):
+            if k + 1 < len(buckets):
+                if k + 1 - PIPELINE_DEPTH >= 0:
+                    finish_out(k + 1 - PIPELINE_DEPTH)  # frees the buffer slot bucket k+1 reuses
+                start_in(k + 1)
+            _, work, shard_side, owner_side = in_flight[k]
+            if work is not None:
+                work.wait()
+            self._owner_compute(b, owner_side, fn, device)
+            splits, mine = list(b.split_sizes), b.split_sizes[self.rank]
+            in_flight[k] = ("out", self._all_to_all(shard_side, owner_side, splits, [mine] * W), shard_side,
+                            owner_side)
+        for k in sorted(in_flight):
+            finish_out(k)
+
+    def _owner_compute(self, b: ExchangePlan, owner_side: torch.Tensor, fn: OrthogonalizeFn,
+                       device: torch.device) -> None:
+        """In place on the owner's ``(W, split_sizes[rank])`` block: rebuild each owned matrix from its
+        W chunks, orthogonalize per shape batch, write the result back as chunks (padding zeroed)."""
+        W, mine = self.world_size, b.split_sizes[self.rank]
         block = owner_side.view(W, mine)
-        for batch in plan.batches[me]:
+        for batch in b.batches[self.rank]:
             k, c, numel = batch.count, batch.chunk, batch.numel
-            b, rows, cols = batch.ns_shape
+            nb, rows, cols = batch.ns_shape
             chunks = block[:, batch.start:batch.start + k * c].view(W, k, c).permute(1, 0, 2)
             full = self.pool.get("matrix", k * W * c, self.compute_dtype, device).view(k, W * c)
             full.view(k, W, c).copy_(chunks)
-            mats = full.as_strided((k, b, rows, cols), (W * c, rows * cols, cols, 1))
+            mats = full.as_strided((k, nb, rows, cols), (W * c, rows * cols, cols, 1))
             mats.copy_(fn(mats))
             full[:, numel:].zero_()
             chunks.copy_(full.view(k, W, c))
-
-        # Back to the shards: from owner d this rank receives its chunks of d's matrices.
-        self._all_to_all(shard_side, owner_side, splits, [mine] * W)
-        torch._foreach_copy_([out[sl] for sl in order], list(shard_side.split([s.chunk for s in plan.slots])))

@@ -128,9 +128,58 @@ def chunk_size(numel: int, world_size: int) -> int:
     return math.ceil(numel / world_size)
 
 
+def _assign_owners(infos: list, world_size: int, policy: str) -> dict[int, int]:
+    if policy == "round_robin":
+        return {t[0]: t[0] % world_size for t in infos}
+    loads = [0] * world_size
+    owners: dict[int, int] = {}
+    for i, _, _, chunk, _, cost in sorted(infos, key=lambda t: (-t[5], -t[3], t[0])):
+        r = min(range(world_size), key=lambda k: (loads[k], k))
+        owners[i] = r
+        loads[r] += cost
+    return owners
+
+
+def _layout(infos: list, owners: dict[int, int], world_size: int, shard_numel: int) -> ExchangePlan:
+    """Exchange layout of the given matrices: by owner, then shape, then index."""
+    order = sorted(infos, key=lambda t: (owners[t[0]], t[2], t[0]))
+    split = [0] * world_size
+    slots = []
+    for i, p, ns_shape, chunk, off, cost in order:
+        r = owners[i]
+        slots.append(MatrixSlot(i, p.name, tuple(p.shape), ns_shape, p.numel, chunk, off, r, split[r], cost))
+        split[r] += chunk
+    batches: list[list[ShapeBatch]] = [[] for _ in range(world_size)]
+    for s in slots:
+        rank_batches = batches[s.owner]
+        last = rank_batches[-1] if rank_batches else None
+        if last is not None and last.ns_shape == s.ns_shape and last.start + last.count * last.chunk == s.owner_offset:
+            rank_batches[-1] = ShapeBatch(last.ns_shape, last.numel, last.chunk, last.start, last.count + 1)
+        else:
+            rank_batches.append(ShapeBatch(s.ns_shape, s.numel, s.chunk, s.owner_offset, 1))
+    return ExchangePlan(world_size, tuple(slots), tuple(split), tuple(tuple(b) for b in batches), shard_numel)
+
+
+def _infos(params: Sequence[ParamInfo], world_size: int, ns_steps: int, ns_method: str) -> tuple[list, int]:
+    infos, offset = [], 0
+    for i, p in enumerate(params):
+        b, m, n = ns_view_shape(p.shape)
+        chunk = chunk_size(p.numel, world_size)
+        infos.append((i, p, (b, m, n), chunk, offset, ns_flops(m, n, ns_steps, ns_method, batch=b)))
+        offset += chunk
+    return infos, offset
+
+
+def _check(world_size: int, policy: str) -> None:
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if policy not in ("lpt", "round_robin"):
+        raise ValueError(f"policy must be 'lpt' or 'round_robin', got {policy!r}")
+
+
 def build_plan(params: Sequence[ParamInfo], world_size: int, ns_steps: int = 5, ns_method: str = "standard",
                policy: str = "lpt") -> ExchangePlan:
-    """Assign each Muon matrix of a sub-group to an owner rank.
+    """Assign each Muon matrix of a sub-group to an owner rank (one exchange for the whole sub-group).
 
     Args:
         params: the sub-group's parameters, in the sub-group's order (all of them Muon).
@@ -145,42 +194,76 @@ def build_plan(params: Sequence[ParamInfo], world_size: int, ns_steps: int = 5, 
     Raises:
         ValueError: ``world_size < 1``, an unknown policy, or a parameter with fewer than 2 dims.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if policy not in ("lpt", "round_robin"):
-        raise ValueError(f"policy must be 'lpt' or 'round_robin', got {policy!r}")
-    infos = []
-    offset = 0
-    for i, p in enumerate(params):
-        b, m, n = ns_view_shape(p.shape)
-        chunk = chunk_size(p.numel, world_size)
-        infos.append((i, p, (b, m, n), chunk, offset, ns_flops(m, n, ns_steps, ns_method, batch=b)))
-        offset += chunk
+    _check(world_size, policy)
+    infos, shard_numel = _infos(params, world_size, ns_steps, ns_method)
+    return _layout(infos, _assign_owners(infos, world_size, policy), world_size, shard_numel)
 
-    owners: dict[int, int] = {}
-    if policy == "round_robin":
-        owners = {i: i % world_size for i, *_ in infos}
-    else:
-        loads = [0] * world_size
-        for i, _, _, _, _, cost in sorted(infos, key=lambda t: (-t[5], -t[3], t[0])):
-            r = min(range(world_size), key=lambda k: (loads[k], k))
-            owners[i] = r
-            loads[r] += cost
 
-    order = sorted(infos, key=lambda t: (owners[t[0]], t[2], t[0]))
-    split = [0] * world_size
-    slots = []
-    for i, p, ns_shape, chunk, off, cost in order:
-        r = owners[i]
-        slots.append(MatrixSlot(i, p.name, tuple(p.shape), ns_shape, p.numel, chunk, off, r, split[r], cost))
-        split[r] += chunk
+@dataclass(frozen=True)
+class BucketedPlan:
+    """A sub-group's owner plan cut into exchange buckets that are pipelined one after another.
 
-    batches: list[list[ShapeBatch]] = [[] for _ in range(world_size)]
-    for s in slots:
-        rank_batches = batches[s.owner]
-        last = rank_batches[-1] if rank_batches else None
-        if last is not None and last.ns_shape == s.ns_shape and last.start + last.count * last.chunk == s.owner_offset:
-            rank_batches[-1] = ShapeBatch(last.ns_shape, last.numel, last.chunk, last.start, last.count + 1)
-        else:
-            rank_batches.append(ShapeBatch(s.ns_shape, s.numel, s.chunk, s.owner_offset, 1))
-    return ExchangePlan(world_size, tuple(slots), tuple(split), tuple(tuple(b) for b in batches), offset)
+    Owners are assigned over the whole sub-group (LPT); the buckets then interleave the owners'
+    matrices (each owner's largest first, round robin over owners), so every bucket gives every
+    rank Newton–Schulz work, and each bucket holds at most ``bucket_elements`` matrix elements (or
+    one matrix, if a single matrix is larger).
+
+    Attributes:
+        buckets: one :class:`ExchangePlan` per bucket, in exchange order; each covers only its slots
+            (``shard_numel`` is the whole shard's).
+    """
+
+    world_size: int
+    buckets: tuple[ExchangePlan, ...]
+    shard_numel: int
+
+    @property
+    def slots(self) -> tuple[MatrixSlot, ...]:
+        return tuple(s for b in self.buckets for s in b.slots)
+
+    def load(self) -> list[int]:
+        """Newton–Schulz FLOPs per rank over all buckets."""
+        return [sum(b.load()[r] for b in self.buckets) for r in range(self.world_size)]
+
+    def imbalance(self) -> float:
+        """max / mean Newton–Schulz FLOPs over ranks for the whole sub-group."""
+        loads = self.load()
+        mean = sum(loads) / len(loads)
+        return max(loads) / mean if mean else 1.0
+
+    def sent_elements(self, rank: int) -> int:
+        """Elements ``rank`` sends per step in all buckets' exchanges (see ExchangePlan.sent_elements)."""
+        return sum(b.sent_elements(rank) for b in self.buckets)
+
+    def describe(self) -> str:
+        loads = ", ".join(f"{x / 1e9:.3g}" for x in self.load())
+        return (f"{len(self.slots)} Muon matrices in {len(self.buckets)} exchange buckets over W={self.world_size}; "
+                f"NS GFLOP per rank [{loads}]; imbalance max/mean {self.imbalance():.3f}")
+
+
+def build_bucketed_plan(params: Sequence[ParamInfo], world_size: int, bucket_elements: int, ns_steps: int = 5,
+                        ns_method: str = "standard", policy: str = "lpt") -> BucketedPlan:
+    """:func:`build_plan`, then cut into exchange buckets of at most ``bucket_elements`` matrix elements.
+
+    Raises:
+        ValueError: as :func:`build_plan`, or ``bucket_elements < 1``.
+    """
+    _check(world_size, policy)
+    if bucket_elements < 1:
+        raise ValueError(f"bucket_elements must be >= 1, got {bucket_elements}")
+    infos, shard_numel = _infos(params, world_size, ns_steps, ns_method)
+    owners = _assign_owners(infos, world_size, policy)
+    per_owner = [sorted((t for t in infos if owners[t[0]] == r), key=lambda t: (-t[5], t[0]))
+                 for r in range(world_size)]
+    interleaved = [q[k] for k in range(max((len(q) for q in per_owner), default=0)) for q in per_owner if k < len(q)]
+    buckets, current, size = [], [], 0
+    for t in interleaved:
+        numel = t[1].numel
+        if current and size + numel > bucket_elements:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(t)
+        size += numel
+    if current:
+        buckets.append(current)
+    return BucketedPlan(world_size, tuple(_layout(b, owners, world_size, shard_numel) for b in buckets), shard_numel)

@@ -23,7 +23,7 @@ from .config import resolve_exchange_dtype
 from .exchange import BufferPool, OwnerExchange
 from .matrix import update_scale
 from .newton_schulz import orthogonalize, resolve_ns_dtype
-from .ownership import ExchangePlan, ParamInfo, build_plan
+from .ownership import BucketedPlan, ParamInfo, build_bucketed_plan
 
 MOMENTUM_KEY = "momentum_buffer"
 
@@ -98,14 +98,15 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
        rank, Newton–Schulz batched by shape there, scale, all_to_all back.
     3. ``p <- p*(1 - lr*wd) - lr*o`` on the shard (decoupled weight decay).
 
-    The owner plan (:func:`ds_muon.ownership.build_plan`, LPT by Newton–Schulz FLOPs) is built once
-    per sub-group at construction, identically on every rank.
+    The owner plan (:func:`ds_muon.ownership.build_bucketed_plan`: LPT by Newton–Schulz FLOPs, cut
+    into ``exchange_bucket_mb`` buckets that are pipelined so the all_to_all of one bucket overlaps
+    Newton–Schulz on another) is built once per sub-group at construction, identically on every rank.
 
     ``__init__`` passes ``*args, **kwargs`` through unchanged (the keyword set changes between
     DeepSpeed releases).
 
     Attributes:
-        muon_plans: ``{sub_group_id: ExchangePlan}`` for the Muon sub-groups.
+        muon_plans: ``{sub_group_id: BucketedPlan}`` for the Muon sub-groups.
         muon_step_count: optimizer steps that ran the Muon update (overflow-skipped ones excluded).
     """
 
@@ -115,7 +116,7 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             raise TypeError("MuonZeroOptimizer needs a ds_muon ZeroMuonInner optimizer; "
                             "build the engine through ds_muon.initialize or ds_muon.enable()")
         self.muon_step_count = 0
-        self.muon_plans: dict[int, ExchangePlan] = {}
+        self.muon_plans: dict[int, BucketedPlan] = {}
         self._muon_pool = BufferPool()
         self._muon_exchanges: dict[int, OwnerExchange] = {}
         self._build_muon_plans()
@@ -132,17 +133,18 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                 continue
             infos = [ParamInfo(self.param_names.get(p, f"ds_id={p.ds_id}"), tuple(p.ds_shape), int(p.ds_numel))
                      for p in params]
-            plan = build_plan(infos, self._get_sub_group_partition_count(i), group["ns_steps"], group["ns_method"])
+            compute = resolve_ns_dtype(group["ns_dtype"], group["ns_method"], device)
+            wire = getattr(torch, resolve_exchange_dtype(group["exchange_dtype"], compute))
+            bucket_elements = int(self.optimizer.config.exchange_bucket_mb * 2**20) // _itemsize(wire)
+            plan = build_bucketed_plan(infos, self._get_sub_group_partition_count(i), bucket_elements,
+                                       group["ns_steps"], group["ns_method"])
             if plan.shard_numel != self.fp16_partitioned_groups_flat_numel[i]:
                 raise RuntimeError(f"ds_muon: sub-group {i} holds {self.fp16_partitioned_groups_flat_numel[i]} "
                                    f"elements but its owner plan covers {plan.shard_numel}; this DeepSpeed "
                                    "version lays out ZeRO-3 partitions differently than ds_muon expects")
             self.muon_plans[i] = plan
-            compute = resolve_ns_dtype(group["ns_dtype"], group["ns_method"], device)
-            self._muon_exchanges[i] = OwnerExchange(self._get_sub_group_process_group(i),
-                                                    getattr(torch, resolve_exchange_dtype(group["exchange_dtype"],
-                                                                                          compute)), compute,
-                                                    device, self._muon_pool)
+            self._muon_exchanges[i] = OwnerExchange(self._get_sub_group_process_group(i), wire, compute, device,
+                                                    self._muon_pool)
             if self._get_sub_group_partition_rank(i) == 0:
                 logger.info("ds_muon sub-group %d: %s", i, plan.describe())
 
@@ -179,7 +181,7 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             self._muon_sub_group_step(sub_group_id, plan)
 
     @torch.no_grad()
-    def _muon_sub_group_step(self, i: int, plan: ExchangePlan) -> None:
+    def _muon_sub_group_step(self, i: int, plan: BucketedPlan) -> None:
         group = self._muon_group(i)
         fp32 = self.fp32_partitioned_groups_flat[i]
         grad = fp32.grad
@@ -201,3 +203,6 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         fp32.mul_(1 - group["lr"] * group["weight_decay"])
         fp32.add_(grad, alpha=-group["lr"])
 
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

@@ -29,6 +29,7 @@ CASES = [
     dict(name="fp32-ns gas4 clip rs=false", gas=4, clip=0.5, params={}, zero=dict(reduce_scatter=False)),
     dict(name="fp32-ns gas2 zero.Init overlap", gas=2, clip=0.5, params={}, zero=dict(overlap_comm=True),
          zero_init=True),
+    dict(name="fp32-ns 4 KiB buckets (pipelined)", gas=1, clip=0.5, params=dict(exchange_bucket_mb=0.004), zero={}),
     dict(name="gpu defaults (bf16 NS+exchange)", gas=1, clip=0.5,
          params=dict(ns_dtype="auto", exchange_dtype="auto"), zero={}, strict=False),
 ]

@@ -52,7 +52,7 @@ def comm_worker(rank: int, world_size: int) -> dict:
     configs = {
         "ds_muon": ds_config(reduce_scatter=True),
         "ds_muon_bf16": ds_config(reduce_scatter=True, optimizer={"type": "Muon", "params": dict(
-            MUON_PARAMS, exchange_dtype="bfloat16")}),
+            MUON_PARAMS, exchange_dtype="bfloat16", exchange_bucket_mb=0.004)}),
         "adamw": ds_config(reduce_scatter=True, optimizer={"type": "AdamW", "params": {"lr": 3e-3}}),
         "adamw_allreduce": ds_config(reduce_scatter=False, optimizer={"type": "AdamW", "params": {"lr": 3e-3}}),
     }
@@ -65,7 +65,7 @@ def comm_worker(rank: int, world_size: int) -> dict:
             plans = engine.optimizer.muon_plans.values()
             out["plan_sent"] = sum(p.sent_elements(rank) for p in plans)
             out["plan_matrices"] = sum(len(p.slots) for p in plans)
-            out["n_plans"] = len(plans)
+            out["n_buckets"] = sum(len(p.buckets) for p in plans)
             out["muon_elements"] = sum(param_numel(p) for p in model.parameters()
                                         if p.requires_grad and getattr(p, "use_muon", False))
         engine.destroy()
@@ -122,8 +122,8 @@ def test_exchange_bytes(world_size: int, capsys) -> None:
         # (2) everything but the owner exchange is exactly AdamW ZeRO-3's traffic: no momentum moves
         rest = Counter((op, n) for op, n, _ in ours if op != "all_to_all_single")
         assert rest == Counter((op, n) for op, n, _ in res["adamw"]), f"rank {rank}: traffic beyond the exchange"
-        # (3) the exchange is the plan's: two all_to_all per Muon sub-group, fp32 (4 bytes) here ...
-        assert len(a2a) == 2 * res["n_plans"]
+        # (3) the exchange is the plan's: two all_to_all per exchange bucket, fp32 (4 bytes) here ...
+        assert len(a2a) == 2 * res["n_buckets"]
         assert sum(n for _, n, _ in a2a) == res["plan_sent"]
         assert sum(b for _, _, b in a2a) == 4 * res["plan_sent"]
         # ... and half of that in bf16

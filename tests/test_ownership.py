@@ -10,7 +10,7 @@ import torch.distributed as dist
 from ds_muon.exchange import BufferPool, OwnerExchange
 from ds_muon.matrix import ns_view_shape, update_scale
 from ds_muon.newton_schulz import ns_flops, orthogonalize
-from ds_muon.ownership import ExchangePlan, ParamInfo, build_plan, chunk_size
+from ds_muon.ownership import ExchangePlan, ParamInfo, build_bucketed_plan, build_plan, chunk_size
 
 
 def infos(shapes, prefix="p") -> list[ParamInfo]:
@@ -251,3 +251,61 @@ def test_owner_exchange_rejects_mismatched_plan():
         ex.run(plan, torch.zeros(15), torch.zeros(15), scaled_orth)
     with pytest.raises(ValueError, match="does not match"):
         ex.run(build_plan(infos([(4, 4)]), 2), torch.zeros(8), torch.zeros(8), scaled_orth)
+
+
+# ---- bucketed plans ---------------------------------------------------------------------------
+
+
+def _mixed_params():
+    shapes = [(24, 24), (12, 24), (41, 24), (24, 41), (3, 24, 16), (5, 7), (1, 3), (24, 72), (16, 16), (7, 5)]
+    return [ParamInfo(f"p{i}", s, int(torch.tensor(s).prod())) for i, s in enumerate(shapes)]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("bucket_elements", [1, 600, 1500, 10**9])
+def test_bucketed_plan_covers_every_matrix_once_within_bound(world_size, bucket_elements):
+    params = _mixed_params()
+    plan = build_bucketed_plan(params, world_size, bucket_elements)
+    whole = build_plan(params, world_size)
+    assert sorted(s.index for s in plan.slots) == list(range(len(params)))
+    # owners are the whole sub-group's LPT assignment, whatever the bucketing
+    assert {s.index: s.owner for s in plan.slots} == {s.index: s.owner for s in whole.slots}
+    assert plan.load() == whole.load() and plan.imbalance() == whole.imbalance()
+    for b in plan.buckets:
+        size = sum(s.numel for s in b.slots)
+        assert size <= bucket_elements or len(b.slots) == 1
+        assert b.shard_numel == whole.shard_numel
+    if bucket_elements == 10**9:
+        assert len(plan.buckets) == 1
+    if bucket_elements == 1:
+        assert len(plan.buckets) == len(params)
+    assert sum(plan.sent_elements(r) for r in range(world_size)) == \
+        2 * (world_size - 1) * sum(s.chunk for s in whole.slots)
+
+
+def test_buckets_interleave_owners():
+    params = [ParamInfo(f"p{i}", (32, 32), 1024) for i in range(8)]
+    plan = build_bucketed_plan(params, 4, bucket_elements=4096)
+    assert len(plan.buckets) == 2
+    for b in plan.buckets:  # each bucket gives each of the 4 ranks one matrix to orthogonalize
+        assert sorted(s.owner for s in b.slots) == [0, 1, 2, 3]
+
+
+def test_bucketed_plan_rejects_bad_bucket_size():
+    with pytest.raises(ValueError, match="bucket_elements"):
+        build_bucketed_plan(_mixed_params(), 2, 0)
+
+
+def test_single_process_exchange_with_buckets_matches_per_matrix():
+    params = _mixed_params()
+    plan = build_bucketed_plan(params, 1, bucket_elements=700)
+    assert len(plan.buckets) > 3
+    u = torch.randn(plan.shard_numel, dtype=torch.float64).float()
+    expect = torch.empty_like(u)
+    for s in plan.slots:
+        b, m, n = s.ns_shape
+        expect[s.shard_offset:s.shard_offset + s.chunk] = orthogonalize(
+            u[s.shard_offset:s.shard_offset + s.numel].view(b, m, n), "standard", 5, torch.float32).reshape(-1)
+    OwnerExchange(None, torch.float32, torch.float32).run(
+        plan, u, u, lambda x: orthogonalize(x, "standard", 5, torch.float32))  # out aliases u
+    torch.testing.assert_close(u, expect, rtol=1e-6, atol=1e-6)

@@ -46,7 +46,8 @@ def _run_case(rank: int, world_size: int, case: dict) -> dict | None:
     tags = clone_tags(model)
     norms = train_engine(engine, STEPS, rank, case.get("gas", 1))
     got = fp32_master_params(model) if case.get("bf16") else gathered_params(model)
-    result = {"steps": engine.optimizer.muon_step_count, "norms": norms, "tags": tags,
+    result = {"steps": engine.optimizer.muon_step_count,
+              "n_buckets": sum(len(p.buckets) for p in engine.optimizer.muon_plans.values()), "norms": norms, "tags": tags,
               "n_sub_groups": len(engine.optimizer.fp16_groups), "n_muon_sub_groups": len(engine.optimizer.muon_plans)}
     engine.destroy()
     if rank != 0:
@@ -94,9 +95,10 @@ CASES = {
              adamw_rtol_update=0.5)],
     3: [dict(name="w3-gas4-clip-overlap-no-nesterov", gas=4, clip=0.5, params=dict(nesterov=False),
              zero=dict(reduce_scatter=True, overlap_comm=True)),
-        dict(name="w3-subgroups", gas=1, zero=dict(sub_group_size=300))],
+        dict(name="w3-subgroups-small-buckets", gas=1, params=dict(exchange_bucket_mb=0.004),
+             zero=dict(sub_group_size=300))],
     4: [dict(name="w4-clip", gas=1, clip=0.5),
-        dict(name="w4-gas4-zeroinit", gas=4, zero_init=True)],
+        dict(name="w4-gas4-zeroinit-buckets", gas=4, zero_init=True, params=dict(exchange_bucket_mb=0.004))],
 }
 
 
@@ -108,6 +110,8 @@ def test_parity_with_oracle(world_size: int) -> None:
         name = case["name"]
         assert res["steps"] == STEPS, (name, res["steps"])
         assert res["n_muon_sub_groups"] >= 1
+        if case.get("params", {}).get("exchange_bucket_mb"):
+            assert res["n_buckets"] >= res["n_muon_sub_groups"] + 2, f"{name}: expected several buckets"
         if case.get("zero", {}).get("sub_group_size"):
             assert res["n_muon_sub_groups"] >= 2, f"{name}: sub_group_size should split the Muon group"
         # every rank reports the same global grad norm, equal to the raw gradient norm of the oracle
