@@ -105,7 +105,7 @@ def _total(records) -> int:
     return sum(b for _, _, b in records)
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [2, 3, 4, 8])
 def test_exchange_bytes(world_size: int, capsys) -> None:
     results = run_distributed(comm_worker, world_size)
     W = world_size
