@@ -23,7 +23,7 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OPTIMIZERS = ("adamw", "builtin_muon", "ds_muon")
+OPTIMIZERS = ("adamw", "builtin_muon", "ds_muon", "ds_muon_eager")  # ds_muon_eager: ns_compile false
 
 
 def ds_config(kind: str, micro_batch: int) -> dict:
@@ -40,6 +40,8 @@ def ds_config(kind: str, micro_batch: int) -> dict:
     else:
         cfg["optimizer"] = {"type": "Muon", "params": {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1,
                                                        "adam_lr": 3e-4}}
+        if kind == "ds_muon_eager":
+            cfg["optimizer"]["params"]["ns_compile"] = False
     return cfg
 
 
@@ -59,6 +61,39 @@ def matmul_tflops(device) -> float:
     return 2 * 8192**3 * n / (time.perf_counter() - t) / 1e12
 
 
+NS_SHAPES = ((16, 2048, 2048), (16, 5440, 2048), (16, 2048, 5440))  # (batch, rows, cols) of the 934M model
+
+
+def ns_microbenchmark(out_path: str, steps: int = 5) -> None:
+    """Achieved TFLOP/s of Newton–Schulz (bf16, batched) per shape and method, eager and compiled,
+    against the bf16 matmul rate measured in the same process; one GPU."""
+    import torch
+    sys.path.insert(0, REPO)
+    from ds_muon.newton_schulz import compiled_orthogonalize, ns_flops, orthogonalize
+    device = torch.device("cuda", 0)
+    rate = matmul_tflops(device)
+    rows = []
+    for method in ("standard", "gram", "polar_express"):
+        dtype = torch.float16 if method == "gram" else torch.bfloat16
+        compiled = compiled_orthogonalize(method, steps, dtype)
+        for b, m, n in NS_SHAPES:
+            x = torch.randn(b, m, n, device=device, dtype=torch.bfloat16)
+            flops = ns_flops(m, n, steps, method, batch=b)
+            for label, fn in (("eager", lambda t: orthogonalize(t, method, steps, dtype)), ("compiled", compiled)):
+                for _ in range(3):
+                    fn(x)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    fn(x)
+                torch.cuda.synchronize()
+                sec = (time.perf_counter() - t0) / 10
+                rows.append(dict(method=method, shape=[b, m, n], mode=label, seconds=sec, tflops=flops / sec / 1e12,
+                                 fraction_of_matmul=flops / sec / 1e12 / rate))
+    with open(out_path, "w") as f:
+        json.dump({"matmul_tflops": rate, "rows": rows}, f)
+
+
 def worker(args) -> None:
     import deepspeed
     import torch
@@ -76,7 +111,7 @@ def worker(args) -> None:
     torch.manual_seed(0)
     model = CausalLM(ModelConfig.preset(args.model, max_seq_len=args.seq_len))
     n_params = sum(p.numel() for p in model.parameters())
-    if args.optimizer == "ds_muon":
+    if args.optimizer.startswith("ds_muon"):
         import ds_muon
         engine, _, _, _ = ds_muon.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     else:
@@ -110,7 +145,7 @@ def worker(args) -> None:
     result = dict(optimizer=args.optimizer, step_s=statistics.median(step_times), opt_step_s=statistics.median(opt_times),
                   peak_gib=peak, comm_bytes=comm, comm_total=sum(comm.values()), params=n_params,
                   first_loss=losses[0], last_loss=losses[-1], world=dist.get_world_size())
-    if args.optimizer == "ds_muon":
+    if args.optimizer.startswith("ds_muon"):
         plans = engine.optimizer.muon_plans.values()
         from ds_muon.newton_schulz import ns_flops
         result["imbalance"] = max(p.imbalance() for p in plans)
@@ -136,9 +171,14 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--ns-micro", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run the Newton-Schulz microbenchmark (one GPU)")
+    ap.add_argument("--ns-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    if args.ns_worker:
+        return ns_microbenchmark(args.out)
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -155,7 +195,20 @@ def main() -> None:
                     results[opt] = json.load(f)
             else:
                 results[opt] = {"error": f"exit {proc.returncode}"}
-    print_table(results)
+        if args.ns_micro:
+            out = os.path.join(tmp, "ns.json")
+            proc = subprocess.run([sys.executable, __file__, "--ns-worker", "--out", out])
+            if proc.returncode == 0:
+                with open(out) as f:
+                    results["ns_micro"] = json.load(f)
+    print_table({k: v for k, v in results.items() if k != "ns_micro"})
+    if "ns_micro" in results:
+        ns = results["ns_micro"]
+        print(f"\nNewton-Schulz, 5 steps, bf16 (gram: fp16); bf16 matmul rate {ns['matmul_tflops']:.0f} TFLOP/s")
+        print("| method | shape | mode | ms | TFLOP/s | of matmul rate |\n|---|---|---|---|---|---|")
+        for r in ns["rows"]:
+            print(f"| {r['method']} | {'x'.join(map(str, r['shape']))} | {r['mode']} | {r['seconds'] * 1e3:.2f} | "
+                  f"{r['tflops']:.0f} | {r['fraction_of_matmul']:.0%} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
@@ -170,6 +223,10 @@ def print_table(results: dict) -> None:
     for k, v in results.items():
         if "error" in v:
             print(f"| {k} | failed: {v['error']} | | | |")
+    if "ds_muon" in ok and "ds_muon_eager" in ok:
+        e, c = ok["ds_muon_eager"], ok["ds_muon"]
+        print(f"ns_compile: optimizer step {e['opt_step_s']:.3f} s eager -> {c['opt_step_s']:.3f} s compiled; "
+              f"step {e['step_s']:.3f} -> {c['step_s']:.3f} s")
     if "ds_muon" in ok:
         d = ok["ds_muon"]
         print(f"\nNS floor {d['ns_floor_s']:.4f} s (max {d['ns_gflop_per_rank_max']:.0f} GFLOP per rank at "

@@ -196,6 +196,11 @@ class MuonOptimizerParams(BaseModel):
         description=("Floating-point dtype the Newton-Schulz iteration computes in. 'auto': float32 on CPU; on an "
                      "accelerator float16 for ns_method 'gram' and bfloat16 otherwise. Source: ds_muon (the "
                      "built-in Muon fixes bf16, fp16 for gram)."))
+    ns_compile: bool = Field(
+        True,
+        description=("Compile the Newton-Schulz iteration with torch.compile (dynamic shapes) when it runs on a CUDA "
+                     "device; on CPU it always runs eagerly. Source: ds_muon; the gain is measured by "
+                     "benchmarks/step_time.py."))
     update_scale: Literal["shape", "rms_match"] = Field(
         "shape",
         description=("Dimensionless multiplier of the orthogonalized update of a (rows, cols) matrix (conv "

@@ -25,6 +25,8 @@ Singular-value bands after 5 steps (float64 scalar map, checked on matrices in
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 __all__ = [
@@ -401,3 +403,23 @@ def orthogonalize(
     else:
         out = polar_express(X, steps)
     return out.mT if tall else out
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_orthogonalize(method: str = "standard", steps: int = 5, dtype: torch.dtype | None = None):
+    """``orthogonalize`` with ``method``, ``steps`` and ``dtype`` fixed, compiled by ``torch.compile``.
+
+    Compiled once per argument triple, with dynamic shapes so a new batch count or matrix shape
+    does not recompile. It fuses the normalization (no fp32 copy of the whole batch) and the
+    element-wise parts of each iteration around the matmuls. Meant for accelerators; the gain is
+    measured by ``benchmarks/step_time.py`` (NS microbenchmark).
+
+    Returns:
+        ``fn(x) -> tensor`` with ``orthogonalize``'s contract.
+
+    Raises:
+        ValueError: bad ``method`` or ``steps`` (checked eagerly here).
+    """
+    _check_method(method)
+    _check_steps(steps)
+    return torch.compile(functools.partial(orthogonalize, method=method, steps=steps, dtype=dtype), dynamic=True)

@@ -12,6 +12,8 @@ DeepSpeedCPUAdam when offloaded).
 """
 from __future__ import annotations
 
+import functools
+
 from typing import Callable, Optional
 
 import torch
@@ -22,7 +24,7 @@ from deepspeed.utils import logger
 from .config import resolve_exchange_dtype
 from .exchange import BufferPool, OwnerExchange
 from .matrix import update_scale
-from .newton_schulz import orthogonalize, resolve_ns_dtype
+from .newton_schulz import compiled_orthogonalize, orthogonalize, resolve_ns_dtype
 from .ownership import BucketedPlan, ParamInfo, build_bucketed_plan
 
 MOMENTUM_KEY = "momentum_buffer"
@@ -194,10 +196,14 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         update = grad.lerp_(momentum, beta) if group["nesterov"] else momentum
         method, steps, mode = group["ns_method"], group["ns_steps"], group["update_scale"]
         exchange = self._muon_exchanges[i]
+        if self.optimizer.config.ns_compile and exchange.device.type == "cuda":
+            ns = compiled_orthogonalize(method, steps, exchange.compute_dtype)
+        else:
+            ns = functools.partial(orthogonalize, method=method, steps=steps, dtype=exchange.compute_dtype)
 
         def owner_update(mats: torch.Tensor) -> torch.Tensor:
             rows, cols = mats.shape[-2:]
-            return orthogonalize(mats, method, steps, exchange.compute_dtype).mul_(update_scale(rows, cols, mode))
+            return ns(mats).mul_(update_scale(rows, cols, mode))
 
         exchange.run(plan, update, grad, owner_update)
         fp32.mul_(1 - group["lr"] * group["weight_decay"])
