@@ -137,7 +137,7 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                      for p in params]
             compute = resolve_ns_dtype(group["ns_dtype"], group["ns_method"], device)
             wire = getattr(torch, resolve_exchange_dtype(group["exchange_dtype"], compute))
-            bucket_elements = int(self.optimizer.config.exchange_bucket_mb * 2**20) // _itemsize(wire)
+            bucket_elements = int(self.optimizer.config.exchange_bucket_mb * 2**20) // wire.itemsize
             plan = build_bucketed_plan(infos, self._get_sub_group_partition_count(i), bucket_elements,
                                        group["ns_steps"], group["ns_method"])
             if plan.shard_numel != self.fp16_partitioned_groups_flat_numel[i]:
@@ -208,7 +208,3 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         exchange.run(plan, update, grad, owner_update)
         fp32.mul_(1 - group["lr"] * group["weight_decay"])
         fp32.add_(grad, alpha=-group["lr"])
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
