@@ -454,3 +454,14 @@ def test_torch_compile_fullgraph():
     finally:
         torch._dynamo.reset()
 
+
+
+def test_compiled_orthogonalize_matches_eager_and_is_cached():
+    from ds_muon.newton_schulz import compiled_orthogonalize
+    fn = compiled_orthogonalize("standard", 5, torch.float32)
+    assert compiled_orthogonalize("standard", 5, torch.float32) is fn  # one compile per (method, steps, dtype)
+    for shape in ((2, 8, 12), (3, 12, 8)):  # wide and tall, different batch: dynamic shapes
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+        torch.testing.assert_close(fn(x), orthogonalize(x, "standard", 5, torch.float32), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="method"):
+        compiled_orthogonalize("bogus", 5, torch.float32)
