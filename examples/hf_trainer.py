@@ -1,0 +1,77 @@
+"""Hugging Face Trainer with ds_muon: one extra line, ``ds_muon.enable()``, before building the Trainer.
+
+    torchrun --nproc_per_node 2 examples/hf_trainer.py [--steps 3]        # CPU (DeepSpeed picks gloo) or GPUs
+
+Trainer (through Accelerate) calls ``deepspeed.initialize`` itself; ``ds_muon.enable()`` makes that
+call build ds_muon's ZeRO-3 Muon for ``"optimizer": {"type": "Muon"}``. The model is a tiny
+``LlamaForCausalLM`` built from a config (no download), trained on random tokens for a few steps.
+
+Trainer cross-checks the DeepSpeed optimizer's ``lr`` against ``TrainingArguments.learning_rate``,
+so they are set equal (the Muon lr); AdamW's lr comes from ``adam_lr``. Trainer's own linear
+schedule scales every param group by the same factor, so the Muon/AdamW ratio is kept. The
+reported ``grad_norm`` is the raw gradient norm (DeepSpeed's built-in Muon reports the norm of the
+orthogonalized update instead). Prints one ``RESULT {json}`` line on rank 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from deepspeed.utils.logging import set_log_level_from_string
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+import ds_muon
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    """``n`` fixed random sequences of ``seq`` token ids below ``vocab``; labels = input_ids."""
+
+    def __init__(self, n: int = 64, seq: int = 32, vocab: int = 128) -> None:
+        self.x = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--output-dir", default="runs/hf_trainer")
+    args = ap.parse_args()
+
+    ds_config = {
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "optimizer": {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 3e-3, "momentum": 0.95, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": 3},
+    }
+    set_log_level_from_string("info")  # DeepSpeed's logger (WARNING by default) then shows ds_muon's parameter split
+    ds_muon.enable()
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = LlamaForCausalLM(config)
+    training_args = TrainingArguments(output_dir=args.output_dir, per_device_train_batch_size=4, learning_rate=0.02,
+                                      max_steps=args.steps, logging_steps=1, deepspeed=ds_config,
+                                      use_cpu=not torch.cuda.is_available(), report_to=[], save_strategy="no",
+                                      log_level="info")  # Trainer sets DeepSpeed's logger to this level
+    trainer = Trainer(model=model, args=training_args, train_dataset=RandomTokens())
+    trainer.train()
+    opt = trainer.deepspeed.optimizer
+    if trainer.is_world_process_zero():
+        print("RESULT " + json.dumps({
+            "optimizer": type(opt).__name__,
+            "muon_step_count": getattr(opt, "muon_step_count", None),
+            "muon_params": sorted(n for n, p in model.named_parameters() if getattr(p, "use_muon", False)),
+            "adamw_params": sorted(n for n, p in model.named_parameters() if not getattr(p, "use_muon", False)),
+            "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
+            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        }), flush=True)
+    ds_muon.disable()
+
+
+if __name__ == "__main__":
+    main()
