@@ -37,3 +37,13 @@ def test_mkdocs_build_strict(tmp_path) -> None:
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / "site" / "configuration" / "index.html").exists()
+
+
+def test_diagram_is_regenerated_by_its_script(tmp_path, monkeypatch) -> None:
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("make_diagram", REPO / "scripts" / "make_diagram.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(mod, "OUT", tmp_path / "d.svg")
+    mod.main()
+    assert (tmp_path / "d.svg").read_text() == (REPO / "docs" / "owner-exchange.svg").read_text()
