@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
+import weakref
 from typing import Any, Iterator
 
 import deepspeed
@@ -85,7 +86,11 @@ def _configure_zero_optimizer(self: DeepSpeedEngine, optimizer):
                           "whole matrices, not tensor-parallel slices")
     # Held under the lock: another thread's non-Muon initialize must not see the swapped class.
     with _lock, _swapped(ds_stage3, "DeepSpeedZeroOptimizer_Stage3", MuonZeroOptimizer):
-        return _originals["_configure_zero_optimizer"](self, optimizer)
+        zero_optimizer = _originals["_configure_zero_optimizer"](self, optimizer)
+    if self.monitor.enabled:  # per-step Muon figures go to DeepSpeed's own monitor, not to a logger of ours
+        engine = weakref.ref(self)
+        zero_optimizer.attach_monitor(self.monitor, lambda: engine().global_samples)
+    return zero_optimizer
 
 
 @contextlib.contextmanager

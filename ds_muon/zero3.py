@@ -13,6 +13,7 @@ DeepSpeedCPUAdam when offloaded).
 from __future__ import annotations
 
 import functools
+import time
 
 from typing import Callable, Optional
 
@@ -118,6 +119,9 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             raise TypeError("MuonZeroOptimizer needs a ds_muon ZeroMuonInner optimizer; "
                             "build the engine through ds_muon.initialize or ds_muon.enable()")
         self.muon_step_count = 0
+        self._monitor = None
+        self._monitor_step: Optional[Callable[[], int]] = None
+        self._muon_seconds = 0.0
         self.muon_plans: dict[int, BucketedPlan] = {}
         self._muon_pool = BufferPool()
         self._muon_exchanges: dict[int, OwnerExchange] = {}
@@ -150,6 +154,29 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             if self._get_sub_group_partition_rank(i) == 0:
                 logger.info("ds_muon sub-group %d: %s", i, plan.describe())
 
+    def attach_monitor(self, monitor, step_fn: Callable[[], int]) -> None:
+        """Report per-step Muon figures to DeepSpeed's monitor (tensorboard / csv_monitor / wandb / comet).
+
+        Events, written on rank 0 after each non-skipped step at ``step_fn()`` (the engine's global
+        sample count): ``Train/ds_muon/muon_seconds`` (wall time of this rank's Muon sub-group steps:
+        momentum, exchange, Newton–Schulz; the accelerator is synchronized around them only while a
+        monitor is attached), ``Train/ds_muon/exchange_bytes`` (bytes this rank sent in the owner
+        all_to_all) and ``Train/ds_muon/owner_imbalance`` (max/mean Newton–Schulz FLOPs over ranks).
+        """
+        self._monitor, self._monitor_step = monitor, step_fn
+
+    def exchange_bytes(self) -> int:
+        """Bytes this rank sends per optimizer step in the owner exchange (both directions)."""
+        return sum(plan.sent_elements(self._get_sub_group_partition_rank(i))
+                   * self._muon_exchanges[i].exchange_dtype.itemsize for i, plan in self.muon_plans.items())
+
+    def _report(self) -> None:
+        imbalance = max((p.imbalance() for p in self.muon_plans.values()), default=1.0)
+        step = self._monitor_step()
+        self._monitor.write_events([("Train/ds_muon/muon_seconds", self._muon_seconds, step),
+                                    ("Train/ds_muon/exchange_bytes", self.exchange_bytes(), step),
+                                    ("Train/ds_muon/owner_imbalance", imbalance, step)])
+
     # ---- step ----------------------------------------------------------------------------
     def step(self, closure=None):
         """DeepSpeed's ZeRO-3 step; counts the steps that were not skipped for overflow.
@@ -160,12 +187,15 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         with last step's gradient again. Zeroed, such a parameter sees a zero gradient, the
         oracle's semantics.
         """
+        self._muon_seconds = 0.0
         try:
             super().step(closure)
         finally:
             self._zero_grad_partitions()
         if not self.overflow:
             self.muon_step_count += 1
+            if self._monitor is not None:
+                self._report()
 
     def _zero_grad_partitions(self) -> None:
         if getattr(self, "grad_partitions_flat_buffer", None) is not None:
@@ -179,8 +209,15 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         plan = self.muon_plans.get(sub_group_id)
         if plan is None:
             super()._optimizer_step(sub_group_id)
-        else:
-            self._muon_sub_group_step(sub_group_id, plan)
+            return
+        timed = self._monitor is not None
+        if timed:
+            get_accelerator().synchronize()
+            start = time.perf_counter()
+        self._muon_sub_group_step(sub_group_id, plan)
+        if timed:
+            get_accelerator().synchronize()
+            self._muon_seconds += time.perf_counter() - start
 
     @torch.no_grad()
     def _muon_sub_group_step(self, i: int, plan: BucketedPlan) -> None:

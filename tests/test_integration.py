@@ -100,6 +100,24 @@ def integration_worker(rank: int, world_size: int) -> dict:
     out["enabled_after"] = ds_muon.integration.is_enabled()
     engine.destroy()
 
+    # per-step Muon figures reach DeepSpeed's own monitor (csv_monitor here)
+    import tempfile
+    csv_dir = tempfile.mkdtemp()
+    cfg = ds_config()
+    cfg["csv_monitor"] = {"enabled": True, "output_path": csv_dir, "job_name": "ds_muon_test"}
+    engine, _ = build_engine(cfg)
+    _train(engine, 2)
+    out["exchange_bytes"] = engine.optimizer.exchange_bytes()
+    out["plan_bytes"] = 4 * sum(p.sent_elements(rank) for p in engine.optimizer.muon_plans.values())
+    engine.destroy()
+    if rank == 0:
+        import csv
+        import glob
+        out["csv"] = {}
+        for path in glob.glob(f"{csv_dir}/ds_muon_test/Train_ds_muon_*.csv"):
+            with open(path) as f:
+                out["csv"][path.rsplit("/", 1)[-1]] = [row for row in csv.reader(f)]
+
     # enable() for frameworks that call deepspeed.initialize themselves
     ds_muon.enable()
     try:
@@ -154,4 +172,12 @@ def test_integration_paths() -> None:
     assert res["adamw_type"] is True and res["adamw_inner"] == "FusedAdam"
     assert "ZeRO stage 3" in res["stage2"] and "zero_optimization.stage" in res["stage2"]
     assert res["isinstance_checks"] == (True, True)
+    assert res["exchange_bytes"] == res["plan_bytes"] > 0
+    csvs = res["csv"]
+    assert set(csvs) == {"Train_ds_muon_muon_seconds.csv", "Train_ds_muon_exchange_bytes.csv",
+                         "Train_ds_muon_owner_imbalance.csv"}, csvs
+    for rows in csvs.values():
+        assert len(rows) == 1 + 2  # header + one row per optimizer step
+    assert all(float(r[1]) > 0 for r in csvs["Train_ds_muon_muon_seconds.csv"][1:])
+    assert [float(r[1]) for r in csvs["Train_ds_muon_exchange_bytes.csv"][1:]] == [res["exchange_bytes"]] * 2
     assert res["after_disable_type"] == "DeepSpeedZeroOptimizer_Stage3" and res["after_disable_builtin"] is True
