@@ -249,8 +249,10 @@ class MuonOptimizerParams(BaseModel):
         description=("Size of one owner-exchange bucket (unit: MiB of full Muon matrices in the exchange dtype; a "
                      "matrix larger than this is a bucket of its own). A sub-group's matrices are exchanged and "
                      "orthogonalized bucket by bucket, the next bucket's all_to_all overlapping the current one's "
-                     "Newton-Schulz; at most 3 buckets hold buffers at once, so the exchange needs about "
-                     "6 x exchange_bucket_mb / W MiB of accelerator memory per rank. Source: ds_muon."))
+                     "Newton-Schulz; at most 3 buckets hold buffers at once. Per rank that is 3 x (this rank's chunks of "
+                     "a bucket + its owned matrices of a bucket) plus one batch of owned matrices in the NS dtype: "
+                     "about 6 x exchange_bucket_mb / W MiB when a bucket has at least W matrices, up to about "
+                     "3 x exchange_bucket_mb MiB when it has few large ones. Source: ds_muon."))
 
     # ---- which parameters use Muon -----------------------------------------------------------
     muon_params: list[str] = Field(
@@ -562,9 +564,10 @@ def validate_ds_config(ds_config: dict) -> Optional[MuonOptimizerParams]:
     if isinstance(offload, dict) and _is_number(offload.get("ratio")) and offload["ratio"] != 1.0:
         problems.append(f"zero_optimization.offload_optimizer.ratio: {offload['ratio']!r} is invalid: ds_muon "
                         "does not support partial optimizer offload; remove ratio (or set it to 1.0)")
-    for key in ("zenflow", "super_offload"):
-        if zero.get(key):
-            problems.append(f"zero_optimization.{key}: is not supported by ds_muon; remove it")
+    if zero.get("zenflow"):
+        problems.append("zero_optimization.zenflow: is not supported by ds_muon; remove it")
+    if isinstance(offload, dict) and offload.get("super_offload"):
+        problems.append("zero_optimization.offload_optimizer.super_offload: is not supported by ds_muon; remove it")
     tp = ds_config.get("tensor_parallel")
     if isinstance(tp, dict) and _is_number(tp.get("autotp_size")) and tp["autotp_size"] > 1:
         problems.append(f"tensor_parallel.autotp_size: {tp['autotp_size']!r} is invalid: ds_muon orthogonalizes "

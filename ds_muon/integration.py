@@ -89,7 +89,12 @@ def _configure_zero_optimizer(self: DeepSpeedEngine, optimizer):
         zero_optimizer = _originals["_configure_zero_optimizer"](self, optimizer)
     if self.monitor.enabled:  # per-step Muon figures go to DeepSpeed's own monitor, not to a logger of ours
         engine = weakref.ref(self)
-        zero_optimizer.attach_monitor(self.monitor, lambda: engine().global_samples)
+
+        def samples_after_this_step() -> int | None:  # the engine adds the batch after optimizer.step()
+            e = engine()
+            return None if e is None else e.global_samples + e.train_batch_size()
+
+        zero_optimizer.attach_monitor(self.monitor, samples_after_this_step)
     return zero_optimizer
 
 

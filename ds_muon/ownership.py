@@ -204,9 +204,10 @@ class BucketedPlan:
     """A sub-group's owner plan cut into exchange buckets that are pipelined one after another.
 
     Owners are assigned over the whole sub-group (LPT); the buckets then interleave the owners'
-    matrices (each owner's largest first, round robin over owners), so every bucket gives every
-    rank Newton–Schulz work, and each bucket holds at most ``bucket_elements`` matrix elements (or
-    one matrix, if a single matrix is larger).
+    matrices (each owner's largest first, round robin over owners), so a bucket that holds at least
+    W matrices gives every rank Newton–Schulz work (a bucket of fewer, larger matrices leaves some
+    ranks idle for it), and each bucket holds at most ``bucket_elements`` matrix elements (or one
+    matrix, if a single matrix is larger).
 
     Attributes:
         buckets: one :class:`ExchangePlan` per bucket, in exchange order; each covers only its slots

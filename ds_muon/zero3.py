@@ -141,7 +141,7 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                      for p in params]
             compute = resolve_ns_dtype(group["ns_dtype"], group["ns_method"], device)
             wire = getattr(torch, resolve_exchange_dtype(group["exchange_dtype"], compute))
-            bucket_elements = int(self.optimizer.config.exchange_bucket_mb * 2**20) // wire.itemsize
+            bucket_elements = max(1, int(self.optimizer.config.exchange_bucket_mb * 2**20) // wire.itemsize)
             plan = build_bucketed_plan(infos, self._get_sub_group_partition_count(i), bucket_elements,
                                        group["ns_steps"], group["ns_method"])
             if plan.shard_numel != self.fp16_partitioned_groups_flat_numel[i]:
@@ -157,11 +157,11 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     def attach_monitor(self, monitor, step_fn: Callable[[], int]) -> None:
         """Report per-step Muon figures to DeepSpeed's monitor (tensorboard / csv_monitor / wandb / comet).
 
-        Events, written on rank 0 after each non-skipped step at ``step_fn()`` (the engine's global
-        sample count): ``Train/ds_muon/muon_seconds`` (wall time of this rank's Muon sub-group steps:
+        Events, written by rank 0 (its own figures) after each step not skipped for overflow, at
+        ``step_fn()`` (the engine's global sample count after this step, DeepSpeed's own x axis): ``Train/ds_muon/muon_seconds`` (wall time of this rank's Muon sub-group steps:
         momentum, exchange, Newton–Schulz; the accelerator is synchronized around them only while a
-        monitor is attached), ``Train/ds_muon/exchange_bytes`` (bytes this rank sent in the owner
-        all_to_all) and ``Train/ds_muon/owner_imbalance`` (max/mean Newton–Schulz FLOPs over ranks).
+        monitor is attached; the first step includes torch.compile time), ``Train/ds_muon/exchange_bytes``
+        (bytes this rank sends in the owner all_to_all, from the plan) and ``Train/ds_muon/owner_imbalance`` (max/mean Newton–Schulz FLOPs over ranks).
         """
         self._monitor, self._monitor_step = monitor, step_fn
 
@@ -173,6 +173,8 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     def _report(self) -> None:
         imbalance = max((p.imbalance() for p in self.muon_plans.values()), default=1.0)
         step = self._monitor_step()
+        if step is None:  # the engine is gone
+            return
         self._monitor.write_events([("Train/ds_muon/muon_seconds", self._muon_seconds, step),
                                     ("Train/ds_muon/exchange_bytes", self.exchange_bytes(), step),
                                     ("Train/ds_muon/owner_imbalance", imbalance, step)])

@@ -428,7 +428,9 @@ def test_nvme_offload_is_refused_until_supported():
     (lambda c: c.update(tensor_parallel={"autotp_size": 2}), r"tensor_parallel\.autotp_size: 2 .*set autotp_size to 1"),
     (lambda c: c.update(torch_autocast={"enabled": True}), r"torch_autocast\.enabled.*use \"bf16\""),
     (lambda c: c["zero_optimization"].update(zenflow={"topk_ratio": 0.1}), r"zero_optimization\.zenflow"),
-], ids=["partial-offload", "autotp", "autocast", "zenflow"])
+    (lambda c: c["zero_optimization"].update(offload_optimizer={"device": "cpu", "super_offload": True}),
+     r"offload_optimizer\.super_offload"),
+], ids=["partial-offload", "autotp", "autocast", "zenflow", "super-offload"])
 def test_unsupported_combinations_are_named(mutate, match):
     cfg = muon_config()
     mutate(cfg)

@@ -179,5 +179,7 @@ def test_integration_paths() -> None:
     for rows in csvs.values():
         assert len(rows) == 1 + 2  # header + one row per optimizer step
     assert all(float(r[1]) > 0 for r in csvs["Train_ds_muon_muon_seconds.csv"][1:])
+    # x axis = DeepSpeed's sample count after each step (micro-batch 2 x 2 ranks), like its own events
+    assert [int(float(r[0])) for r in csvs["Train_ds_muon_muon_seconds.csv"][1:]] == [4, 8]
     assert [float(r[1]) for r in csvs["Train_ds_muon_exchange_bytes.csv"][1:]] == [res["exchange_bytes"]] * 2
     assert res["after_disable_type"] == "DeepSpeedZeroOptimizer_Stage3" and res["after_disable_builtin"] is True
