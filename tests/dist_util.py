@@ -35,7 +35,10 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
         if before is not None:
             before()
         import deepspeed
-        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        # File rendezvous: no TCP store port to race for (MASTER_PORT stays set: DeepSpeed's CPU
+        # shared-memory comm names its segments after it).
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False, init_method=f"file://{out_dir}/rendezvous",
+                                   rank=rank, world_size=world_size)
         result = ("ok", fn(rank, world_size, *args))
     except BaseException:  # noqa: BLE001 - reported to the parent
         result = ("error", traceback.format_exc())
