@@ -614,7 +614,8 @@ def _scheduler_problems(scheduler: Any, params: MuonOptimizerParams) -> list[str
     value = (scheduler.get("params") or {}).get(key)
     if muon_lr == adam_lr or isinstance(value, (list, tuple)):
         return []
-    return [f"scheduler.params.{key}: {value!r} is invalid: DeepSpeed's {scheduler['type']} writes this one learning "
+    shown = "not set (DeepSpeed's default applies)" if value is None else f"{value!r} is invalid"
+    return [f"scheduler.params.{key}: {shown}: DeepSpeed's {scheduler['type']} writes this one learning "
             f"rate into every param group, which would replace both Muon's lr ({_fmt_num(muon_lr)}) and AdamW's "
             f"({_fmt_num(adam_lr)}); use scheduler type \"WarmupCosineLR\" (it scales each group's own lr), pass a "
             "torch.optim.lr_scheduler.LambdaLR as lr_scheduler to ds_muon.initialize, or set muon_lr equal to "

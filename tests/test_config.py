@@ -444,6 +444,9 @@ def test_scalar_lr_scheduler_would_collapse_muon_and_adamw_lrs():
     cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_max_lr": 0.02, "warmup_num_steps": 10}}
     with pytest.raises(ConfigError, match=r"scheduler\.params\.warmup_max_lr: 0\.02 is invalid.*WarmupCosineLR"):
         validate_ds_config(cfg)
+    cfg["scheduler"] = {"type": "WarmupDecayLR", "params": {"total_num_steps": 100}}
+    with pytest.raises(ConfigError, match=r"warmup_max_lr: not set \(DeepSpeed's default applies\)"):
+        validate_ds_config(cfg)
     # fine: a ratio-based scheduler, a per-group list, or one shared lr
     for sched in ({"type": "WarmupCosineLR", "params": {"total_num_steps": 100}},
                   {"type": "WarmupLR", "params": {"warmup_max_lr": [0.02, 3e-4]}}):
