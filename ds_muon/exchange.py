@@ -106,7 +106,7 @@ class OwnerExchange:
             raise ValueError(f"plan for W={plan.world_size}, shard {plan.shard_numel} does not match "
                              f"W={W}, u {u.numel()}, out {out.numel()}")
         device = self.device or u.device
-        in_flight: dict[int, tuple] = {}   # bucket -> (stage, work handle, shard_side, owner_side)
+        in_flight: dict[int, tuple] = {}   # bucket -> (work handle, shard_side, owner_side)
 
         def start_in(k: int) -> None:
             b, slot = buckets[k], k % PIPELINE_DEPTH
@@ -115,10 +115,10 @@ class OwnerExchange:
             owner_side = self.pool.get(f"owner_side{slot}", W * mine, self.exchange_dtype, device)
             torch._foreach_copy_(list(shard_side.split([s.chunk for s in b.slots])),
                                  [u[s.shard_offset:s.shard_offset + s.chunk] for s in b.slots])
-            in_flight[k] = ("in", self._all_to_all(owner_side, shard_side, [mine] * W, splits), shard_side, owner_side)
+            in_flight[k] = (self._all_to_all(owner_side, shard_side, [mine] * W, splits), shard_side, owner_side)
 
         def finish_out(k: int) -> None:
-            _, work, shard_side, _ = in_flight.pop(k)
+            work, shard_side, _ = in_flight.pop(k)
             if work is not None:
                 work.wait()
             b = buckets[k]
@@ -132,13 +132,12 @@ class OwnerExchange:
                 if k + 1 - PIPELINE_DEPTH >= 0:
                     finish_out(k + 1 - PIPELINE_DEPTH)  # frees the buffer slot bucket k+1 reuses
                 start_in(k + 1)
-            _, work, shard_side, owner_side = in_flight[k]
+            work, shard_side, owner_side = in_flight[k]
             if work is not None:
                 work.wait()
             self._owner_compute(b, owner_side, fn, device)
             splits, mine = list(b.split_sizes), b.split_sizes[self.rank]
-            in_flight[k] = ("out", self._all_to_all(shard_side, owner_side, splits, [mine] * W), shard_side,
-                            owner_side)
+            in_flight[k] = (self._all_to_all(shard_side, owner_side, splits, [mine] * W), shard_side, owner_side)
         for k in sorted(in_flight):
             finish_out(k)
 

@@ -97,9 +97,7 @@ class ExchangePlan:
 
     def imbalance(self) -> float:
         """max / mean Newton–Schulz FLOPs over ranks (1.0 = perfect; 1.0 when there is no work)."""
-        loads = self.load()
-        mean = sum(loads) / len(loads)
-        return max(loads) / mean if mean else 1.0
+        return _imbalance(self.load())
 
     def sent_elements(self, rank: int) -> int:
         """Elements ``rank`` sends per step in both exchanges: its chunks of the matrices it does
@@ -112,6 +110,11 @@ class ExchangePlan:
         loads = ", ".join(f"{x / 1e9:.3g}" for x in self.load())
         return (f"{len(self.slots)} Muon matrices over W={self.world_size}; NS GFLOP per rank [{loads}]; "
                 f"imbalance max/mean {self.imbalance():.3f}")
+
+
+def _imbalance(loads: list[int]) -> float:
+    mean = sum(loads) / len(loads)
+    return max(loads) / mean if mean else 1.0
 
 
 @dataclass(frozen=True)
@@ -224,13 +227,11 @@ class BucketedPlan:
 
     def load(self) -> list[int]:
         """Newton–Schulz FLOPs per rank over all buckets."""
-        return [sum(b.load()[r] for b in self.buckets) for r in range(self.world_size)]
+        return [sum(col) for col in zip(*(b.load() for b in self.buckets))] or [0] * self.world_size
 
     def imbalance(self) -> float:
         """max / mean Newton–Schulz FLOPs over ranks for the whole sub-group."""
-        loads = self.load()
-        mean = sum(loads) / len(loads)
-        return max(loads) / mean if mean else 1.0
+        return _imbalance(self.load())
 
     def sent_elements(self, rank: int) -> int:
         """Elements ``rank`` sends per step in all buckets' exchanges (see ExchangePlan.sent_elements)."""

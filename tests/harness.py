@@ -8,7 +8,6 @@ optimizer.
 """
 from __future__ import annotations
 
-import copy
 from typing import Callable
 
 import torch
@@ -132,6 +131,3 @@ def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], init: d
 def clone_tags(model) -> dict[str, bool]:
     return {n: bool(getattr(p, "use_muon", False)) for n, p in model.named_parameters()}
 
-
-def copy_model(model):
-    return copy.deepcopy(model)
