@@ -94,6 +94,22 @@ def ns_microbenchmark(out_path: str, steps: int = 5) -> None:
         json.dump({"matmul_tflops": rate, "rows": rows}, f)
 
 
+def profile_steps(engine, vocab: int, args, g, device, steps: int = 3) -> str:
+    """torch.profiler over ``steps`` whole training steps; returns the key_averages table (rank 0's
+    view, sorted by device time) of the optimizer step's phases and the top kernels."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            x = torch.randint(0, vocab, (args.micro_batch, args.seq_len + 1), generator=g).to(device)
+            with record_function("bench/forward_backward"):
+                engine.backward(engine(x[:, :-1], x[:, 1:]))
+            with record_function("bench/optimizer_step"):
+                engine.step()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="device_time_total", row_limit=30, max_name_column_width=70)
+
+
 def worker(args) -> None:
     import deepspeed
     import torch
@@ -119,11 +135,12 @@ def worker(args) -> None:
     vocab = model.cfg.vocab_size
     g = torch.Generator(device="cpu").manual_seed(rank)
     step_times, opt_times, losses = [], [], []
-    torch.cuda.reset_peak_memory_stats(device)
+    peak_fwd_bwd = peak_step = 0
     comm = None
     for i in range(args.warmup + args.steps):
         x = torch.randint(0, vocab, (args.micro_batch, args.seq_len + 1), generator=g).to(device)
         torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
         counter = counting() if i == args.warmup else None
         records = counter.__enter__() if counter else None
@@ -131,9 +148,12 @@ def worker(args) -> None:
         engine.backward(loss)
         torch.cuda.synchronize()
         t1 = time.perf_counter()
+        peak_fwd_bwd = max(peak_fwd_bwd, torch.cuda.max_memory_allocated(device))
+        torch.cuda.reset_peak_memory_stats(device)
         engine.step()
         torch.cuda.synchronize()
         t2 = time.perf_counter()
+        peak_step = max(peak_step, torch.cuda.max_memory_allocated(device))
         if counter:
             counter.__exit__(None, None, None)
             comm = dict(by_op(records))
@@ -141,9 +161,12 @@ def worker(args) -> None:
         if i >= args.warmup:
             step_times.append(t2 - t0)
             opt_times.append(t2 - t1)
-    peak = torch.cuda.max_memory_allocated(device) / 2**30
+    profile = None
+    if args.profile and args.optimizer == "ds_muon":
+        profile = profile_steps(engine, vocab, args, g, device)
     result = dict(optimizer=args.optimizer, step_s=statistics.median(step_times), opt_step_s=statistics.median(opt_times),
-                  peak_gib=peak, comm_bytes=comm, comm_total=sum(comm.values()), params=n_params,
+                  peak_gib=max(peak_fwd_bwd, peak_step) / 2**30, peak_fwd_bwd_gib=peak_fwd_bwd / 2**30,
+                  peak_step_gib=peak_step / 2**30, profile=profile, comm_bytes=comm, comm_total=sum(comm.values()), params=n_params,
                   first_loss=losses[0], last_loss=losses[-1], world=dist.get_world_size())
     if args.optimizer.startswith("ds_muon"):
         plans = engine.optimizer.muon_plans.values()
@@ -171,6 +194,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile 3 ds_muon steps with torch.profiler and print the summary table")
     ap.add_argument("--ns-micro", action=argparse.BooleanOptionalAction, default=True,
                     help="also run the Newton-Schulz microbenchmark (one GPU)")
     ap.add_argument("--ns-worker", action="store_true", help=argparse.SUPPRESS)
@@ -187,7 +212,7 @@ def main() -> None:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), __file__,
                    "--worker", "--optimizer", opt, "--model", args.model, "--micro-batch", str(args.micro_batch),
                    "--seq-len", str(args.seq_len), "--warmup", str(args.warmup), "--steps", str(args.steps),
-                   "--out", out]
+                   "--out", out] + (["--profile"] if args.profile else [])
             print(">>", " ".join(cmd), flush=True)
             proc = subprocess.run(cmd)
             if proc.returncode == 0 and os.path.exists(out):
@@ -202,6 +227,8 @@ def main() -> None:
                 with open(out) as f:
                     results["ns_micro"] = json.load(f)
     print_table({k: v for k, v in results.items() if k != "ns_micro"})
+    if results.get("ds_muon", {}).get("profile"):
+        print("\ntorch.profiler, 3 ds_muon steps, rank 0:\n" + results["ds_muon"]["profile"])
     if "ns_micro" in results:
         ns = results["ns_micro"]
         print(f"\nNewton-Schulz, 5 steps, bf16 (gram: fp16); bf16 matmul rate {ns['matmul_tflops']:.0f} TFLOP/s")
@@ -216,10 +243,11 @@ def main() -> None:
 
 def print_table(results: dict) -> None:
     ok = {k: v for k, v in results.items() if "error" not in v}
-    print("\n| optimizer | step s | optimizer step s | peak GiB | bytes/step (rank 0) |")
+    print("\n| optimizer | step s | optimizer step s | peak GiB (fwd+bwd / step) | bytes/step (rank 0) |")
     print("|---|---|---|---|---|")
     for k, v in ok.items():
-        print(f"| {k} | {v['step_s']:.3f} | {v['opt_step_s']:.3f} | {v['peak_gib']:.1f} | {v['comm_total'] / 2**20:.0f} MiB |")
+        print(f"| {k} | {v['step_s']:.3f} | {v['opt_step_s']:.3f} | {v['peak_gib']:.1f} ({v['peak_fwd_bwd_gib']:.1f} / "
+              f"{v['peak_step_gib']:.1f}) | {v['comm_total'] / 2**20:.0f} MiB |")
     for k, v in results.items():
         if "error" in v:
             print(f"| {k} | failed: {v['error']} | | | |")

@@ -10,6 +10,7 @@ from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from .ownership import BucketedPlan, ExchangePlan
 
@@ -120,7 +121,8 @@ class OwnerExchange:
         def finish_out(k: int) -> None:
             work, shard_side, _ = in_flight.pop(k)
             if work is not None:
-                work.wait()
+                with record_function("ds_muon/wait_exchange_out"):
+                    work.wait()
             b = buckets[k]
             torch._foreach_copy_([out[s.shard_offset:s.shard_offset + s.chunk] for s in b.slots],
                                  list(shard_side.split([s.chunk for s in b.slots])))
@@ -134,8 +136,10 @@ class OwnerExchange:
                 start_in(k + 1)
             work, shard_side, owner_side = in_flight[k]
             if work is not None:
-                work.wait()
-            self._owner_compute(b, owner_side, fn, device)
+                with record_function("ds_muon/wait_exchange_in"):
+                    work.wait()
+            with record_function("ds_muon/newton_schulz"):
+                self._owner_compute(b, owner_side, fn, device)
             splits, mine = list(b.split_sizes), b.split_sizes[self.rank]
             in_flight[k] = (self._all_to_all(shard_side, owner_side, splits, [mine] * W), shard_side, owner_side)
         for k in sorted(in_flight):

@@ -19,6 +19,7 @@ from typing import Callable, Optional
 
 import torch
 from deepspeed.accelerator import get_accelerator
+from torch.profiler import record_function
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.utils import logger
 
@@ -231,8 +232,9 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         if momentum is None:
             momentum = state[MOMENTUM_KEY] = torch.zeros_like(fp32, dtype=torch.float32)
         beta = group["momentum"]
-        momentum.lerp_(grad, 1 - beta)
-        update = grad.lerp_(momentum, beta) if group["nesterov"] else momentum
+        with record_function("ds_muon/momentum"):
+            momentum.lerp_(grad, 1 - beta)
+            update = grad.lerp_(momentum, beta) if group["nesterov"] else momentum
         method, steps, mode = group["ns_method"], group["ns_steps"], group["update_scale"]
         exchange = self._muon_exchanges[i]
         if self.optimizer.config.ns_compile and exchange.device.type == "cuda":
@@ -244,6 +246,8 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             rows, cols = mats.shape[-2:]
             return ns(mats).mul_(update_scale(rows, cols, mode))
 
-        exchange.run(plan, update, grad, owner_update)
-        fp32.mul_(1 - group["lr"] * group["weight_decay"])
-        fp32.add_(grad, alpha=-group["lr"])
+        with record_function("ds_muon/exchange_and_newton_schulz"):
+            exchange.run(plan, update, grad, owner_update)
+        with record_function("ds_muon/apply_update"):
+            fp32.mul_(1 - group["lr"] * group["weight_decay"])
+            fp32.add_(grad, alpha=-group["lr"])

@@ -12,7 +12,8 @@ Architecture (pre-norm decoder):
 
 ``get_output_embeddings()`` returns ``lm_head`` (ds_muon uses it to route the output head to AdamW).
 
-Presets (``ModelConfig.preset(name)``): ``tiny`` (CPU default), ``small``, ``934m`` (the benchmark model).
+Presets (``ModelConfig.preset(name)``): ``tiny`` (CPU default), ``small``, ``934m`` (the benchmark model),
+``2.9b`` (the larger benchmark flavour).
 """
 from __future__ import annotations
 
@@ -66,6 +67,9 @@ PRESETS = {
     # The benchmark model of design.md §8: ~934M params with a 32000 vocab (d=2048, 16 layers, SwiGLU 5440).
     "934m": ModelConfig(vocab_size=32000, d_model=2048, n_layers=16, n_heads=16, n_kv_heads=16,
                         ffn_hidden=5440, max_seq_len=1024),
+    # The larger benchmark flavour: ~2.9B params (d=3072, 24 layers, 24 heads, SwiGLU 8192, vocab 32000).
+    "2.9b": ModelConfig(vocab_size=32000, d_model=3072, n_layers=24, n_heads=24, n_kv_heads=24,
+                        ffn_hidden=8192, max_seq_len=1024),
 }
 
 
