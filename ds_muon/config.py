@@ -500,6 +500,23 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def _nvme_path_problems(section: str, nvme_path: Any) -> list[str]:
+    """An NVMe swap directory must be given, exist, and be writable by this process (DeepSpeed only
+    fails later, at the first swap, or silently creates a mistyped mount point on the root disk)."""
+    key = f"zero_optimization.{section}.nvme_path"
+    if nvme_path is None or (isinstance(nvme_path, str) and not nvme_path.strip()):
+        return [f"{key}: {nvme_path!r} is invalid: {section}.device is 'nvme', so a directory on a local NVMe "
+                f"drive is required; set nvme_path (e.g. \"/local_nvme\"), or use device 'cpu'"]
+    path = os.fspath(nvme_path)
+    if not os.path.isdir(path):
+        return [f"{key}: {path!r} does not exist or is not a directory: create it (mkdir -p {path}) on every node, "
+                f"or point nvme_path at the mounted NVMe drive"]
+    if not os.access(path, os.W_OK | os.X_OK):
+        return [f"{key}: {path!r} is not writable by this process: DeepSpeed writes its swap files there; "
+                f"fix its permissions, or choose a writable directory"]
+    return []
+
+
 def validate_ds_config(ds_config: dict) -> Optional[MuonOptimizerParams]:
     """Check the ds_muon-relevant parts of a DeepSpeed config dict.
 
@@ -509,7 +526,8 @@ def validate_ds_config(ds_config: dict) -> Optional[MuonOptimizerParams]:
 
     * ``optimizer.params`` as in :func:`parse_muon_params`;
     * ``zero_optimization.stage`` must be 3;
-    * ``zero_optimization.offload_optimizer.device == "nvme"`` needs a ``nvme_path``;
+    * an NVMe ``offload_optimizer`` (or ``offload_param``) needs a ``nvme_path`` that exists and is
+      writable;
     * ``gradient_clipping`` must be a number >= 0 (0 disables clipping).
 
     ``zero_optimization.save_muon_momentum_buffer_in_memory: true`` without an optimizer offload
@@ -551,16 +569,11 @@ def validate_ds_config(ds_config: dict) -> Optional[MuonOptimizerParams]:
         device = offload.get("device")
         device = str(getattr(device, "value", device)).lower() if device is not None else None
         if device == "nvme":
-            nvme_path = offload.get("nvme_path")
-            if nvme_path is None or (isinstance(nvme_path, str) and not nvme_path.strip()):
-                problems.append(
-                    f"zero_optimization.offload_optimizer.nvme_path: {nvme_path!r} is invalid: "
-                    f"offload_optimizer.device is 'nvme', so a directory on a local NVMe drive is required; "
-                    f"set nvme_path (e.g. \"/local_nvme\"), or use device 'cpu'")
+            problems.extend(_nvme_path_problems("offload_optimizer", offload.get("nvme_path")))
+    offload_param = zero.get("offload_param")
+    if isinstance(offload_param, dict) and str(offload_param.get("device")).lower() == "nvme":
+        problems.extend(_nvme_path_problems("offload_param", offload_param.get("nvme_path")))
 
-    if device == "nvme":
-        problems.append("zero_optimization.offload_optimizer.device: 'nvme' is not supported by this ds_muon "
-                        "version yet (it is planned); use device 'cpu', or no optimizer offload")
     if isinstance(offload, dict) and _is_number(offload.get("ratio")) and offload["ratio"] != 1.0:
         problems.append(f"zero_optimization.offload_optimizer.ratio: {offload['ratio']!r} is invalid: ds_muon "
                         "does not support partial optimizer offload; remove ratio (or set it to 1.0)")

@@ -237,6 +237,28 @@ class BucketedPlan:
         """Elements ``rank`` sends per step in all buckets' exchanges (see ExchangePlan.sent_elements)."""
         return sum(b.sent_elements(rank) for b in self.buckets)
 
+    def buffer_elements(self, rank: int, depth: int) -> tuple[int, int]:
+        """Exchange-buffer elements ``rank`` holds at most while this plan runs with ``depth`` buckets
+        in flight (:data:`ds_muon.exchange.PIPELINE_DEPTH`): the bound on the exchange's accelerator
+        memory, also under optimizer offload, where the shard stays in CPU memory.
+
+        Returns:
+            ``(wire, compute)``: elements in the exchange dtype (per pipeline slot, this rank's
+            chunks of a bucket, and the ``W`` chunks of each matrix it owns there, each buffer
+            sized for the largest bucket that cycles through its slot) and in the Newton–Schulz
+            compute dtype (the largest same-shape batch of whole matrices it owns). Each is below
+            ``depth * (1 + 1/W) * bucket_elements`` and ``bucket_elements`` plus padding, unless a
+            single matrix is larger than a bucket.
+        """
+        W = self.world_size
+        shard_side, owner_side = [0] * depth, [0] * depth
+        compute = 0
+        for k, b in enumerate(self.buckets):
+            shard_side[k % depth] = max(shard_side[k % depth], sum(b.split_sizes))
+            owner_side[k % depth] = max(owner_side[k % depth], W * b.split_sizes[rank])
+            compute = max([compute] + [batch.count * W * batch.chunk for batch in b.batches[rank]])
+        return sum(shard_side) + sum(owner_side), compute
+
     def describe(self) -> str:
         loads = ", ".join(f"{x / 1e9:.3g}" for x in self.load())
         return (f"{len(self.slots)} Muon matrices in {len(self.buckets)} exchange buckets over W={self.world_size}; "

@@ -23,7 +23,7 @@ from torch.profiler import record_function
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.utils import logger
 
-from .config import resolve_exchange_dtype
+from .config import ConfigError, resolve_exchange_dtype
 from .exchange import BufferPool, OwnerExchange
 from .matrix import update_scale
 from .newton_schulz import compiled_orthogonalize, orthogonalize, resolve_ns_dtype
@@ -120,6 +120,9 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             raise TypeError("MuonZeroOptimizer needs a ds_muon ZeroMuonInner optimizer; "
                             "build the engine through ds_muon.initialize or ds_muon.enable()")
         self.muon_step_count = 0
+        self._active_grad_ids: set[int] = set()
+        # zero_optimization.save_muon_momentum_buffer_in_memory: keep Muon momentum out of the NVMe swap.
+        self._momentum_in_memory = bool(self.swap_optimizer and self.save_muon_momentum_buffer_in_memory)
         self._monitor = None
         self._monitor_step: Optional[Callable[[], int]] = None
         self._muon_seconds = 0.0
@@ -129,6 +132,45 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self._build_muon_plans()
 
     # ---- setup ---------------------------------------------------------------------------
+    def initialize_optimizer_states(self) -> None:
+        """DeepSpeed's, after checking the NVMe swapper's ``buffer_count`` (its first swap is in there)."""
+        if self.swap_optimizer:
+            self._check_swap_buffer_count()
+        super().initialize_optimizer_states()
+
+    def swap_buffers_needed(self) -> int:
+        """Pinned swap buffers DeepSpeed's optimizer swapper needs for this model's sub-groups.
+
+        A swapped sub-group holds one buffer per swapped tensor while resident: fp32 weights,
+        gradient, and its state (AdamW: ``exp_avg``, ``exp_avg_sq`` = 4 in all; Muon: ``momentum_buffer``
+        = 3, or 2 with ``save_muon_momentum_buffer_in_memory``). The partitioned swapper holds one
+        sub-group at a time; the pipelined one also the next (``pipeline_read``) and/or the previous
+        (``pipeline_write``), so the need is the largest sum over that many consecutive swapped
+        sub-groups. (Measured on CPU with DeepSpeed 0.19.8: one Muon and one AdamW sub-group need
+        4 without pipelining, 7 with it, 6 with momentum in memory; one fewer fails.)
+        """
+        in_memory = bool(self.save_muon_momentum_buffer_in_memory)
+        counts = []
+        for i in range(len(self.fp16_groups)):
+            if self._swappable_optimizer_subgroup(i):
+                muon = self.optimizer.param_groups[self.sub_group_to_group_id[i]]["use_muon"]
+                counts.append(2 + (0 if in_memory else 1) if muon else 4)
+        cfg = self.optimizer_swapper.swap_config
+        window = 1 + bool(cfg.pipeline_read) + bool(cfg.pipeline_write)
+        return max((sum(counts[k:k + window]) for k in range(max(1, len(counts) - window + 1))), default=0)
+
+    def _check_swap_buffer_count(self) -> None:
+        cfg = self.optimizer_swapper.swap_config
+        needed = self.swap_buffers_needed()
+        if cfg.buffer_count < needed:
+            pipelined = [k for k in ("pipeline_read", "pipeline_write") if getattr(cfg, k)]
+            how = (f"the pipelined swapper ({' and '.join(pipelined)}) keeps {1 + len(pipelined)} consecutive "
+                   "sub-groups resident" if pipelined else "the swapper keeps one sub-group resident")
+            raise ConfigError(
+                f"zero_optimization.offload_optimizer.buffer_count: {cfg.buffer_count} is too small for this model: "
+                f"{how}, each needing one pinned buffer per swapped tensor (fp32 weights, gradient, and "
+                f"exp_avg + exp_avg_sq for AdamW or the Muon momentum); set buffer_count to at least {needed}")
+
     def _muon_group(self, sub_group_id: int) -> dict:
         return self.optimizer.param_groups[self.sub_group_to_group_id[sub_group_id]]
 
@@ -191,6 +233,8 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         oracle's semantics.
         """
         self._muon_seconds = 0.0
+        # The parent clears this set in _pre_step; keep this window's copy for _fix_swapped_grad.
+        self._active_grad_ids = set(getattr(self, "_offload_boundary_param_ids", ()))
         try:
             super().step(closure)
         finally:
@@ -208,7 +252,27 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                 if fp32.grad is not None and not self._swappable_optimizer_subgroup(i):
                     fp32.grad.zero_()
 
+    def _fix_swapped_grad(self, i: int) -> None:
+        """Make a swapped (NVMe) sub-group's gradient this step's, with zeros where there was none.
+
+        The swapper swaps in gradient fragments of the parameters reduced this window, into a pinned
+        buffer that still holds older data elsewhere, and leaves ``grad`` None when no fragment was
+        ever swapped out. Parameters that got no gradient this window therefore read stale values;
+        the oracle reads zeros. No extra I/O: the fix is in memory, on the swapped-in buffer.
+        """
+        fp32 = self.fp32_partitioned_groups_flat[i]
+        if fp32.grad is None:
+            fp32.grad = torch.zeros_like(fp32)
+            return
+        active = self._active_grad_ids
+        for param in self.fp16_groups[i]:
+            if param.ds_id not in active:
+                _, offset, numel = self.grad_position[self.get_param_id(param)]
+                fp32.grad.narrow(0, offset, numel).zero_()
+
     def _optimizer_step(self, sub_group_id: int) -> None:
+        if self._swappable_optimizer_subgroup(sub_group_id):
+            self._fix_swapped_grad(sub_group_id)
         plan = self.muon_plans.get(sub_group_id)
         if plan is None:
             super()._optimizer_step(sub_group_id)
@@ -230,7 +294,11 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         state = self.optimizer.state[fp32]
         momentum = state.get(MOMENTUM_KEY)
         if momentum is None:
+            # Created in the first step with the fp32 shard's length and dtype: the NVMe swapper
+            # latches a sub-group's state keys on its first swap-out.
             momentum = state[MOMENTUM_KEY] = torch.zeros_like(fp32, dtype=torch.float32)
+            if self._momentum_in_memory:
+                momentum.swappable = False  # the swapper leaves tensors marked so in memory
         beta = group["momentum"]
         with record_function("ds_muon/momentum"):
             momentum.lerp_(grad, 1 - beta)

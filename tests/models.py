@@ -18,30 +18,36 @@ class ParityNet(nn.Module):
     gradient when ``use_extra`` is False (``conv=False`` drops the conv: DeepSpeed 0.19.8's
     built-in Muon fails on 4-D weights, and the comparison in test_comm_accounting needs it to run). AdamW: the embedding (tied to the output head), two
     LayerNorms, biases. ``frozen`` does not train.
+
+    ``dim``/``vocab`` scale it up (the data still uses the first ``VOCAB`` tokens): :func:`wide_parity_net`
+    makes every sub-group large enough for DeepSpeed's NVMe swapper, which keeps tensors under
+    1 MiB in memory.
     """
 
-    def __init__(self, tie: bool = True, conv: bool = True) -> None:
+    def __init__(self, tie: bool = True, conv: bool = True, dim: int = DIM, vocab: int = VOCAB) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.norm1 = nn.LayerNorm(DIM)
-        self.q = nn.Linear(DIM, DIM, bias=False)
-        self.k = nn.Linear(DIM, 12, bias=False)
-        self.v = nn.Linear(DIM, 12, bias=True)
-        self.o = nn.Linear(DIM, DIM, bias=False)
-        self.kv_proj = nn.Linear(12, DIM, bias=False)
-        self.conv = nn.Conv2d(DIM, DIM, kernel_size=(3, 1), padding=(1, 0)) if conv else None
-        self.up = nn.Linear(DIM, 41)
-        self.down = nn.Linear(41, DIM)
-        self.experts = nn.Parameter(torch.randn(3, DIM, 16) * 0.2)
+        self.vocab = vocab
+        half, hidden, expert = dim // 2, dim + 17, dim * 2 // 3
+        self.embed = nn.Embedding(vocab, dim)
+        self.norm1 = nn.LayerNorm(dim)
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.k = nn.Linear(dim, half, bias=False)
+        self.v = nn.Linear(dim, half, bias=True)
+        self.o = nn.Linear(dim, dim, bias=False)
+        self.kv_proj = nn.Linear(half, dim, bias=False)
+        self.conv = nn.Conv2d(dim, dim, kernel_size=(3, 1), padding=(1, 0)) if conv else None
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+        self.experts = nn.Parameter(torch.randn(3, dim, expert) * 0.2)
         self.experts.use_muon = True
-        self.expert_out = nn.Linear(16, DIM, bias=False)
-        self.frozen = nn.Linear(DIM, DIM)
+        self.expert_out = nn.Linear(expert, dim, bias=False)
+        self.frozen = nn.Linear(dim, dim)
         self.frozen.requires_grad_(False)
-        self.extra = nn.Linear(DIM, DIM, bias=False)
+        self.extra = nn.Linear(dim, dim, bias=False)
         self.pad_a = nn.Linear(7, 5, bias=False)   # 35 elements: ZeRO-3 pads it at W = 2, 3, 4
         self.pad_b = nn.Linear(3, 1, bias=False)   # 3 elements: fewer than W = 4, one rank holds only padding
-        self.norm2 = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.norm2 = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
         if tie:
             self.head.weight = self.embed.weight
 
@@ -65,7 +71,13 @@ class ParityNet(nn.Module):
         z = self.pad_b(F.silu(self.pad_a(h[..., :7]))[..., :3])
         h = torch.cat([h[..., :1] + z, h[..., 1:]], dim=-1)
         logits = self.head(self.norm2(h))
-        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+        return F.cross_entropy(logits.reshape(-1, self.vocab), targets.reshape(-1))
+
+
+def wide_parity_net() -> ParityNet:
+    """ParityNet at dim 256, vocab 2100: ~0.8M Muon and ~0.54M AdamW elements, so at W = 2 both the
+    Muon and the AdamW sub-group exceed the NVMe swapper's 1 MiB minimum (262144 fp32 elements)."""
+    return ParityNet(dim=256, vocab=2100)
 
 
 def batch(step: int, rank: int, micro: int, batch_size: int = 2, seq: int = 8) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,10 +7,13 @@ Each world size spawns one process group and runs several configurations in it.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from tests.dist_util import run_distributed
+from tests.models import ParityNet, wide_parity_net
 from tests.harness import (PARITY_RTOL, build_engine, clone_tags, compare, ds_config, fp32_master_params,
                            gathered_params, reference_model, train_engine, train_reference)
 
@@ -29,7 +32,7 @@ def _untag_o(model):
     model.o.weight.use_muon = False  # a user's explicit AdamW choice for a 2-D weight
 
 
-def _run_case(rank: int, world_size: int, case: dict) -> dict | None:
+def _run_case(rank: int, world_size: int, case: dict, nvme_dir: str = "") -> dict | None:
     import ds_muon
     from ds_muon.zero3 import MuonZeroOptimizer
 
@@ -38,22 +41,32 @@ def _run_case(rank: int, world_size: int, case: dict) -> dict | None:
     if case.get("bf16"):
         cfg["bf16"] = {"enabled": True}
     groups_fn = _wd_groups if case.get("groups") else None
+    model_fn = wide_parity_net if case.get("wide") else ParityNet
+    zero = cfg["zero_optimization"]
+    if zero.get("offload_optimizer", {}).get("device") == "nvme":  # a fresh swap folder per case
+        zero["offload_optimizer"]["nvme_path"] = os.path.join(nvme_dir, case["name"])
+        os.makedirs(zero["offload_optimizer"]["nvme_path"], exist_ok=True)
     engine, model = build_engine(cfg, zero_init=case.get("zero_init", False), model_parameters=groups_fn,
-                                 before=_untag_o if case.get("untag_o") else None)
+                                 before=_untag_o if case.get("untag_o") else None, model_fn=model_fn)
     assert type(engine.optimizer) is MuonZeroOptimizer, type(engine.optimizer)
     assert engine.optimizer.use_muon is False  # DeepSpeed's built-in ZeRO-3 Muon path is off
     init = gathered_params(model)
     tags = clone_tags(model)
+    probe_start, probe_finish = case.get("probe", (None, None))
+    if probe_start:
+        probe_start(engine)
     norms = train_engine(engine, STEPS, rank, case.get("gas", 1))
+    probe = probe_finish(engine) if probe_finish else None
     got = fp32_master_params(model) if case.get("bf16") else gathered_params(model)
     result = {"steps": engine.optimizer.muon_step_count,
               "n_buckets": sum(len(p.buckets) for p in engine.optimizer.muon_plans.values()), "norms": norms, "tags": tags,
-              "n_sub_groups": len(engine.optimizer.fp16_groups), "n_muon_sub_groups": len(engine.optimizer.muon_plans)}
+              "n_sub_groups": len(engine.optimizer.fp16_groups), "n_muon_sub_groups": len(engine.optimizer.muon_plans),
+              "probe": probe}
     engine.destroy()
     if rank != 0:
         return result
 
-    ref = reference_model(init, tags)
+    ref = reference_model(init, tags, model_fn)
     params = groups_fn(ref) if groups_fn else ref.parameters()
     opt = ds_muon.MuonAdamW(params, **cfg["optimizer"]["params"])
     result["ref_norms"] = train_reference(ref, opt, STEPS, world_size, case.get("gas", 1), case.get("clip", 0.0))
@@ -64,7 +77,7 @@ def _run_case(rank: int, world_size: int, case: dict) -> dict | None:
     # either would land near one of these, far outside the parity tolerance.
     alt = {}
     for label in ("adamw", "sgd"):
-        m = reference_model(init, {n: False for n in tags})
+        m = reference_model(init, {n: False for n in tags}, model_fn)
         if label == "adamw":
             o = ds_muon.MuonAdamW(m.parameters(), **cfg["optimizer"]["params"])
         else:
@@ -75,8 +88,8 @@ def _run_case(rank: int, world_size: int, case: dict) -> dict | None:
     return result
 
 
-def parity_worker(rank: int, world_size: int, cases: list[dict]) -> list[dict | None]:
-    return [_run_case(rank, world_size, case) for case in cases]
+def parity_worker(rank: int, world_size: int, cases: list[dict], nvme_dir: str = "") -> list[dict | None]:
+    return [_run_case(rank, world_size, case, nvme_dir) for case in cases]
 
 
 CASES = {
@@ -106,35 +119,41 @@ CASES = {
 def test_parity_with_oracle(world_size: int) -> None:
     cases = CASES[world_size]
     results = run_distributed(parity_worker, world_size, cases)
-    for case, res in zip(cases, results[0]):
-        name = case["name"]
-        assert res["steps"] == STEPS, (name, res["steps"])
-        assert res["n_muon_sub_groups"] >= 1
-        if case.get("params", {}).get("exchange_bucket_mb"):
-            assert res["n_buckets"] >= res["n_muon_sub_groups"] + 2, f"{name}: expected several buckets"
-        if case.get("zero", {}).get("sub_group_size"):
-            assert res["n_muon_sub_groups"] >= 2, f"{name}: sub_group_size should split the Muon group"
-        # every rank reports the same global grad norm, equal to the raw gradient norm of the oracle
-        for other in results:
-            assert other[cases.index(case)]["norms"] == res["norms"]
-        torch.testing.assert_close(torch.tensor(res["norms"]), torch.tensor(res["ref_norms"]),
-                                   rtol=case.get("rtol_norm", 1e-5), atol=0)
-        if case.get("clip"):
-            assert max(res["ref_norms"]) > case["clip"], f"{name}: clipping was never active"
-        tags = res["tags"]
-        assert tags["experts"] and tags["q.weight"] and tags["conv.weight"] and tags["pad_b.weight"]
-        assert not tags["embed.weight"] and not tags["norm1.weight"]
-        assert tags["o.weight"] is (not case.get("untag_o", False))
-        rtol, rtol_update = case.get("rtol", PARITY_RTOL), case.get("rtol_update", 1e-3)
-        for pname, err in res["errors"].items():
-            if not tags[pname] and "adamw_rtol_update" in case:
-                assert err["rel_update"] <= case["adamw_rtol_update"], f"{name}: {pname} {err['rel_update']:.2e}"
-                continue
-            assert err["rel"] <= rtol, f"{name}: {pname} rel error {err['rel']:.2e} > {rtol}"
-            if err["moved"] > 0:
-                assert err["rel_update"] <= rtol_update, f"{name}: {pname} update rel error {err['rel_update']:.2e}"
-            else:
-                assert pname.startswith("frozen"), f"{name}: trainable {pname} did not move"
-        for label, errs in res["alt"].items():
-            worst = max(errs[p]["rel"] for p in ("q.weight", "experts", "conv.weight", "down.weight"))
-            assert worst > 1000 * PARITY_RTOL, f"{name}: result is indistinguishable from {label}"
+    for k, case in enumerate(cases):
+        check_parity(case, [r[k] for r in results])
+
+
+def check_parity(case: dict, per_rank: list[dict]) -> None:
+    """Assert one case's results (``per_rank[r]`` from :func:`_run_case` on rank r) against the oracle."""
+    res = per_rank[0]
+    name = case["name"]
+    assert res["steps"] == STEPS, (name, res["steps"])
+    assert res["n_muon_sub_groups"] >= 1
+    if case.get("params", {}).get("exchange_bucket_mb"):
+        assert res["n_buckets"] >= res["n_muon_sub_groups"] + 2, f"{name}: expected several buckets"
+    if case.get("zero", {}).get("sub_group_size"):
+        assert res["n_muon_sub_groups"] >= 2, f"{name}: sub_group_size should split the Muon group"
+    # every rank reports the same global grad norm, equal to the raw gradient norm of the oracle
+    for other in per_rank:
+        assert other["norms"] == res["norms"]
+    torch.testing.assert_close(torch.tensor(res["norms"]), torch.tensor(res["ref_norms"]),
+                               rtol=case.get("rtol_norm", 1e-5), atol=0)
+    if case.get("clip"):
+        assert max(res["ref_norms"]) > case["clip"], f"{name}: clipping was never active"
+    tags = res["tags"]
+    assert tags["experts"] and tags["q.weight"] and tags["conv.weight"] and tags["pad_b.weight"]
+    assert not tags["embed.weight"] and not tags["norm1.weight"]
+    assert tags["o.weight"] is (not case.get("untag_o", False))
+    rtol, rtol_update = case.get("rtol", PARITY_RTOL), case.get("rtol_update", 1e-3)
+    for pname, err in res["errors"].items():
+        if not tags[pname] and "adamw_rtol_update" in case:
+            assert err["rel_update"] <= case["adamw_rtol_update"], f"{name}: {pname} {err['rel_update']:.2e}"
+            continue
+        assert err["rel"] <= rtol, f"{name}: {pname} rel error {err['rel']:.2e} > {rtol}"
+        if err["moved"] > 0:
+            assert err["rel_update"] <= rtol_update, f"{name}: {pname} update rel error {err['rel_update']:.2e}"
+        else:
+            assert pname.startswith("frozen"), f"{name}: trainable {pname} did not move"
+    for label, errs in res["alt"].items():
+        worst = max(errs[p]["rel"] for p in ("q.weight", "experts", "conv.weight", "down.weight"))
+        assert worst > 1000 * PARITY_RTOL, f"{name}: result is indistinguishable from {label}"

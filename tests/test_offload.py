@@ -1,0 +1,163 @@
+"""Optimizer offload (CPU and NVMe) against the single-device oracle, with the swap cycle counted.
+
+CPU, gloo, W = 2, fp32 (tolerances as in test_zero3_parity: ``PARITY_RTOL`` relative to each
+parameter, 1e-3 relative to its update). The model is ``wide_parity_net``: DeepSpeed's NVMe swapper
+keeps any tensor under 1 MiB in memory, so with the tiny parity model nothing would be swapped; here
+both the Muon and the AdamW sub-group are swapped (asserted).
+
+Per case the probe wraps DeepSpeed's optimizer swapper and counts, per sub-group and step, the
+swap-in and swap-out calls and the reads/writes they issue, and records which state tensors the
+swapper latched (``momentum_buffer`` is in the swap unless ``save_muon_momentum_buffer_in_memory``).
+It also checks the exchange's buffer pool against the plan's bound
+(:meth:`ds_muon.ownership.BucketedPlan.buffer_elements`).
+"""
+from __future__ import annotations
+
+import collections
+import functools
+
+import pytest
+import torch
+
+from tests.dist_util import run_distributed
+from tests.test_zero3_parity import STEPS, check_parity, parity_worker
+
+
+def _count(counter: collections.Counter, key_fn, fn):
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        counter[key_fn(*args, **kwargs)] += 1
+        return fn(*args, **kwargs)
+    return wrapped
+
+
+def probe_start(engine) -> None:
+    """Wrap the optimizer swapper's entry points and its actual reads/writes, counting per ds_id."""
+    opt = engine.optimizer
+    opt._probe = collections.Counter()
+    swapper = getattr(opt, "optimizer_swapper", None)
+    if swapper is None:
+        return
+    c = opt._probe
+    swapper.swap_in_optimizer_state = _count(c, lambda parameter, *a, **k: ("in", parameter.ds_id),
+                                             swapper.swap_in_optimizer_state)
+    swapper.swap_out_optimizer_state = _count(c, lambda parameter, *a, **k: ("out", parameter.ds_id),
+                                              swapper.swap_out_optimizer_state)
+    if hasattr(swapper, "_swap_in_parameter"):  # PartitionedOptimizerSwapper
+        swapper._swap_in_parameter = _count(c, lambda aio_handle, parameter, *a, **k: ("read", parameter.ds_id),
+                                            swapper._swap_in_parameter)
+        swapper._swap_out_optimizer_state = _count(c, lambda swap_info: ("write", swap_info.param_id),
+                                                   swapper._swap_out_optimizer_state)
+    else:  # PipelinedOptimizerSwapper: sync and async reads go through one method
+        swapper._swap_in_optimizer_state = _count(c, lambda aio_handle, parameter: ("read", parameter.ds_id),
+                                                  swapper._swap_in_optimizer_state)
+        swapper._swap_out_optimizer_state = _count(c, lambda aio_handle, parameter, swap_in_op:
+                                                   ("write", parameter.ds_id), swapper._swap_out_optimizer_state)
+
+
+def probe_finish(engine) -> dict:
+    """Per sub-group: Muon or not, swapped or not, counted swap calls, latched swap tensors; pool bytes."""
+    from ds_muon.exchange import PIPELINE_DEPTH
+    opt = engine.optimizer
+    swapper = getattr(opt, "optimizer_swapper", None)
+    out = {"sub_groups": [], "pool_bytes": opt._muon_pool.nbytes(), "pool_bound": 0}
+    for i, fp32 in enumerate(opt.fp32_partitioned_groups_flat):
+        swapped = bool(opt._swappable_optimizer_subgroup(i))
+        info = swapper.swap_params_info.get(fp32.ds_id) if swapper is not None else None
+        state = opt.optimizer.state.get(fp32, {})
+        momentum = state.get("momentum_buffer")
+        out["sub_groups"].append(dict(
+            muon=i in opt.muon_plans, swapped=swapped,
+            calls={kind: opt._probe[(kind, fp32.ds_id)] for kind in ("in", "out", "read", "write")},
+            swap_tensors=[t.compute_tensor.ds_id.split("-")[0] for t in info.tensors[1:]] if info is not None else [],
+            momentum_in_memory=momentum is not None and momentum.numel() > 0 and not getattr(momentum, "swappable", True)))
+        if i in opt.muon_plans:
+            exchange = opt._muon_exchanges[i]
+            wire, compute = opt.muon_plans[i].buffer_elements(opt._get_sub_group_partition_rank(i), PIPELINE_DEPTH)
+            out["pool_bound"] = max(out["pool_bound"], wire * exchange.exchange_dtype.itemsize
+                                    + compute * exchange.compute_dtype.itemsize)
+    return out
+
+
+NVME = {"device": "nvme"}
+PIPELINED = {"device": "nvme", "pipeline_read": True, "pipeline_write": True, "buffer_count": 6}  # exactly the need
+CASES = [
+    dict(name="w2-nvme-gas2-clip", gas=2, clip=0.5, wide=True, zero=dict(offload_optimizer=dict(NVME)),
+         probe=(probe_start, probe_finish)),
+    dict(name="w2-nvme-pipelined-momentum-in-memory", gas=1, wide=True,
+         zero=dict(offload_optimizer=dict(PIPELINED), save_muon_momentum_buffer_in_memory=True),
+         probe=(probe_start, probe_finish)),
+    dict(name="w2-cpu-offload-momentum-in-memory-small-buckets", gas=2, clip=0.5, wide=True,
+         params=dict(exchange_bucket_mb=0.5),
+         zero=dict(offload_optimizer={"device": "cpu"}, save_muon_momentum_buffer_in_memory=True),
+         probe=(probe_start, probe_finish)),
+]
+
+
+@pytest.fixture(scope="module")
+def offload_results(tmp_path_factory):
+    return run_distributed(parity_worker, 2, CASES, str(tmp_path_factory.mktemp("nvme")))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_offload_matches_oracle(offload_results, case) -> None:
+    check_parity(case, [r[CASES.index(case)] for r in offload_results])
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c["zero"]["offload_optimizer"]["device"] == "nvme"],
+                         ids=lambda c: c["name"])
+def test_nvme_one_swap_cycle_per_sub_group_per_step(offload_results, case) -> None:
+    in_memory = case["zero"].get("save_muon_momentum_buffer_in_memory", False)
+    for rank, res in enumerate(offload_results):
+        groups = res[CASES.index(case)]["probe"]["sub_groups"]
+        assert any(g["swapped"] and g["muon"] for g in groups), f"rank {rank}: no Muon sub-group was swapped"
+        assert any(g["swapped"] and not g["muon"] for g in groups), f"rank {rank}: no AdamW sub-group was swapped"
+        for g in groups:
+            if not g["swapped"]:
+                continue
+            # exactly one swap-in and one swap-out per sub-group per optimizer step, and one read/write each
+            assert g["calls"] == {"in": STEPS, "out": STEPS, "read": STEPS, "write": STEPS}, (rank, g)
+            if g["muon"]:
+                assert g["swap_tensors"] == ([] if in_memory else ["momentum_buffer"]), (rank, g)
+                assert g["momentum_in_memory"] is in_memory, (rank, g)
+            else:
+                assert sorted(g["swap_tensors"]) == ["exp_avg", "exp_avg_sq"], (rank, g)
+
+
+def test_exchange_buffers_within_plan_bound(offload_results) -> None:
+    """The exchange's buffers (on the accelerator when there is one; the shard stays in CPU memory
+    under offload) never exceed the plan's bound, which stays near ``PIPELINE_DEPTH`` buckets."""
+    case = CASES[2]
+    for res in offload_results:
+        probe = res[2]["probe"]
+        assert 0 < probe["pool_bytes"] <= probe["pool_bound"], probe
+        bucket_bytes = case["params"]["exchange_bucket_mb"] * 2**20
+        # wire: 3 slots x (1 + 1/W) buckets; compute: one bucket (fp32 here), plus padding slack
+        assert probe["pool_bound"] <= (3 * 1.5 + 1) * bucket_bytes * 1.05, probe
+
+
+def _build_only(rank: int, world_size: int, offload: dict, nvme_dir: str, in_memory: bool) -> int:
+    from tests.harness import build_engine, ds_config
+    from tests.models import wide_parity_net
+    cfg = ds_config(offload_optimizer=dict(offload, nvme_path=nvme_dir), save_muon_momentum_buffer_in_memory=in_memory)
+    try:
+        engine, _ = build_engine(cfg, model_fn=wide_parity_net)
+    except Exception as err:  # noqa: BLE001 - the message is what the test checks
+        return f"{type(err).__name__}: {err}"
+    return engine.optimizer.swap_buffers_needed()
+
+
+@pytest.mark.parametrize("offload, in_memory, needed", [
+    ({"device": "nvme", "buffer_count": 3}, False, 4),
+    ({"device": "nvme", "pipeline_read": True, "pipeline_write": True, "buffer_count": 6}, False, 7),
+    ({"device": "nvme", "pipeline_read": True, "buffer_count": 5}, True, 6),
+], ids=["partitioned", "pipelined", "pipelined-momentum-in-memory"])
+def test_swap_buffer_count_too_small_names_the_count(tmp_path, offload, in_memory, needed) -> None:
+    """One fewer buffer than needed fails at engine construction (before any swap), on every rank,
+    with the key and the count; the counts are the measured minima (one fewer makes DeepSpeed's
+    swapper fail with a bare AssertionError in the first step)."""
+    out = run_distributed(_build_only, 2, offload, str(tmp_path), in_memory)
+    for msg in out:
+        assert isinstance(msg, str) and "ConfigError" in msg, msg
+        assert f"offload_optimizer.buffer_count: {needed - 1} is too small" in msg, msg
+        assert f"set buffer_count to at least {needed}" in msg, msg
