@@ -23,7 +23,8 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OPTIMIZERS = ("adamw", "builtin_muon", "ds_muon", "ds_muon_eager")  # ds_muon_eager: ns_compile false
+# ds_muon_eager: ns_compile false; ds_muon_gram: ns_method "gram" (Gram Newton–Schulz, fp16)
+OPTIMIZERS = ("adamw", "builtin_muon", "ds_muon", "ds_muon_eager", "ds_muon_gram")
 
 
 def ds_config(kind: str, micro_batch: int) -> dict:
@@ -42,6 +43,8 @@ def ds_config(kind: str, micro_batch: int) -> dict:
                                                        "adam_lr": 3e-4}}
         if kind == "ds_muon_eager":
             cfg["optimizer"]["params"]["ns_compile"] = False
+        if kind == "ds_muon_gram":
+            cfg["optimizer"]["params"]["ns_method"] = "gram"
     return cfg
 
 
@@ -165,6 +168,7 @@ def worker(args) -> None:
     if args.profile and args.optimizer == "ds_muon":
         profile = profile_steps(engine, vocab, args, g, device)
     result = dict(optimizer=args.optimizer, step_s=statistics.median(step_times), opt_step_s=statistics.median(opt_times),
+                  fwd_bwd_s=statistics.median(a - b for a, b in zip(step_times, opt_times)),
                   peak_gib=max(peak_fwd_bwd, peak_step) / 2**30, peak_fwd_bwd_gib=peak_fwd_bwd / 2**30,
                   peak_step_gib=peak_step / 2**30, profile=profile, comm_bytes=comm, comm_total=sum(comm.values()), params=n_params,
                   first_loss=losses[0], last_loss=losses[-1], world=dist.get_world_size())
@@ -172,6 +176,7 @@ def worker(args) -> None:
         plans = engine.optimizer.muon_plans.values()
         from ds_muon.newton_schulz import ns_flops
         result["imbalance"] = max(p.imbalance() for p in plans)
+        result["exchange_pool_peak_gib"] = engine.optimizer._muon_pool.peak_nbytes / 2**30
         loads = [sum(p.load()[r] for p in plans) for r in range(dist.get_world_size())]
         result["ns_gflop_per_rank_max"] = max(loads) / 1e9
         result["matmul_tflops"] = matmul_tflops(device)
@@ -243,14 +248,18 @@ def main() -> None:
 
 def print_table(results: dict) -> None:
     ok = {k: v for k, v in results.items() if "error" not in v}
-    print("\n| optimizer | step s | optimizer step s | peak GiB (fwd+bwd / step) | bytes/step (rank 0) |")
-    print("|---|---|---|---|---|")
+    print("\n| optimizer | step s | fwd+bwd s | optimizer step s | peak GiB (fwd+bwd / step) | bytes/step (rank 0) |")
+    print("|---|---|---|---|---|---|")
     for k, v in ok.items():
-        print(f"| {k} | {v['step_s']:.3f} | {v['opt_step_s']:.3f} | {v['peak_gib']:.1f} ({v['peak_fwd_bwd_gib']:.1f} / "
-              f"{v['peak_step_gib']:.1f}) | {v['comm_total'] / 2**20:.0f} MiB |")
+        print(f"| {k} | {v['step_s']:.3f} | {v.get('fwd_bwd_s', 0):.3f} | {v['opt_step_s']:.3f} | {v['peak_gib']:.1f} "
+              f"({v['peak_fwd_bwd_gib']:.1f} / {v['peak_step_gib']:.1f}) | {v['comm_total'] / 2**20:.0f} MiB |")
     for k, v in results.items():
         if "error" in v:
             print(f"| {k} | failed: {v['error']} | | | |")
+    if "ds_muon" in ok and "ds_muon_gram" in ok:
+        g, c = ok["ds_muon_gram"], ok["ds_muon"]
+        print(f"ns_method: optimizer step {c['opt_step_s']:.3f} s standard -> {g['opt_step_s']:.3f} s gram; "
+              f"step {c['step_s']:.3f} -> {g['step_s']:.3f} s")
     if "ds_muon" in ok and "ds_muon_eager" in ok:
         e, c = ok["ds_muon_eager"], ok["ds_muon"]
         print(f"ns_compile: optimizer step {e['opt_step_s']:.3f} s eager -> {c['opt_step_s']:.3f} s compiled; "
@@ -258,7 +267,8 @@ def print_table(results: dict) -> None:
     if "ds_muon" in ok:
         d = ok["ds_muon"]
         print(f"\nNS floor {d['ns_floor_s']:.4f} s (max {d['ns_gflop_per_rank_max']:.0f} GFLOP per rank at "
-              f"{d['matmul_tflops']:.0f} TFLOP/s measured); owner imbalance max/mean {d['imbalance']:.3f}")
+              f"{d['matmul_tflops']:.0f} TFLOP/s measured); owner imbalance max/mean {d['imbalance']:.3f}; "
+              f"exchange buffers peak {d.get('exchange_pool_peak_gib', 0):.2f} GiB (released after each step)")
         if "adamw" in ok:
             a = ok["adamw"]
             print(f"ds_muon/AdamW step {d['step_s'] / a['step_s']:.2f}x; ds_muon - AdamW step "

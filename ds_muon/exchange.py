@@ -23,28 +23,36 @@ OrthogonalizeFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 class BufferPool:
-    """Named flat buffers reused across steps and sub-groups, grown on demand, never shrunk.
+    """Named flat buffers reused across the buckets and sub-groups of one optimizer step.
 
-    Avoids per-step allocation churn. ``get(name, numel, dtype, device)`` returns a view of the
-    first ``numel`` elements of the buffer kept under ``(name, dtype, device)``.
+    ``get(name, numel, dtype, device)`` returns a view of the first ``numel`` elements of the buffer
+    kept under ``(name, dtype, device)``, grown on demand, so the pipeline's few slots serve every
+    bucket without a fresh allocation each. :meth:`clear` at the end of the step hands the memory
+    back to PyTorch's caching allocator: it serves the next step's buffers without a new device
+    allocation, and forward/backward can use it in between (the exchange's memory does not add to
+    the activation peak). ``peak_nbytes`` keeps the largest size the pool reached.
     """
 
     def __init__(self) -> None:
         self._buffers: dict[tuple, torch.Tensor] = {}
+        self.peak_nbytes = 0
 
     def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         key = (name, dtype, str(device))
         buf = self._buffers.get(key)
         if buf is None or buf.numel() < numel:
+            self._buffers.pop(key, None)  # release the smaller one first
             buf = torch.empty(numel, dtype=dtype, device=device)
             self._buffers[key] = buf
+            self.peak_nbytes = max(self.peak_nbytes, self.nbytes())
         return buf[:numel]
 
     def nbytes(self) -> int:
-        """Bytes held by the pool."""
+        """Bytes held by the pool now."""
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
     def clear(self) -> None:
+        """Drop every buffer (their memory returns to the caching allocator)."""
         self._buffers.clear()
 
 

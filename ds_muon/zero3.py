@@ -226,7 +226,8 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     def step(self, closure=None):
         """DeepSpeed's ZeRO-3 step; counts the steps that were not skipped for overflow.
 
-        Afterwards the gradient partitions are zeroed. DeepSpeed copies a parameter's gradient
+        Afterwards the exchange's buffer pool is released to the caching allocator (see
+        :class:`~ds_muon.exchange.BufferPool`) and the gradient partitions are zeroed. DeepSpeed copies a parameter's gradient
         into its partition on the window's first micro-step and adds on later ones, so a parameter
         that gets no gradient in a step (or in the first micro-step) would otherwise be stepped
         with last step's gradient again. Zeroed, such a parameter sees a zero gradient, the
@@ -239,6 +240,7 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             super().step(closure)
         finally:
             self._zero_grad_partitions()
+            self._muon_pool.clear()
         if not self.overflow:
             self.muon_step_count += 1
             if self._monitor is not None:

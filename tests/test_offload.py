@@ -60,7 +60,8 @@ def probe_finish(engine) -> dict:
     from ds_muon.exchange import PIPELINE_DEPTH
     opt = engine.optimizer
     swapper = getattr(opt, "optimizer_swapper", None)
-    out = {"sub_groups": [], "pool_bytes": opt._muon_pool.nbytes(), "pool_bound": 0}
+    out = {"sub_groups": [], "pool_bytes": opt._muon_pool.peak_nbytes, "pool_left": opt._muon_pool.nbytes(),
+           "pool_bound": 0}
     for i, fp32 in enumerate(opt.fp32_partitioned_groups_flat):
         swapped = bool(opt._swappable_optimizer_subgroup(i))
         info = swapper.swap_params_info.get(fp32.ds_id) if swapper is not None else None
@@ -131,6 +132,7 @@ def test_exchange_buffers_within_plan_bound(offload_results) -> None:
     for res in offload_results:
         probe = res[2]["probe"]
         assert 0 < probe["pool_bytes"] <= probe["pool_bound"], probe
+        assert probe["pool_left"] == 0, "the exchange buffers outlived the optimizer step"
         bucket_bytes = case["params"]["exchange_bucket_mb"] * 2**20
         # wire: 3 slots x (1 + 1/W) buckets; compute: one bucket (fp32 here), plus padding slack
         assert probe["pool_bound"] <= (3 * 1.5 + 1) * bucket_bytes * 1.05, probe
