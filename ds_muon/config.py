@@ -500,6 +500,15 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def _async_io_available() -> bool:
+    """Whether DeepSpeed's async_io op (NVMe swapping) can be loaded or built: needs libaio."""
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+    except Exception:  # noqa: BLE001 - an unusual DeepSpeed build; let DeepSpeed report it later
+        return True
+    return bool(AsyncIOBuilder().is_compatible(verbose=False))
+
+
 def _nvme_path_problems(section: str, nvme_path: Any) -> list[str]:
     """An NVMe swap directory must be given, exist, and be writable by this process (DeepSpeed only
     fails later, at the first swap, or silently creates a mistyped mount point on the root disk)."""
@@ -527,7 +536,7 @@ def validate_ds_config(ds_config: dict) -> Optional[MuonOptimizerParams]:
     * ``optimizer.params`` as in :func:`parse_muon_params`;
     * ``zero_optimization.stage`` must be 3;
     * an NVMe ``offload_optimizer`` (or ``offload_param``) needs a ``nvme_path`` that exists and is
-      writable;
+      writable, and libaio for DeepSpeed's async_io op;
     * ``gradient_clipping`` must be a number >= 0 (0 disables clipping).
 
     ``zero_optimization.save_muon_momentum_buffer_in_memory: true`` without an optimizer offload
@@ -571,8 +580,14 @@ def validate_ds_config(ds_config: dict) -> Optional[MuonOptimizerParams]:
         if device == "nvme":
             problems.extend(_nvme_path_problems("offload_optimizer", offload.get("nvme_path")))
     offload_param = zero.get("offload_param")
-    if isinstance(offload_param, dict) and str(offload_param.get("device")).lower() == "nvme":
+    param_nvme = isinstance(offload_param, dict) and str(offload_param.get("device")).lower() == "nvme"
+    if param_nvme:
         problems.extend(_nvme_path_problems("offload_param", offload_param.get("nvme_path")))
+    if (device == "nvme" or param_nvme) and not _async_io_available():
+        section = "offload_optimizer" if device == "nvme" else "offload_param"
+        problems.append(f"zero_optimization.{section}.device: 'nvme' needs DeepSpeed's async_io op, which cannot "
+                        f"be built here: libaio is missing; install it (Debian/Ubuntu: apt-get install libaio-dev; "
+                        f"RHEL: yum install libaio-devel), or use device 'cpu'")
 
     if isinstance(offload, dict) and _is_number(offload.get("ratio")) and offload["ratio"] != 1.0:
         problems.append(f"zero_optimization.offload_optimizer.ratio: {offload['ratio']!r} is invalid: ds_muon "

@@ -6,7 +6,7 @@
 #
 # Creates .venv (or $VENV) if missing, installs torch (the CPU build torch==2.13.0 when there is no nvidia-smi,
 # so pip does not pull a multi-GB CUDA build) unless torch is already importable, installs ds_muon with its
-# test extra (pip install -e ".[test]"), then runs pytest. Multi-rank tests spawn 1-4 CPU processes on gloo.
+# test extra (pip install -e ".[test]"), installs libaio-dev with apt-get when missing (as root), then runs pytest. Multi-rank tests spawn 1-4 CPU processes on gloo.
 # pytest's exit code is the script's, so "no tests collected" (5) fails too.
 set -euo pipefail
 
@@ -28,6 +28,17 @@ if ! python -c "import torch" 2>/dev/null; then
     else
         echo ">> installing torch==2.13.0 (CPU build)"
         python -m pip install "torch==2.13.0"
+    fi
+fi
+# The NVMe offload tests need libaio for DeepSpeed's async_io op (JIT-built on first use, ~2 min).
+if [[ ! -e /usr/include/libaio.h ]]; then
+    if command -v apt-get >/dev/null 2>&1 && [[ "$(id -u)" == 0 ]]; then
+        echo ">> installing libaio-dev (apt-get) for the NVMe offload tests"
+        apt-get install -y -q libaio-dev >/dev/null 2>&1 \
+            || { apt-get update -q >/dev/null && apt-get install -y -q libaio-dev >/dev/null; }
+    else
+        echo "!! libaio-dev is missing and cannot be installed here (needs root and apt-get):" \
+             "the NVMe offload tests will fail; install it (sudo apt-get install libaio-dev)" >&2
     fi
 fi
 echo ">> installing ds_muon (pip install -e .[test])"

@@ -446,6 +446,22 @@ def test_nvme_path_not_writable_access_denied(tmp_path, monkeypatch):
         validate_ds_config(cfg)
 
 
+def test_nvme_without_libaio_names_the_package(tmp_path, monkeypatch):
+    import ds_muon.config as config
+    monkeypatch.setattr(config, "_async_io_available", lambda: False)
+    cfg = muon_config()
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path)}
+    with pytest.raises(ConfigError, match=r"offload_optimizer\.device: 'nvme' needs DeepSpeed's async_io op.*"
+                                          r"apt-get install libaio-dev"):
+        validate_ds_config(cfg)
+
+
+def test_async_io_is_available_here():
+    """CI installs libaio-dev (scripts/test.sh), so the NVMe tests run rather than skip."""
+    from ds_muon.config import _async_io_available
+    assert _async_io_available()
+
+
 def test_nvme_path_that_is_a_file(tmp_path):
     f = tmp_path / "swapfile"
     f.write_text("")
