@@ -87,6 +87,10 @@ def _configure_zero_optimizer(self: DeepSpeedEngine, optimizer):
     # Held under the lock: another thread's non-Muon initialize must not see the swapped class.
     with _lock, _swapped(ds_stage3, "DeepSpeedZeroOptimizer_Stage3", MuonZeroOptimizer):
         zero_optimizer = _originals["_configure_zero_optimizer"](self, optimizer)
+    # MuonZeroOptimizer's ZeRO checkpoint holds the real tensors of NVMe-swapped sub-groups and loads
+    # them through the swapper, so the engine's NVMe special case (copy the raw swap files, skip the
+    # optimizer-state load) is turned off for this engine; it only guards checkpoint save/load.
+    self.zero_nvme_offload_optimizer = lambda: False
     if self.monitor.enabled:  # per-step Muon figures go to DeepSpeed's own monitor, not to a logger of ours
         engine = weakref.ref(self)
 

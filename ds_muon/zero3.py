@@ -19,6 +19,7 @@ from typing import Callable, Optional
 
 import torch
 from deepspeed.accelerator import get_accelerator
+from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, LOSS_SCALER, OPTIMIZER_STATE_DICT
 from torch.profiler import record_function
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.utils import logger
@@ -321,3 +322,106 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         with record_function("ds_muon/apply_update"):
             fp32.mul_(1 - group["lr"] * group["weight_decay"])
             fp32.add_(grad, alpha=-group["lr"])
+
+    # ---- checkpoints of NVMe-swapped sub-groups ---------------------------------------------
+    # DeepSpeed 0.19.8 saves a swapped sub-group's fp32 partition and optimizer state as the empty
+    # placeholders they are between steps (so zero_to_fp32 fails on them), copies its raw swap files
+    # next to the checkpoint instead, and on load skips the optimizer state entirely (the state keys
+    # the swapper latched in the saving process are unknown to a fresh one, so momentum and Adam
+    # moments are lost, and so is the Adam step). ds_muon puts the real tensors into the ZeRO
+    # checkpoint and loads them through the swapper; integration.py turns the raw-file copy off.
+
+    def _state_index(self) -> dict[int, int]:
+        """``{sub_group: index}`` of each fp32 partition in the inner optimizer's ``state_dict()``
+        (torch numbers parameters in param-group order; DeepSpeed lists each group's sub-groups in order)."""
+        order = [i for g in range(len(self.optimizer.param_groups))
+                 for i in range(len(self.fp16_groups)) if self.sub_group_to_group_id[i] == g]
+        return {i: k for k, i in enumerate(order)}
+
+    def _rigid_state_dict(self) -> dict:
+        """DeepSpeed's ZeRO-3 state dict, with the real fp32 partition and state tensors of swapped
+        sub-groups (swapped in one at a time and copied to CPU memory, without writing back)."""
+        sd = super()._rigid_state_dict()
+        if not self.swap_optimizer:
+            return sd
+        index = self._state_index()
+        fp32_groups = list(sd[FP32_FLAT_GROUPS])
+        opt_state = sd[OPTIMIZER_STATE_DICT]["state"]
+        for i in range(len(self.fp16_groups)):
+            if not self._swappable_optimizer_subgroup(i):
+                continue
+            self._optimizer_states_and_gradient_swap_in(i)
+            fp32 = self.fp32_partitioned_groups_flat[i]
+            fp32_groups[i] = fp32.detach().to("cpu", copy=True)
+            saved = dict(opt_state.get(index[i], {}))  # a new dict: the old one is the live state's
+            for key, value in self.optimizer.state.get(fp32, {}).items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    saved[key] = value.detach().to("cpu", copy=True)
+            opt_state[index[i]] = saved
+            self._release_swap_buffers(i)
+        sd[FP32_FLAT_GROUPS] = fp32_groups
+        return sd
+
+    def _rigid_load_state_dict(self, state_dict: dict, load_optimizer_states: bool = True) -> None:
+        """DeepSpeed's load for in-memory sub-groups; for swapped ones, write the checkpoint's fp32
+        partition and state through the swapper (one swap-in and swap-out per sub-group), so the
+        swapper latches the loaded state keys (``momentum_buffer`` stays out of the swap when
+        ``save_muon_momentum_buffer_in_memory``).
+
+        Raises:
+            ValueError: a swapped sub-group's fp32 partition in the checkpoint is empty (written by
+                DeepSpeed without ds_muon) or has another size than this engine's.
+        """
+        if not self.swap_optimizer:
+            return super()._rigid_load_state_dict(state_dict, load_optimizer_states)
+        saved_fp32 = state_dict[FP32_FLAT_GROUPS]
+        for i, saved in enumerate(saved_fp32):
+            want = self.fp16_partitioned_groups_flat_numel[i]
+            if saved.numel() != want:
+                raise ValueError(f"ds_muon: checkpoint sub-group {i} holds {saved.numel()} fp32 elements, this "
+                                 f"engine's ZeRO partition {want}; an NVMe checkpoint must be written by ds_muon "
+                                 "(DeepSpeed's own keeps empty placeholders) for the same model and world size")
+        self.loss_scaler = state_dict[LOSS_SCALER]
+        self.dynamic_loss_scale = state_dict["dynamic_loss_scale"]
+        self.overflow = state_dict["overflow"]
+        if load_optimizer_states:
+            self._set_fp32_optimizer_param_groups()
+            self.optimizer.load_state_dict(state_dict[OPTIMIZER_STATE_DICT])
+            self._clear_fp32_optimizer_param_groups()
+            if self._momentum_in_memory:
+                for i in self.muon_plans:
+                    momentum = self.optimizer.state.get(self.fp32_partitioned_groups_flat[i], {}).get(MOMENTUM_KEY)
+                    if momentum is not None:
+                        momentum.swappable = False
+        # The swapper latches a sub-group's state keys whenever it looks the sub-group up and finds
+        # state, and would then read state files this process never wrote: hold the loaded state
+        # aside until the sub-group's fp32 partition is resident, so the swap-out latches and writes it.
+        loaded = {i: self.optimizer.state.pop(self.fp32_partitioned_groups_flat[i], None)
+                  for i in range(len(self.fp16_groups)) if self._swappable_optimizer_subgroup(i)}
+        self.optimizer_swapper.purge_state()  # forget the fresh engine's swapped state
+        timer_names: set = set()
+        self._partition_all_parameters()
+        for i in range(len(self.fp16_groups)):
+            swapped = self._swappable_optimizer_subgroup(i)
+            if swapped:
+                self._prepare_sub_group(i, timer_names)  # only the fp32 partition is resident
+                if loaded[i]:
+                    self.optimizer.state[self.fp32_partitioned_groups_flat[i]] = loaded[i]
+            self.fp32_partitioned_groups_flat[i].data.copy_(saved_fp32[i].data)
+            self._reassign_or_swap_out_partitioned_parameters(i)  # bf16/fp16 partition <- fp32
+            if swapped:
+                self._release_sub_group(i, timer_names)  # writes fp32 + loaded state to NVMe
+        self._post_step(timer_names)
+
+    def _restore_from_bit16_weights(self) -> None:
+        """fp32 partitions <- bf16/fp16 ones (DeepSpeed's), through the swapper for swapped sub-groups."""
+        if not self.swap_optimizer:
+            return super()._restore_from_bit16_weights()
+        timer_names: set = set()
+        for i in range(len(self.fp16_groups)):
+            swapped = self._swappable_optimizer_subgroup(i)
+            if swapped:
+                self._prepare_sub_group(i, timer_names)
+            self.fp32_partitioned_groups_flat[i].data.copy_(self.fp16_partitioned_groups_flat[i].data)
+            if swapped:
+                self._release_sub_group(i, timer_names)
