@@ -183,3 +183,33 @@ def test_integration_paths() -> None:
     assert [int(float(r[0])) for r in csvs["Train_ds_muon_muon_seconds.csv"][1:]] == [4, 8]
     assert [float(r[1]) for r in csvs["Train_ds_muon_exchange_bytes.csv"][1:]] == [res["exchange_bytes"]] * 2
     assert res["after_disable_type"] == "DeepSpeedZeroOptimizer_Stage3" and res["after_disable_builtin"] is True
+
+
+def _rank_dependent_graph_worker(rank: int, world_size: int) -> None:
+    """Rank 1 runs ``extra`` but detaches its output on step 1: ``extra`` gets a gradient on rank 0 only."""
+    from tests.harness import build_engine, ds_config
+    from tests.models import batch
+    engine, model = build_engine(ds_config())
+    run_extra = model.extra.forward
+    for step in range(2):
+        detach = rank == 1 and step == 1
+        model.extra.forward = (lambda x: run_extra(x).detach()) if detach else run_extra
+        tokens, targets = batch(step, rank, 0)
+        engine.backward(engine(tokens, targets, True))
+        engine.step()
+
+
+def test_rank_dependent_gradients_fail_fast_in_deepspeed_not_in_the_exchange(monkeypatch) -> None:
+    """ZeRO-3 needs the same set of gradients on every rank in each backward: DeepSpeed's own gradient
+    reduce-scatter in ``engine.backward`` then sees different sizes. That is DeepSpeed's limit, not
+    ds_muon's: it fails there, before the optimizer step, with the collective named, and nothing hangs
+    (the spawn has a deadline). Parameters without a gradient on some ranks that DeepSpeed does
+    support (a rank holding only padding) are covered by test_zero3_parity's W=4 offload case; a
+    parameter without a gradient on every rank in some steps by every parity case (``extra``)."""
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")  # read when the spawned ranks import torch
+    with pytest.raises(RuntimeError) as info:
+        run_distributed(_rank_dependent_graph_worker, 2, timeout=180)
+    report = str(info.value)
+    assert "Detected mismatch between collectives" in report and "REDUCE_SCATTER" in report, report[-3000:]
+    assert "in backward" in report, report[-3000:]
+    assert "ds_muon/exchange.py" not in report and "_muon_sub_group_step" not in report, report[-3000:]
