@@ -251,3 +251,29 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         with record_function("ds_muon/apply_update"):
             fp32.mul_(1 - group["lr"] * group["weight_decay"])
             fp32.add_(grad, alpha=-group["lr"])
+
+    # ---- checkpoints (the logic lives in ds_muon.checkpoint) ------------------------------
+    def state_dict(self):
+        """DeepSpeed's ZeRO-3 optimizer state dict plus ds_muon's metadata under ``"ds_muon"``
+        (:func:`ds_muon.checkpoint.zero_metadata`: parameter names, shapes, Muon/AdamW flags, sub-group
+        layout, world size, ``muon_step_count``)."""
+        from .checkpoint import add_metadata
+        return add_metadata(self, super().state_dict())
+
+    def _rigid_load_state_dict(self, state_dict, load_optimizer_states=True):
+        """Same-world-size load: ds_muon's fit checks (raising ``CheckpointError`` on every rank
+        before anything is restored), DeepSpeed's load, then ``muon_step_count``."""
+        from .checkpoint import check_zero_state_dict, restore_step_count
+        check_zero_state_dict(self, state_dict, load_optimizer_states)
+        super()._rigid_load_state_dict(state_dict, load_optimizer_states=load_optimizer_states)
+        if load_optimizer_states:
+            restore_step_count(self, state_dict)
+
+    def _load_universal_checkpoint(self, checkpoint_folder, load_optimizer_states, load_from_fp32_weights):
+        """Universal checkpoint (``"checkpoint": {"load_universal": true}``): ds_muon's loader, which
+        knows Muon's ``momentum_buffer`` (:func:`ds_muon.checkpoint.load_universal_state`); weights
+        only (``load_optimizer_states=False``): DeepSpeed's, after ds_muon's checks."""
+        from .checkpoint import load_universal_state
+        load_universal_state(self, checkpoint_folder, load_optimizer_states)
+        if not load_optimizer_states:
+            super()._load_universal_checkpoint(checkpoint_folder, load_optimizer_states, load_from_fp32_weights)
