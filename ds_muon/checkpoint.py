@@ -135,6 +135,18 @@ def restore_step_count(opt, state_dict: dict) -> None:
         opt.muon_step_count = int(meta["muon_step_count"])
 
 
+def rigid_load_arguments(opt, parent_load, args: tuple, kwargs: dict) -> tuple[Optional[dict], bool]:
+    """From the arguments of ``DeepSpeedZeroOptimizer_Stage3.load_state_dict`` (``parent_load``):
+    ``(this rank's ZeRO state dict, load_optimizer_states)`` for a same-world-size load, or
+    ``(None, load_optimizer_states)`` for a universal checkpoint (``checkpoint_folder`` given)."""
+    bound = inspect.signature(parent_load).bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    if a.get("checkpoint_folder") or a["state_dict_list"] is None:
+        return None, bool(a["load_optimizer_states"])
+    return a["state_dict_list"][dist.get_rank(group=opt.dp_process_group)], bool(a["load_optimizer_states"])
+
+
 def _param_table(meta: dict) -> dict[str, dict]:
     """``{name: {"shape": tuple, "use_muon": bool, "group": int}}`` from :func:`zero_metadata`."""
     return {name: {"shape": tuple(shape), "use_muon": sg["use_muon"], "group": sg["group"]}

@@ -90,7 +90,6 @@ def _configure_zero_optimizer(self: DeepSpeedEngine, optimizer):
     # Held under the lock: another thread's non-Muon initialize must not see the swapped class.
     with _lock, _swapped(ds_stage3, "DeepSpeedZeroOptimizer_Stage3", MuonZeroOptimizer):
         zero_optimizer = _originals["_configure_zero_optimizer"](self, optimizer)
-    install_load_checks(self)  # clear errors for checkpoints that do not fit (ds_muon.checkpoint)
     if self.monitor.enabled:  # per-step Muon figures go to DeepSpeed's own monitor, not to a logger of ours
         engine = weakref.ref(self)
 
@@ -99,6 +98,7 @@ def _configure_zero_optimizer(self: DeepSpeedEngine, optimizer):
             return None if e is None else e.global_samples + e.train_batch_size()
 
         zero_optimizer.attach_monitor(self.monitor, samples_after_this_step)
+    install_load_checks(self)  # clear errors for checkpoints that do not fit (ds_muon.checkpoint)
     return zero_optimizer
 
 

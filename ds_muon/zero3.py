@@ -260,13 +260,17 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         from .checkpoint import add_metadata
         return add_metadata(self, super().state_dict())
 
-    def _rigid_load_state_dict(self, state_dict, load_optimizer_states=True):
-        """Same-world-size load: ds_muon's fit checks (raising ``CheckpointError`` on every rank
-        before anything is restored), DeepSpeed's load, then ``muon_step_count``."""
-        from .checkpoint import check_zero_state_dict, restore_step_count
-        check_zero_state_dict(self, state_dict, load_optimizer_states)
-        super()._rigid_load_state_dict(state_dict, load_optimizer_states=load_optimizer_states)
-        if load_optimizer_states:
+    def load_state_dict(self, *args, **kwargs):
+        """DeepSpeed's ZeRO-3 load (arguments passed through unchanged). At the same world size,
+        ds_muon's fit checks run first (``CheckpointError`` on every rank before anything is
+        restored) and ``muon_step_count`` is restored after; universal checkpoints go to
+        :meth:`_load_universal_checkpoint`."""
+        from .checkpoint import check_zero_state_dict, restore_step_count, rigid_load_arguments
+        state_dict, load_optimizer_states = rigid_load_arguments(self, super().load_state_dict, args, kwargs)
+        if state_dict is not None:
+            check_zero_state_dict(self, state_dict, load_optimizer_states)
+        super().load_state_dict(*args, **kwargs)
+        if state_dict is not None and load_optimizer_states:
             restore_step_count(self, state_dict)
 
     def _load_universal_checkpoint(self, checkpoint_folder, load_optimizer_states, load_from_fp32_weights):
