@@ -12,6 +12,8 @@ DeepSpeed hooks used (checked against deepspeed 0.19.8; design.md §2):
 * ``DeepSpeedEngine._configure_zero_optimizer`` imports ``DeepSpeedZeroOptimizer_Stage3``
   function-locally; for the duration of that call only, and only when the inner optimizer is
   ds_muon's, the module attribute is replaced by :class:`~ds_muon.zero3.MuonZeroOptimizer`.
+  The engine it builds gets a per-instance ``load_checkpoint`` that runs
+  :func:`ds_muon.checkpoint.check_before_load` first (checkpoints saved at another world size).
 
 Non-Muon configs pass through all three untouched. Importing ds_muon patches nothing.
 """
@@ -30,6 +32,7 @@ import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import logger as ds_logger
 
+from .checkpoint import install_load_checks
 from .config import ConfigError, load_ds_config, validate_ds_config
 from .param_groups import split_param_groups
 from .selection import tag_model
@@ -99,6 +102,7 @@ def _configure_zero_optimizer(self: DeepSpeedEngine, optimizer):
             return None if e is None else e.global_samples + e.train_batch_size()
 
         zero_optimizer.attach_monitor(self.monitor, samples_after_this_step)
+    install_load_checks(self)  # clear errors for checkpoints that do not fit (ds_muon.checkpoint)
     return zero_optimizer
 
 

@@ -425,3 +425,33 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             self.fp32_partitioned_groups_flat[i].data.copy_(self.fp16_partitioned_groups_flat[i].data)
             if swapped:
                 self._release_sub_group(i, timer_names)
+
+    # ---- checkpoints (the logic lives in ds_muon.checkpoint) ------------------------------
+    def state_dict(self):
+        """DeepSpeed's ZeRO-3 optimizer state dict plus ds_muon's metadata under ``"ds_muon"``
+        (:func:`ds_muon.checkpoint.zero_metadata`: parameter names, shapes, Muon/AdamW flags, sub-group
+        layout, world size, ``muon_step_count``)."""
+        from .checkpoint import add_metadata
+        return add_metadata(self, super().state_dict())
+
+    def load_state_dict(self, *args, **kwargs):
+        """DeepSpeed's ZeRO-3 load (arguments passed through unchanged). At the same world size,
+        ds_muon's fit checks run first (``CheckpointError`` on every rank before anything is
+        restored) and ``muon_step_count`` is restored after; universal checkpoints go to
+        :meth:`_load_universal_checkpoint`."""
+        from .checkpoint import check_zero_state_dict, restore_step_count, rigid_load_arguments
+        state_dict, load_optimizer_states = rigid_load_arguments(self, super().load_state_dict, args, kwargs)
+        if state_dict is not None:
+            check_zero_state_dict(self, state_dict, load_optimizer_states)
+        super().load_state_dict(*args, **kwargs)
+        if state_dict is not None and load_optimizer_states:
+            restore_step_count(self, state_dict)
+
+    def _load_universal_checkpoint(self, checkpoint_folder, load_optimizer_states, load_from_fp32_weights):
+        """Universal checkpoint (``"checkpoint": {"load_universal": true}``): ds_muon's loader, which
+        knows Muon's ``momentum_buffer`` (:func:`ds_muon.checkpoint.load_universal_state`); weights
+        only (``load_optimizer_states=False``): DeepSpeed's, after ds_muon's checks."""
+        from .checkpoint import load_universal_state
+        load_universal_state(self, checkpoint_folder, load_optimizer_states)
+        if not load_optimizer_states:
+            super()._load_universal_checkpoint(checkpoint_folder, load_optimizer_states, load_from_fp32_weights)

@@ -98,15 +98,18 @@ def reference_model(init: dict[str, torch.Tensor], tags: dict[str, bool], model_
 
 
 def train_reference(model, optimizer, steps: int, world_size: int, gas: int, clip: float,
-                    micro_batch: int = 2) -> list[float]:
-    """The oracle loop: mean gradient over every rank's micro-batches, raw-norm clip, one step."""
+                    micro_batch: int = 2, data: Callable = batch) -> list[float]:
+    """The oracle loop: mean gradient over every rank's micro-batches, raw-norm clip, one step.
+
+    ``data(step, rank, micro, micro_batch) -> (tokens, targets)`` is what each rank trains on
+    (default :func:`tests.models.batch`)."""
     norms = []
     trainable = [p for p in model.parameters() if p.requires_grad]
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
         for rank in range(world_size):
             for micro in range(gas):
-                tokens, targets = batch(step, rank, micro, micro_batch)
+                tokens, targets = data(step, rank, micro, micro_batch)
                 (model(tokens, targets, use_extra(step)) / (world_size * gas)).backward()
         for p in trainable:
             if p.grad is None:

@@ -90,3 +90,19 @@ def batch(step: int, rank: int, micro: int, batch_size: int = 2, seq: int = 8) -
 def use_extra(step: int) -> bool:
     """``extra`` is skipped on odd optimizer steps (a layer with no gradient in some steps)."""
     return step % 2 == 0
+
+
+GLOBAL_BATCH = 6
+
+
+def shared_batch(step: int, rank: int, micro: int, batch_size: int = 2, seq: int = 8,
+                 global_batch: int = GLOBAL_BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``[rank*batch_size, (rank+1)*batch_size)`` of one global micro-batch of ``global_batch``
+    rows drawn per (step, micro), shape (batch_size, seq): the data of a step is the same at every
+    world size W with ``W * batch_size == global_batch`` (6 = 1x6 = 2x3 = 3x2), unlike :func:`batch`,
+    which draws each rank's rows from its own seed."""
+    if (rank + 1) * batch_size > global_batch:
+        raise ValueError(f"rank {rank} x micro-batch {batch_size} is past the global batch of {global_batch} rows")
+    g = torch.Generator().manual_seed(1_000_003 * step + micro)
+    data = torch.randint(0, VOCAB, (global_batch, seq + 1), generator=g)[rank * batch_size:(rank + 1) * batch_size]
+    return data[:, :-1], data[:, 1:]
