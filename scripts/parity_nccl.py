@@ -30,6 +30,9 @@ CASES = [
     dict(name="fp32-ns gas2 zero.Init overlap", gas=2, clip=0.5, params={}, zero=dict(overlap_comm=True),
          zero_init=True),
     dict(name="fp32-ns 4 KiB buckets (pipelined)", gas=1, clip=0.5, params=dict(exchange_bucket_mb=0.004), zero={}),
+    # shard and momentum in CPU memory, exchange and Newton-Schulz on the GPU
+    dict(name="fp32-ns cpu offload gas2 clip", gas=2, clip=0.5, params={},
+         zero=dict(offload_optimizer={"device": "cpu", "pin_memory": True})),
     dict(name="gpu defaults (bf16 NS+exchange)", gas=1, clip=0.5,
          params=dict(ns_dtype="auto", exchange_dtype="auto"), zero={}, strict=False),
 ]
