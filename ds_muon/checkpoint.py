@@ -67,8 +67,9 @@ from deepspeed.utils import logger
 
 from .zero3 import MOMENTUM_KEY
 
-__all__ = ["CheckpointError", "CONVERT_COMMAND", "DS_MUON_KEY", "zero_metadata", "check_zero_state_dict",
-           "check_before_load", "install_load_checks", "convert_to_universal", "load_universal_state", "main"]
+__all__ = ["CheckpointError", "CONVERT_COMMAND", "DS_MUON_KEY", "zero_metadata", "add_metadata", "restore_step_count",
+           "rigid_load_arguments", "check_zero_state_dict", "check_before_load", "install_load_checks",
+           "convert_to_universal", "load_universal_state", "main"]
 
 DS_MUON_KEY = "ds_muon"
 METADATA_VERSION = 1
@@ -109,10 +110,7 @@ def zero_metadata(opt) -> dict:
     """
     groups = opt.optimizer.param_groups
     sub_to_group = opt.sub_group_to_group_id
-    # torch numbers state entries group by group; DeepSpeed appends each sub-group's fp32 partition
-    # to its param group in sub-group order (DeepSpeedZeroOptimizer_Stage3._set_fp32_optimizer_param_groups).
-    order = sorted(range(len(opt.fp16_groups)), key=lambda s: (sub_to_group[s], s))
-    state_id = {s: k for k, s in enumerate(order)}
+    state_id = opt._state_index()
     sub_groups = []
     for s, params in enumerate(opt.fp16_groups):
         g = sub_to_group[s]
@@ -277,6 +275,12 @@ def check_before_load(engine, load_dir: str, tag: Optional[str], load_optimizer_
                       load_module_only: bool = False) -> None:
     """Checks ``engine.load_checkpoint`` runs first on a ds_muon engine (from the files alone).
 
+    Args:
+        engine: the DeepSpeed engine whose optimizer is a ``MuonZeroOptimizer``.
+        load_dir, tag: as given to ``engine.load_checkpoint`` (``tag`` None: the one in ``latest`` or
+            ``latest_universal``).
+        load_optimizer_states, load_module_only: as given to ``engine.load_checkpoint``.
+
     Raises:
         CheckpointError: the checkpoint was saved at another data-parallel world size and the
             optimizer state is to be loaded (naming ``python -m ds_muon.checkpoint to-universal``);
@@ -414,7 +418,8 @@ def convert_to_universal(ckpt_dir: str, out_dir: str, tag: Optional[str] = None)
         if any(f.numel() != sum(partition) for f in flats):
             raise CheckpointError(f"{src}: sub-group {s} holds {[f.numel() for f in flats]} elements per rank, its "
                                   f"parameters need {sum(partition)}; the files do not match their metadata")
-        tensor_keys = sorted(k for k, v in per_rank[0].items() if torch.is_tensor(v) and v.numel() == flats[0].numel())
+        tensor_keys = sorted(k for k, v in per_rank[0].items()
+                             if torch.is_tensor(v) and v.dim() == 1 and v.numel() == flats[0].numel())
         scalars = {k: v for k, v in per_rank[0].items() if k not in tensor_keys}
         for r, st in enumerate(per_rank[1:], 1):
             if sorted(st) != sorted(per_rank[0]) or any(st.get(k) != v for k, v in scalars.items()):

@@ -502,12 +502,34 @@ def _is_number(x: Any) -> bool:
 
 
 def _async_io_available() -> bool:
-    """Whether DeepSpeed's async_io op (NVMe swapping) can be loaded or built: needs libaio."""
+    """Whether DeepSpeed's async_io op (NVMe swapping) is prebuilt in this DeepSpeed install, or can
+    be JIT-built here (needs libaio and its headers)."""
     try:
+        from deepspeed.git_version_info import installed_ops
+        if installed_ops.get("async_io"):
+            return True
         from deepspeed.ops.op_builder import AsyncIOBuilder
     except Exception:  # noqa: BLE001 - an unusual DeepSpeed build; let DeepSpeed report it later
         return True
     return bool(AsyncIOBuilder().is_compatible(verbose=False))
+
+
+def _o_direct_problem(path: str) -> Optional[str]:
+    """DeepSpeed's async_io opens swap files with O_DIRECT, which tmpfs and some overlay/FUSE
+    filesystems refuse (EINVAL) at the first swap. Probe it with a small file; None when it works."""
+    if not hasattr(os, "O_DIRECT"):
+        return None
+    probe = os.path.join(path, f".ds_muon_o_direct_probe_{os.getpid()}")
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o600)
+    except OSError as err:
+        return f"cannot open files there with O_DIRECT ({err.strerror}), which DeepSpeed's async_io needs"
+    os.close(fd)
+    try:
+        os.unlink(probe)
+    except OSError:
+        pass
+    return None
 
 
 def _nvme_path_problems(section: str, nvme_path: Any) -> list[str]:
@@ -524,6 +546,10 @@ def _nvme_path_problems(section: str, nvme_path: Any) -> list[str]:
     if not os.access(path, os.W_OK | os.X_OK):
         return [f"{key}: {path!r} is not writable by this process: DeepSpeed writes its swap files there; "
                 f"fix its permissions, or choose a writable directory"]
+    problem = _o_direct_problem(path)
+    if problem:
+        return [f"{key}: {path!r}: {problem} (tmpfs and some overlay filesystems do not support it); point "
+                f"nvme_path at a directory on a local disk (ext4, xfs)"]
     return []
 
 
@@ -536,8 +562,8 @@ def validate_ds_config(ds_config: dict) -> Optional[MuonOptimizerParams]:
 
     * ``optimizer.params`` as in :func:`parse_muon_params`;
     * ``zero_optimization.stage`` must be 3;
-    * an NVMe ``offload_optimizer`` (or ``offload_param``) needs a ``nvme_path`` that exists and is
-      writable, and libaio for DeepSpeed's async_io op;
+    * an NVMe ``offload_optimizer`` needs a ``nvme_path`` that exists, is writable and supports
+      O_DIRECT, and libaio for DeepSpeed's async_io op; ``offload_param`` to NVMe is refused;
     * ``gradient_clipping`` must be a number >= 0 (0 disables clipping).
 
     ``zero_optimization.save_muon_momentum_buffer_in_memory: true`` without an optimizer offload
@@ -581,14 +607,15 @@ def validate_ds_config(ds_config: dict) -> Optional[MuonOptimizerParams]:
         if device == "nvme":
             problems.extend(_nvme_path_problems("offload_optimizer", offload.get("nvme_path")))
     offload_param = zero.get("offload_param")
-    param_nvme = isinstance(offload_param, dict) and str(offload_param.get("device")).lower() == "nvme"
-    if param_nvme:
-        problems.extend(_nvme_path_problems("offload_param", offload_param.get("nvme_path")))
-    if (device == "nvme" or param_nvme) and not _async_io_available():
-        section = "offload_optimizer" if device == "nvme" else "offload_param"
-        problems.append(f"zero_optimization.{section}.device: 'nvme' needs DeepSpeed's async_io op, which cannot "
-                        f"be built here: libaio is missing; install it (Debian/Ubuntu: apt-get install libaio-dev; "
-                        f"RHEL: yum install libaio-devel), or use device 'cpu'")
+    param_device = offload_param.get("device") if isinstance(offload_param, dict) else None
+    if str(getattr(param_device, "value", param_device)).lower() == "nvme":
+        problems.append("zero_optimization.offload_param.device: 'nvme' (parameter offload to NVMe) is not supported "
+                        "by ds_muon yet; use offload_param device 'cpu' or none (optimizer offload to NVMe is "
+                        "supported: offload_optimizer.device 'nvme')")
+    if device == "nvme" and not _async_io_available():
+        problems.append("zero_optimization.offload_optimizer.device: 'nvme' needs DeepSpeed's async_io op, which "
+                        "cannot be built here: libaio is missing; install it (Debian/Ubuntu: apt-get install "
+                        "libaio-dev; RHEL: yum install libaio-devel), or use device 'cpu'")
 
     if isinstance(offload, dict) and _is_number(offload.get("ratio")) and offload["ratio"] != 1.0:
         problems.append(f"zero_optimization.offload_optimizer.ratio: {offload['ratio']!r} is invalid: ds_muon "

@@ -29,9 +29,9 @@ raises `ds_muon.ConfigError` naming the key path, the value and what is allowed.
 published as JSON Schema in `ds_config_schemas/`.
 
 Besides these keys, ds_muon checks the parts of the DeepSpeed config that matter to Muon:
-`zero_optimization.stage` must be 3; an NVMe offload needs an existing, writable `nvme_path` and
-libaio (its `buffer_count` is checked against the model's sub-groups when the engine is built, see
-Offload); partial offload, AutoTP/model parallelism, `torch_autocast`, ZenFlow/SuperOffload and
+`zero_optimization.stage` must be 3; an NVMe optimizer offload needs an existing, writable
+`nvme_path` on a filesystem with O_DIRECT, and libaio (its `buffer_count` is checked against the
+model's sub-groups when the engine is built, see Offload); parameter offload to NVMe, partial offload, AutoTP/model parallelism, `torch_autocast`, ZenFlow/SuperOffload and
 DeepSpeed schedulers that write one absolute lr into every group (while Muon's and AdamW's lrs
 differ) are refused with a message naming the fix;
 `save_muon_momentum_buffer_in_memory` without optimizer offload only warns (it has no effect).

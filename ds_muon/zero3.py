@@ -121,7 +121,7 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             raise TypeError("MuonZeroOptimizer needs a ds_muon ZeroMuonInner optimizer; "
                             "build the engine through ds_muon.initialize or ds_muon.enable()")
         self.muon_step_count = 0
-        self._active_grad_ids: set[int] = set()
+        self._stepping = False
         # zero_optimization.save_muon_momentum_buffer_in_memory: keep Muon momentum out of the NVMe swap.
         self._momentum_in_memory = bool(self.swap_optimizer and self.save_muon_momentum_buffer_in_memory)
         self._monitor = None
@@ -134,7 +134,11 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
     # ---- setup ---------------------------------------------------------------------------
     def initialize_optimizer_states(self) -> None:
-        """DeepSpeed's, after checking the NVMe swapper's ``buffer_count`` (its first swap is in there)."""
+        """DeepSpeed's, after checking the NVMe swapper's ``buffer_count`` (its first swap-in is in there).
+
+        Raises:
+            ConfigError: ``offload_optimizer.buffer_count`` is below :meth:`swap_buffers_needed`.
+        """
         if self.swap_optimizer:
             self._check_swap_buffer_count()
         super().initialize_optimizer_states()
@@ -149,6 +153,10 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         (``pipeline_write``), so the need is the largest sum over that many consecutive swapped
         sub-groups. (Measured on CPU with DeepSpeed 0.19.8: one Muon and one AdamW sub-group need
         4 without pipelining, 7 with it, 6 with momentum in memory; one fewer fails.)
+
+        Returns:
+            the number of buffers (count; each is the largest swapped sub-group's partition in fp32);
+            0 when no sub-group is swapped.
         """
         in_memory = bool(self.save_muon_momentum_buffer_in_memory)
         counts = []
@@ -235,11 +243,12 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         oracle's semantics.
         """
         self._muon_seconds = 0.0
-        # The parent clears this set in _pre_step; keep this window's copy for _fix_swapped_grad.
-        self._active_grad_ids = set(getattr(self, "_offload_boundary_param_ids", ()))
+        self._stepping = True
         try:
             super().step(closure)
         finally:
+            self._stepping = False
+            self._offloaded_grad_ids.clear()
             self._zero_grad_partitions()
             self._muon_pool.clear()
         if not self.overflow:
@@ -255,27 +264,46 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                 if fp32.grad is not None and not self._swappable_optimizer_subgroup(i):
                     fp32.grad.zero_()
 
+    @property
+    def _offloaded_grad_ids(self) -> set:
+        """ds_ids whose gradient DeepSpeed offloaded (copied or swapped out) in this window."""
+        ids = self.__dict__.get("_offloaded_grad_ids_set")
+        if ids is None:
+            ids = self.__dict__["_offloaded_grad_ids_set"] = set()
+        return ids
+
+    def _offload_grad_partition_at_boundary(self, param, *args, **kwargs):
+        """DeepSpeed's; also records that ``param``'s gradient was offloaded in this window."""
+        self._offloaded_grad_ids.add(param.ds_id)
+        return super()._offload_grad_partition_at_boundary(param, *args, **kwargs)
+
+    def _prepare_sub_group(self, sub_group_id: int, timer_names) -> None:
+        """DeepSpeed's (swap-in under NVMe), then, inside a step, :meth:`_fix_swapped_grad`: before
+        DeepSpeed unscales and clips the gradient, which needs it to exist."""
+        super()._prepare_sub_group(sub_group_id, timer_names)
+        if getattr(self, "_stepping", False) and self._swappable_optimizer_subgroup(sub_group_id):
+            self._fix_swapped_grad(sub_group_id)
+
     def _fix_swapped_grad(self, i: int) -> None:
         """Make a swapped (NVMe) sub-group's gradient this step's, with zeros where there was none.
 
-        The swapper swaps in gradient fragments of the parameters reduced this window, into a pinned
-        buffer that still holds older data elsewhere, and leaves ``grad`` None when no fragment was
-        ever swapped out. Parameters that got no gradient this window therefore read stale values;
-        the oracle reads zeros. No extra I/O: the fix is in memory, on the swapped-in buffer.
+        The swapper swaps in the gradient fragments DeepSpeed offloaded at the end of this
+        accumulation window into a pinned buffer that still holds older data elsewhere, and leaves
+        ``grad`` None when no fragment of the sub-group was ever swapped out. A parameter whose
+        gradient was not offloaded in this window would therefore read stale values; the oracle
+        reads zeros. No extra I/O: the fix is in memory, on the swapped-in buffer.
         """
         fp32 = self.fp32_partitioned_groups_flat[i]
         if fp32.grad is None:
             fp32.grad = torch.zeros_like(fp32)
             return
-        active = self._active_grad_ids
+        offloaded = self._offloaded_grad_ids
         for param in self.fp16_groups[i]:
-            if param.ds_id not in active:
+            if param.ds_id not in offloaded:
                 _, offset, numel = self.grad_position[self.get_param_id(param)]
                 fp32.grad.narrow(0, offset, numel).zero_()
 
     def _optimizer_step(self, sub_group_id: int) -> None:
-        if self._swappable_optimizer_subgroup(sub_group_id):
-            self._fix_swapped_grad(sub_group_id)
         plan = self.muon_plans.get(sub_group_id)
         if plan is None:
             super()._optimizer_step(sub_group_id)
@@ -332,10 +360,10 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     # checkpoint and loads them through the swapper; integration.py turns the raw-file copy off.
 
     def _state_index(self) -> dict[int, int]:
-        """``{sub_group: index}`` of each fp32 partition in the inner optimizer's ``state_dict()``
-        (torch numbers parameters in param-group order; DeepSpeed lists each group's sub-groups in order)."""
-        order = [i for g in range(len(self.optimizer.param_groups))
-                 for i in range(len(self.fp16_groups)) if self.sub_group_to_group_id[i] == g]
+        """``{sub_group: index}`` of each fp32 partition in the inner optimizer's ``state_dict()``:
+        torch numbers state entries param group by param group, and DeepSpeed appends each sub-group's
+        fp32 partition to its param group in sub-group order (``_set_fp32_optimizer_param_groups``)."""
+        order = sorted(range(len(self.fp16_groups)), key=lambda i: (self.sub_group_to_group_id[i], i))
         return {i: k for k, i in enumerate(order)}
 
     def _rigid_state_dict(self) -> dict:
@@ -396,16 +424,19 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         # The swapper latches a sub-group's state keys whenever it looks the sub-group up and finds
         # state, and would then read state files this process never wrote: hold the loaded state
         # aside until the sub-group's fp32 partition is resident, so the swap-out latches and writes it.
-        loaded = {i: self.optimizer.state.pop(self.fp32_partitioned_groups_flat[i], None)
-                  for i in range(len(self.fp16_groups)) if self._swappable_optimizer_subgroup(i)}
-        self.optimizer_swapper.purge_state()  # forget the fresh engine's swapped state
+        # (Weights only: the live state stays latched and is swapped in and out with the weights.)
+        loaded = {}
+        if load_optimizer_states:
+            loaded = {i: self.optimizer.state.pop(self.fp32_partitioned_groups_flat[i], None)
+                      for i in range(len(self.fp16_groups)) if self._swappable_optimizer_subgroup(i)}
+            self.optimizer_swapper.purge_state()  # forget the fresh engine's swapped state
         timer_names: set = set()
         self._partition_all_parameters()
         for i in range(len(self.fp16_groups)):
             swapped = self._swappable_optimizer_subgroup(i)
             if swapped:
                 self._prepare_sub_group(i, timer_names)  # only the fp32 partition is resident
-                if loaded[i]:
+                if loaded.get(i):
                     self.optimizer.state[self.fp32_partitioned_groups_flat[i]] = loaded[i]
             self.fp32_partitioned_groups_flat[i].data.copy_(saved_fp32[i].data)
             self._reassign_or_swap_out_partitioned_parameters(i)  # bf16/fp16 partition <- fp32
@@ -451,7 +482,12 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         """Universal checkpoint (``"checkpoint": {"load_universal": true}``): ds_muon's loader, which
         knows Muon's ``momentum_buffer`` (:func:`ds_muon.checkpoint.load_universal_state`); weights
         only (``load_optimizer_states=False``): DeepSpeed's, after ds_muon's checks."""
-        from .checkpoint import load_universal_state
+        from .checkpoint import CheckpointError, load_universal_state
+        if self.swap_optimizer and not load_optimizer_states:
+            raise CheckpointError("loading only the weights of a universal checkpoint (load_module_only / "
+                                  "load_optimizer_states=False) is not supported with NVMe optimizer offload: "
+                                  "DeepSpeed's weights-only loader writes into swapped-out partitions; load the "
+                                  "optimizer states too, or load without NVMe offload")
         load_universal_state(self, checkpoint_folder, load_optimizer_states)
         if not load_optimizer_states:
             super()._load_universal_checkpoint(checkpoint_folder, load_optimizer_states, load_from_fp32_weights)

@@ -134,3 +134,19 @@ def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], init: d
 def clone_tags(model) -> dict[str, bool]:
     return {n: bool(getattr(p, "use_muon", False)) for n, p in model.named_parameters()}
 
+
+def swap_dir_for(path: str) -> str:
+    """``path`` for NVMe swap files if its filesystem supports O_DIRECT (DeepSpeed's async_io needs
+    it), else a directory under the repository's ``.nvme_tmp/`` (CI machines may mount /tmp as tmpfs,
+    which does not). Not created here."""
+    import hashlib
+    import os
+
+    from ds_muon.config import _o_direct_problem
+    probe = path
+    while not os.path.isdir(probe):
+        probe = os.path.dirname(probe)
+    if _o_direct_problem(probe) is None:
+        return path
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.join(repo, ".nvme_tmp", hashlib.sha1(path.encode()).hexdigest()[:16])

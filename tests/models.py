@@ -50,6 +50,7 @@ class ParityNet(nn.Module):
         self.head = nn.Linear(dim, vocab, bias=False)
         if tie:
             self.head.weight = self.embed.weight
+        self.late = None  # see late_parity_net
 
     def get_output_embeddings(self) -> nn.Module:
         return self.head
@@ -67,6 +68,8 @@ class ParityNet(nn.Module):
         h = h + self.frozen(h)
         if use_extra:
             h = h + self.extra(h)
+        elif self.late is not None:  # late_parity_net: used on odd steps only, so never in step 0
+            h = h + 0.1 * F.linear(F.silu(F.linear(h, self.late)), self.late.t())
         # into one feature only: a shift of all features would vanish in the LayerNorm below
         z = self.pad_b(F.silu(self.pad_a(h[..., :7]))[..., :3])
         h = torch.cat([h[..., :1] + z, h[..., 1:]], dim=-1)
@@ -78,6 +81,22 @@ def wide_parity_net() -> ParityNet:
     """ParityNet at dim 256, vocab 2100: ~0.8M Muon and ~0.54M AdamW elements, so at W = 2 both the
     Muon and the AdamW sub-group exceed the NVMe swapper's 1 MiB minimum (262144 fp32 elements)."""
     return ParityNet(dim=256, vocab=2100)
+
+
+def late_parity_net() -> ParityNet:
+    """wide_parity_net plus ``late`` (2100 x 256, ``use_muon=True``), used only on odd steps; with
+    :func:`late_groups` it is a sub-group of its own, large enough to be NVMe-swapped at W = 2
+    (268,800 elements per rank), that gets no gradient at all in step 0."""
+    model = wide_parity_net()
+    model.late = nn.Parameter(torch.randn(2100, 256) * 0.02)
+    model.late.use_muon = True
+    return model
+
+
+def late_groups(model: ParityNet) -> list[dict]:
+    """Param groups: ``late`` alone, then every other trainable parameter."""
+    rest = [p for n, p in model.named_parameters() if p.requires_grad and n != "late"]
+    return [{"params": [model.late]}, {"params": rest}]
 
 
 def batch(step: int, rank: int, micro: int, batch_size: int = 2, seq: int = 8) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -424,14 +425,44 @@ def test_nvme_offload_with_a_writable_path_is_accepted(tmp_path):
         assert validate_ds_config(cfg) is not None
 
 
-@pytest.mark.parametrize("section", ["offload_optimizer", "offload_param"])
-def test_nvme_path_missing_names_key_and_fix(tmp_path, section):
+def test_nvme_path_missing_names_key_and_fix(tmp_path):
     cfg = muon_config()
     missing = tmp_path / "local_nvm"  # a mistyped mount point
-    cfg["zero_optimization"][section] = {"device": "nvme", "nvme_path": str(missing)}
-    with pytest.raises(ConfigError, match=rf"zero_optimization\.{section}\.nvme_path: '{missing}' does not exist.*"
-                                          rf"mkdir -p {missing}"):
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(missing)}
+    with pytest.raises(ConfigError, match=rf"zero_optimization\.offload_optimizer\.nvme_path: '{missing}' does not "
+                                          rf"exist.*mkdir -p {missing}"):
         validate_ds_config(cfg)
+
+
+def test_nvme_parameter_offload_is_refused(tmp_path):
+    cfg = muon_config()
+    cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(tmp_path)}
+    with pytest.raises(ConfigError, match=r"zero_optimization\.offload_param\.device: 'nvme' \(parameter offload "
+                                          r"to NVMe\) is not supported by ds_muon yet; use offload_param device 'cpu'"):
+        validate_ds_config(cfg)
+
+
+def test_nvme_path_without_o_direct(tmp_path, monkeypatch):
+    """tmpfs refuses O_DIRECT; simulated here (this machine's /tmp supports it)."""
+    import ds_muon.config as config
+    real_open = config.os.open
+
+    def open_without_o_direct(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            raise OSError(22, "Invalid argument")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(config.os, "open", open_without_o_direct)
+    cfg = muon_config()
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path)}
+    with pytest.raises(ConfigError, match=r"cannot open files there with O_DIRECT \(Invalid argument\).*tmpfs.*"
+                                          r"point nvme_path at a directory on a local disk"):
+        validate_ds_config(cfg)
+
+
+def test_o_direct_probe_leaves_nothing_behind(tmp_path):
+    from ds_muon.config import _o_direct_problem
+    assert _o_direct_problem(str(tmp_path)) is None and list(tmp_path.iterdir()) == []
 
 
 def test_nvme_path_not_writable_access_denied(tmp_path, monkeypatch):

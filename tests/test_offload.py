@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
 
 import pytest
 import torch
 
 from tests.dist_util import run_distributed
+from tests.harness import swap_dir_for
 from tests.test_zero3_parity import STEPS, check_parity, parity_worker
 
 
@@ -88,6 +90,10 @@ CASES = [
     dict(name="w2-nvme-pipelined-momentum-in-memory", gas=1, wide=True,
          zero=dict(offload_optimizer=dict(PIPELINED), save_muon_momentum_buffer_in_memory=True),
          probe=(probe_start, probe_finish)),
+    # a swapped Muon sub-group of its own that gets no gradient at all in step 0 (and 2): the swapper
+    # has no gradient to swap in for it, yet DeepSpeed unscales/clips it and Muon steps it with zeros
+    dict(name="w2-nvme-sub-group-without-gradient", gas=1, clip=0.5, late=True, zero=dict(offload_optimizer=dict(NVME)),
+         probe=(probe_start, probe_finish)),
     dict(name="w2-cpu-offload-momentum-in-memory-small-buckets", gas=2, clip=0.5, wide=True,
          params=dict(exchange_bucket_mb=0.5),
          zero=dict(offload_optimizer={"device": "cpu"}, save_muon_momentum_buffer_in_memory=True),
@@ -97,6 +103,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def offload_results(tmp_path_factory):
+    """All CASES in one W=2 process group (swap directories via harness.swap_dir_for)."""
     return run_distributed(parity_worker, 2, CASES, str(tmp_path_factory.mktemp("nvme")))
 
 
@@ -112,6 +119,8 @@ def test_nvme_one_swap_cycle_per_sub_group_per_step(offload_results, case) -> No
     for rank, res in enumerate(offload_results):
         groups = res[CASES.index(case)]["probe"]["sub_groups"]
         assert any(g["swapped"] and g["muon"] for g in groups), f"rank {rank}: no Muon sub-group was swapped"
+        if case.get("late"):
+            assert sum(g["swapped"] and g["muon"] for g in groups) == 2, f"rank {rank}: `late` not swapped alone"
         assert any(g["swapped"] and not g["muon"] for g in groups), f"rank {rank}: no AdamW sub-group was swapped"
         for g in groups:
             if not g["swapped"]:
@@ -128,9 +137,10 @@ def test_nvme_one_swap_cycle_per_sub_group_per_step(offload_results, case) -> No
 def test_exchange_buffers_within_plan_bound(offload_results) -> None:
     """The exchange's buffers (on the accelerator when there is one; the shard stays in CPU memory
     under offload) never exceed the plan's bound, which stays near ``PIPELINE_DEPTH`` buckets."""
-    case = CASES[2]
+    k = next(i for i, c in enumerate(CASES) if c["zero"]["offload_optimizer"]["device"] == "cpu")
+    case = CASES[k]
     for res in offload_results:
-        probe = res[2]["probe"]
+        probe = res[k]["probe"]
         assert 0 < probe["pool_bytes"] <= probe["pool_bound"], probe
         assert probe["pool_left"] == 0, "the exchange buffers outlived the optimizer step"
         bucket_bytes = case["params"]["exchange_bucket_mb"] * 2**20
@@ -138,7 +148,8 @@ def test_exchange_buffers_within_plan_bound(offload_results) -> None:
         assert probe["pool_bound"] <= (3 * 1.5 + 1) * bucket_bytes * 1.05, probe
 
 
-def _build_only(rank: int, world_size: int, offload: dict, nvme_dir: str, in_memory: bool) -> int:
+def _build_only(rank: int, world_size: int, offload: dict, nvme_dir: str, in_memory: bool) -> int | str:
+    """The engine's swap_buffers_needed(), or the construction error as "Type: message"."""
     from tests.harness import build_engine, ds_config
     from tests.models import wide_parity_net
     cfg = ds_config(offload_optimizer=dict(offload, nvme_path=nvme_dir), save_muon_momentum_buffer_in_memory=in_memory)
@@ -158,7 +169,9 @@ def test_swap_buffer_count_too_small_names_the_count(tmp_path, offload, in_memor
     """One fewer buffer than needed fails at engine construction (before any swap), on every rank,
     with the key and the count; the counts are the measured minima (one fewer makes DeepSpeed's
     swapper fail with a bare AssertionError in the first step)."""
-    out = run_distributed(_build_only, 2, offload, str(tmp_path), in_memory)
+    swap = swap_dir_for(str(tmp_path / "swap"))
+    os.makedirs(swap, exist_ok=True)
+    out = run_distributed(_build_only, 2, offload, swap, in_memory)
     for msg in out:
         assert isinstance(msg, str) and "ConfigError" in msg, msg
         assert f"offload_optimizer.buffer_count: {needed - 1} is too small" in msg, msg

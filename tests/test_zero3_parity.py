@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from tests.dist_util import run_distributed
-from tests.models import ParityNet, wide_parity_net
+from tests.models import ParityNet, late_groups, late_parity_net, wide_parity_net
 from tests.harness import (PARITY_RTOL, build_engine, clone_tags, compare, ds_config, fp32_master_params,
-                           gathered_params, reference_model, train_engine, train_reference)
+                           gathered_params, reference_model, swap_dir_for, train_engine, train_reference)
 
 STEPS = 3
 
@@ -40,11 +40,11 @@ def _run_case(rank: int, world_size: int, case: dict, nvme_dir: str = "") -> dic
     cfg["optimizer"]["params"].update(case.get("params", {}))
     if case.get("bf16"):
         cfg["bf16"] = {"enabled": True}
-    groups_fn = _wd_groups if case.get("groups") else None
-    model_fn = wide_parity_net if case.get("wide") else ParityNet
+    groups_fn = _wd_groups if case.get("groups") else (late_groups if case.get("late") else None)
+    model_fn = late_parity_net if case.get("late") else (wide_parity_net if case.get("wide") else ParityNet)
     zero = cfg["zero_optimization"]
     if zero.get("offload_optimizer", {}).get("device") == "nvme":  # a fresh swap folder per case
-        zero["offload_optimizer"]["nvme_path"] = os.path.join(nvme_dir, case["name"])
+        zero["offload_optimizer"]["nvme_path"] = swap_dir_for(os.path.join(nvme_dir, case["name"]))
         os.makedirs(zero["offload_optimizer"]["nvme_path"], exist_ok=True)
     engine, model = build_engine(cfg, zero_init=case.get("zero_init", False), model_parameters=groups_fn,
                                  before=_untag_o if case.get("untag_o") else None, model_fn=model_fn)
