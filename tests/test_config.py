@@ -417,8 +417,7 @@ def test_schema_cli_check_exits_0():
 
 
 def test_nvme_offload_with_a_writable_path_is_accepted(tmp_path):
-    cfg = muon_config()
-    cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path)}
+    cfg = nvme_config(tmp_path)
     cfg["zero_optimization"]["save_muon_momentum_buffer_in_memory"] = True
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -432,6 +431,13 @@ def test_nvme_path_missing_names_key_and_fix(tmp_path):
     with pytest.raises(ConfigError, match=rf"zero_optimization\.offload_optimizer\.nvme_path: '{missing}' does not "
                                           rf"exist.*mkdir -p {missing}"):
         validate_ds_config(cfg)
+
+
+def nvme_config(path) -> dict:
+    """A Muon config with the optimizer offloaded to NVMe at ``path``."""
+    cfg = muon_config()
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(path)}
+    return cfg
 
 
 def test_nvme_parameter_offload_is_refused(tmp_path):
@@ -453,8 +459,7 @@ def test_nvme_path_without_o_direct(tmp_path, monkeypatch):
         return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(config.os, "open", open_without_o_direct)
-    cfg = muon_config()
-    cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path)}
+    cfg = nvme_config(tmp_path)
     with pytest.raises(ConfigError, match=r"cannot open files there with O_DIRECT \(Invalid argument\).*tmpfs.*"
                                           r"point nvme_path at a directory on a local disk"):
         validate_ds_config(cfg)
@@ -470,8 +475,7 @@ def test_nvme_path_not_writable_access_denied(tmp_path, monkeypatch):
     writable, so the denial is simulated."""
     import ds_muon.config as config
     monkeypatch.setattr(config.os, "access", lambda path, mode: False)
-    cfg = muon_config()
-    cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path)}
+    cfg = nvme_config(tmp_path)
     with pytest.raises(ConfigError, match=rf"offload_optimizer\.nvme_path: '{tmp_path}' is not writable by this "
                                           r"process.*fix its permissions, or choose a writable directory"):
         validate_ds_config(cfg)
@@ -480,8 +484,7 @@ def test_nvme_path_not_writable_access_denied(tmp_path, monkeypatch):
 def test_nvme_without_libaio_names_the_package(tmp_path, monkeypatch):
     import ds_muon.config as config
     monkeypatch.setattr(config, "_async_io_available", lambda: False)
-    cfg = muon_config()
-    cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path)}
+    cfg = nvme_config(tmp_path)
     with pytest.raises(ConfigError, match=r"offload_optimizer\.device: 'nvme' needs DeepSpeed's async_io op.*"
                                           r"apt-get install libaio-dev"):
         validate_ds_config(cfg)
