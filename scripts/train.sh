@@ -31,7 +31,8 @@ if ! python -c "import torch" 2>/dev/null; then
         python -m pip install torch
     else
         echo ">> installing torch==2.13.0 (CPU build)"
-        python -m pip install "torch==2.13.0"
+        # TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu where PyPI would give the CUDA build
+        python -m pip install "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
     fi
 fi
 
