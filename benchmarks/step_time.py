@@ -256,14 +256,13 @@ def print_table(results: dict) -> None:
     for k, v in results.items():
         if "error" in v:
             print(f"| {k} | failed: {v['error']} | | | |")
-    if "ds_muon" in ok and "ds_muon_gram" in ok:
-        g, c = ok["ds_muon_gram"], ok["ds_muon"]
-        print(f"ns_method: optimizer step {c['opt_step_s']:.3f} s standard -> {g['opt_step_s']:.3f} s gram; "
-              f"step {c['step_s']:.3f} -> {g['step_s']:.3f} s")
-    if "ds_muon" in ok and "ds_muon_eager" in ok:
-        e, c = ok["ds_muon_eager"], ok["ds_muon"]
-        print(f"ns_compile: optimizer step {e['opt_step_s']:.3f} s eager -> {c['opt_step_s']:.3f} s compiled; "
-              f"step {e['step_s']:.3f} -> {c['step_s']:.3f} s")
+    # ds_muon variants against the default, each differing in one knob: (variant, knob, variant's label, default's)
+    for variant, knob, theirs, ours in (("ds_muon_gram", "ns_method", "gram", "standard"),
+                                        ("ds_muon_eager", "ns_compile", "eager", "compiled")):
+        if "ds_muon" in ok and variant in ok:
+            v, c = ok[variant], ok["ds_muon"]
+            print(f"{knob}: optimizer step {c['opt_step_s']:.3f} s {ours} vs {v['opt_step_s']:.3f} s {theirs}; "
+                  f"step {c['step_s']:.3f} vs {v['step_s']:.3f} s")
     if "ds_muon" in ok:
         d = ok["ds_muon"]
         print(f"\nNS floor {d['ns_floor_s']:.4f} s (max {d['ns_gflop_per_rank_max']:.0f} GFLOP per rank at "
