@@ -535,44 +535,24 @@ def load_universal_state(opt, folder: str, load_optimizer_states: bool = True) -
     saved = meta["params"]
     zero_dir = os.path.join(folder, "zero")
     opt._load_global_state_stage3(header)
-    swapped = [opt._swappable_optimizer_subgroup(s) for s in range(len(opt.fp16_groups))]
-    timer_names: set = set()
-    if opt.swap_optimizer:
-        # NVMe: drop every swapped sub-group's state first (the swapper latches state keys whenever
-        # it looks a sub-group up), forget the swapped state, then write each sub-group's loaded
-        # fp32 partition and state through one swap-in and swap-out, which latches the loaded keys.
-        for s in range(len(opt.fp16_groups)):
-            if swapped[s]:
-                opt.optimizer.state.pop(opt.fp32_partitioned_groups_flat[s], None)
-        opt.optimizer_swapper.purge_state()
-        opt._partition_all_parameters()
-    for s, params in enumerate(opt.fp16_groups):
-        fp32 = opt.fp32_partitioned_groups_flat[s]
-        numel = opt.fp16_partitioned_groups_flat_numel[s]
+
+    def load(s: int) -> tuple[torch.Tensor, dict]:
+        """Sub-group ``s``'s fp32 partition and state, cut from the full tensors (one sub-group at a time)."""
+        params, fp32 = opt.fp16_groups[s], opt.fp32_partitioned_groups_flat[s]
         first = saved[names[s][0]] if names[s] else {"state_keys": [], "scalars": {}}
         flats = {}
         for key in ("fp32", *first["state_keys"]):
-            flat = torch.zeros(numel, dtype=torch.float32, device=fp32.device)
+            flat = torch.zeros(opt.fp16_partitioned_groups_flat_numel[s], dtype=torch.float32, device=fp32.device)
             offset = 0
             for p, name in zip(params, names[s]):
                 part = opt.load_hp_checkpoint_state(os.path.join(zero_dir, name), key, param=p)
                 flat.narrow(0, offset, part.numel()).copy_(part)
                 offset += part.numel()
             flats[key] = flat
-        if swapped[s]:
-            opt._prepare_sub_group(s, timer_names)  # only the fp32 partition is resident
-        fp32.data.copy_(flats.pop("fp32"))
-        state = opt.optimizer.state[fp32]
-        state.clear()
-        state.update(flats)
-        state.update(first["scalars"])
-        if opt._momentum_in_memory and "momentum_buffer" in state:
-            state["momentum_buffer"].swappable = False  # save_muon_momentum_buffer_in_memory
-        opt._reassign_or_swap_out_partitioned_parameters(s)  # bf16/fp16 partition <- fp32
-        if swapped[s]:
-            opt._release_sub_group(s, timer_names)  # writes fp32 + state to NVMe
-    if opt.swap_optimizer:
-        opt._post_step(timer_names)
+        return flats.pop("fp32"), {**flats, **first["scalars"]}
+
+    # Under NVMe each sub-group's loaded fp32 partition and state go through one swap-in and swap-out.
+    opt._install_partitions(load, replace_state=True)
     for group, saved_group in zip(opt.optimizer.param_groups, header[PARAM_GROUPS]):
         group.update({k: v for k, v in saved_group.items() if k in group and k != "params"})
     opt.muon_step_count = int(meta["muon_step_count"])

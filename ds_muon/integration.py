@@ -35,7 +35,7 @@ from deepspeed.utils import logger as ds_logger
 from .checkpoint import install_load_checks
 from .config import ConfigError, load_ds_config, validate_ds_config
 from .param_groups import split_param_groups
-from .selection import tag_model
+from .selection import NO_MUON_WARNING, tag_model
 from .zero3 import MuonZeroOptimizer, ZeroMuonInner
 
 _lock = threading.RLock()
@@ -55,8 +55,7 @@ def _set_optimizer_flags(config_class, model) -> None:
     if _is_rank0():  # DeepSpeed's own logger, so the summary shows where DeepSpeed's start-up lines do
         ds_logger.info(selection.summary())
         if not any(selection.use_muon.values()):
-            ds_logger.warning("ds_muon: no parameter was selected for Muon, so this run is pure AdamW. Tag "
-                              "matrices with param.use_muon=True or set optimizer.params.muon_params.")
+            ds_logger.warning(NO_MUON_WARNING)
 
 
 def _configure_basic_optimizer(self: DeepSpeedEngine, model_parameters):

@@ -28,6 +28,8 @@ import torch
 from torch import nn
 
 logger = logging.getLogger("ds_muon")
+NO_MUON_WARNING = ("ds_muon: no parameter was selected for Muon, so this run is pure AdamW. Tag matrices with "
+                   "param.use_muon=True or set optimizer.params.muon_params.")
 
 _MATRIX_MODULES: tuple[type, ...] = (
     nn.Linear,
@@ -202,6 +204,5 @@ def tag_model(model: nn.Module,
     if log:
         logger.info("%s", sel.summary())
         if not any(sel.use_muon.values()):
-            logger.warning("ds_muon: no parameter was selected for Muon, so this run is pure AdamW. "
-                           "Tag matrices with param.use_muon=True or set optimizer.params.muon_params.")
+            logger.warning(NO_MUON_WARNING)
     return sel

@@ -122,6 +122,7 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                             "build the engine through ds_muon.initialize or ds_muon.enable()")
         self.muon_step_count = 0
         self._stepping = False
+        self._offloaded_grad_ids: set[int] = set()  # ds_ids whose gradient DeepSpeed offloaded this window
         # zero_optimization.save_muon_momentum_buffer_in_memory: keep Muon momentum out of the NVMe swap.
         self._momentum_in_memory = bool(self.swap_optimizer and self.save_muon_momentum_buffer_in_memory)
         self._monitor = None
@@ -264,14 +265,6 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                 if fp32.grad is not None and not self._swappable_optimizer_subgroup(i):
                     fp32.grad.zero_()
 
-    @property
-    def _offloaded_grad_ids(self) -> set:
-        """ds_ids whose gradient DeepSpeed offloaded (copied or swapped out) in this window."""
-        ids = self.__dict__.get("_offloaded_grad_ids_set")
-        if ids is None:
-            ids = self.__dict__["_offloaded_grad_ids_set"] = set()
-        return ids
-
     def _offload_grad_partition_at_boundary(self, param, *args, **kwargs):
         """DeepSpeed's; also records that ``param``'s gradient was offloaded in this window."""
         self._offloaded_grad_ids.add(param.ds_id)
@@ -390,72 +383,78 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         sd[FP32_FLAT_GROUPS] = fp32_groups
         return sd
 
-    def _rigid_load_state_dict(self, state_dict: dict, load_optimizer_states: bool = True) -> None:
-        """DeepSpeed's load for in-memory sub-groups; for swapped ones, write the checkpoint's fp32
-        partition and state through the swapper (one swap-in and swap-out per sub-group), so the
-        swapper latches the loaded state keys (``momentum_buffer`` stays out of the swap when
-        ``save_muon_momentum_buffer_in_memory``).
+    def _install_partitions(self, load: Callable[[int], tuple], replace_state: bool, refresh_lp: bool = True) -> None:
+        """Write every sub-group's fp32 partition (and, with ``replace_state``, its optimizer state)
+        from ``load``; swapped (NVMe) sub-groups go through one swap-in and one swap-out each.
 
-        Raises:
-            ValueError: a swapped sub-group's fp32 partition in the checkpoint is empty (written by
-                DeepSpeed without ds_muon) or has another size than this engine's.
+        With ``replace_state`` the live state is dropped and the swapper's swapped state purged
+        first: the swapper latches a sub-group's state keys whenever it looks the sub-group up and
+        finds state (and would then read state files this process never wrote), so the new state is
+        installed only once the sub-group's fp32 partition is resident, and the swap-out latches and
+        writes it. A Muon momentum stays out of the swap with ``save_muon_momentum_buffer_in_memory``.
+
+        Args:
+            load: ``i -> (fp32, state)``, called once per sub-group in order, after its swap-in:
+                ``fp32`` of shape ``(partition numel,)``; ``state`` the sub-group's new optimizer state
+                dict (ignored unless ``replace_state``; empty or None installs none).
+            replace_state: install the loaded state instead of keeping the live one.
+            refresh_lp: also refresh the bf16/fp16 partitions (and the model's partitioned
+                parameters) from fp32, as DeepSpeed's loads do.
         """
+        n = len(self.fp16_groups)
+        swapped = [bool(self._swappable_optimizer_subgroup(i)) for i in range(n)]
+        if replace_state:
+            for i in range(n):
+                self.optimizer.state.pop(self.fp32_partitioned_groups_flat[i], None)
+            if self.swap_optimizer:
+                self.optimizer_swapper.purge_state()
+        refresh_swapper = self.swap_optimizer and refresh_lp
+        timer_names: set = set()
+        if refresh_swapper:
+            self._partition_all_parameters()
+        for i in range(n):
+            fp32 = self.fp32_partitioned_groups_flat[i]
+            if swapped[i]:
+                self._prepare_sub_group(i, timer_names)  # with replace_state: only the fp32 partition
+            flat, state = load(i)
+            if replace_state and state:
+                if self._momentum_in_memory and MOMENTUM_KEY in state:
+                    state[MOMENTUM_KEY].swappable = False
+                self.optimizer.state[fp32] = state
+            fp32.data.copy_(flat)
+            if refresh_lp:
+                self._reassign_or_swap_out_partitioned_parameters(i)  # bf16/fp16 partition <- fp32
+            if swapped[i]:
+                self._release_sub_group(i, timer_names)  # writes fp32 (+ state) to NVMe
+        if refresh_swapper:
+            self._post_step(timer_names)
+
+    def _rigid_load_state_dict(self, state_dict: dict, load_optimizer_states: bool = True) -> None:
+        """DeepSpeed's load without NVMe; with it, the checkpoint's fp32 partitions and state go
+        through the swapper (:meth:`_install_partitions`). The fp32 partition sizes were checked by
+        :func:`ds_muon.checkpoint.check_zero_state_dict` before (an NVMe checkpoint written by
+        DeepSpeed alone holds empty ones)."""
         if not self.swap_optimizer:
             return super()._rigid_load_state_dict(state_dict, load_optimizer_states)
-        saved_fp32 = state_dict[FP32_FLAT_GROUPS]
-        for i, saved in enumerate(saved_fp32):
-            want = self.fp16_partitioned_groups_flat_numel[i]
-            if saved.numel() != want:
-                raise ValueError(f"ds_muon: checkpoint sub-group {i} holds {saved.numel()} fp32 elements, this "
-                                 f"engine's ZeRO partition {want}; an NVMe checkpoint must be written by ds_muon "
-                                 "(DeepSpeed's own keeps empty placeholders) for the same model and world size")
         self.loss_scaler = state_dict[LOSS_SCALER]
         self.dynamic_loss_scale = state_dict["dynamic_loss_scale"]
         self.overflow = state_dict["overflow"]
+        states = None
         if load_optimizer_states:
             self._set_fp32_optimizer_param_groups()
             self.optimizer.load_state_dict(state_dict[OPTIMIZER_STATE_DICT])
             self._clear_fp32_optimizer_param_groups()
-            if self._momentum_in_memory:
-                for i in self.muon_plans:
-                    momentum = self.optimizer.state.get(self.fp32_partitioned_groups_flat[i], {}).get(MOMENTUM_KEY)
-                    if momentum is not None:
-                        momentum.swappable = False
-        # The swapper latches a sub-group's state keys whenever it looks the sub-group up and finds
-        # state, and would then read state files this process never wrote: hold the loaded state
-        # aside until the sub-group's fp32 partition is resident, so the swap-out latches and writes it.
-        # (Weights only: the live state stays latched and is swapped in and out with the weights.)
-        loaded = {}
-        if load_optimizer_states:
-            loaded = {i: self.optimizer.state.pop(self.fp32_partitioned_groups_flat[i], None)
-                      for i in range(len(self.fp16_groups)) if self._swappable_optimizer_subgroup(i)}
-            self.optimizer_swapper.purge_state()  # forget the fresh engine's swapped state
-        timer_names: set = set()
-        self._partition_all_parameters()
-        for i in range(len(self.fp16_groups)):
-            swapped = self._swappable_optimizer_subgroup(i)
-            if swapped:
-                self._prepare_sub_group(i, timer_names)  # only the fp32 partition is resident
-                if loaded.get(i):
-                    self.optimizer.state[self.fp32_partitioned_groups_flat[i]] = loaded[i]
-            self.fp32_partitioned_groups_flat[i].data.copy_(saved_fp32[i].data)
-            self._reassign_or_swap_out_partitioned_parameters(i)  # bf16/fp16 partition <- fp32
-            if swapped:
-                self._release_sub_group(i, timer_names)  # writes fp32 + loaded state to NVMe
-        self._post_step(timer_names)
+            states = [self.optimizer.state.get(fp32, {}) for fp32 in self.fp32_partitioned_groups_flat]
+        saved_fp32 = state_dict[FP32_FLAT_GROUPS]
+        self._install_partitions(lambda i: (saved_fp32[i], states[i] if states else None),
+                                 replace_state=load_optimizer_states)
 
     def _restore_from_bit16_weights(self) -> None:
         """fp32 partitions <- bf16/fp16 ones (DeepSpeed's), through the swapper for swapped sub-groups."""
         if not self.swap_optimizer:
             return super()._restore_from_bit16_weights()
-        timer_names: set = set()
-        for i in range(len(self.fp16_groups)):
-            swapped = self._swappable_optimizer_subgroup(i)
-            if swapped:
-                self._prepare_sub_group(i, timer_names)
-            self.fp32_partitioned_groups_flat[i].data.copy_(self.fp16_partitioned_groups_flat[i].data)
-            if swapped:
-                self._release_sub_group(i, timer_names)
+        self._install_partitions(lambda i: (self.fp16_partitioned_groups_flat[i], None), replace_state=False,
+                                 refresh_lp=False)
 
     # ---- checkpoints (the logic lives in ds_muon.checkpoint) ------------------------------
     def state_dict(self):
