@@ -176,6 +176,14 @@ class MuonOptimizerParams(BaseModel):
         description=("Muon momentum coefficient beta (dimensionless): m <- beta*m + (1-beta)*g, kept in fp32 "
                      "on the rank that holds the shard. Source: DeepSpeed built-in Muon 'momentum', same meaning; "
                      "default 0.95 as in Keller Jordan's Muon."))
+    momentum_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description=("Storage dtype of the Muon momentum (the only Muon optimizer state). 'float32' (default) keeps "
+                     "it exact; 'bfloat16' halves its memory (2 bytes per Muon element instead of 4, as DeepSpeed's "
+                     "built-in Muon, which keeps it in the model's dtype): the update is still computed in fp32 and "
+                     "only the stored momentum is rounded. With NVMe optimizer offload it needs "
+                     "zero_optimization.save_muon_momentum_buffer_in_memory (the swapper stores fp32 state only). "
+                     "Source: ds_muon; the effect on the main job's loss is in docs/benchmarks.md."))
     nesterov: bool = Field(
         True,
         description=("Nesterov momentum for Muon: orthogonalize lerp(g, m, beta) instead of m. Source: Keller "
@@ -313,6 +321,7 @@ class MuonOptimizerParams(BaseModel):
         return {
             "lr": self.muon_lr if self.muon_lr is not None else self.lr,
             "momentum": self.momentum,
+            "momentum_dtype": self.momentum_dtype,
             "nesterov": self.nesterov,
             "ns_method": self.ns_method,
             "ns_steps": self.ns_steps,
@@ -606,6 +615,11 @@ def validate_ds_config(ds_config: dict) -> Optional[MuonOptimizerParams]:
         device = str(getattr(device, "value", device)).lower() if device is not None else None
         if device == "nvme":
             problems.extend(_nvme_path_problems("offload_optimizer", offload.get("nvme_path")))
+            if (params is not None and params.momentum_dtype != "float32"
+                    and zero.get("save_muon_momentum_buffer_in_memory") is not True):
+                problems.append(f"optimizer.params.momentum_dtype: {params.momentum_dtype!r} with NVMe optimizer "
+                                "offload needs zero_optimization.save_muon_momentum_buffer_in_memory: true (DeepSpeed's "
+                                "swapper stores state in fp32 only); set it, or use momentum_dtype 'float32'")
     offload_param = zero.get("offload_param")
     param_device = offload_param.get("device") if isinstance(offload_param, dict) else None
     if str(getattr(param_device, "value", param_device)).lower() == "nvme":

@@ -405,14 +405,32 @@ def orthogonalize(
     return out.mT if tall else out
 
 
+#: Graphs ds_muon's compiled Newton–Schulz may hold per (method, steps, dtype) before torch.compile
+#: gives up (``torch._dynamo.config.recompile_limit``, 8 by default, is per code object and shared
+#: by every compiled ``orthogonalize``). Each call of the compiled function raises the limit to this
+#: value for itself only (``torch._dynamo.config.patch``), so the rest of the user's program keeps
+#: its own setting.
+COMPILE_GRAPH_LIMIT = 64
+
+
 @functools.lru_cache(maxsize=None)
-def compiled_orthogonalize(method: str = "standard", steps: int = 5, dtype: torch.dtype | None = None):
+def compiled_orthogonalize(method: str = "standard", steps: int = 5, dtype: torch.dtype | None = None,
+                           backend: str = "inductor"):
     """``orthogonalize`` with ``method``, ``steps`` and ``dtype`` fixed, compiled by ``torch.compile``.
 
-    Compiled once per argument triple, with dynamic shapes so a new batch count or matrix shape
-    does not recompile. It fuses the normalization (no fp32 copy of the whole batch) and the
-    element-wise parts of each iteration around the matmuls. Meant for accelerators; the gain is
-    measured by ``benchmarks/step_time.py`` (NS microbenchmark).
+    Compiled with dynamic shapes, so a new batch count or matrix shape mostly reuses a graph; torch
+    still specializes on a batch of 1 against more, square against rectangular, wide against tall,
+    and for ``"gram"`` on whether the Gram kernel pays (``ns_flops``), so a model's set of shapes
+    needs a handful of graphs. torch.compile's default ``recompile_limit`` (8) is shared by every
+    compiled function of the process and was hit in practice (it then silently falls back to
+    eager); each call here runs under ``recompile_limit = COMPILE_GRAPH_LIMIT`` instead (see
+    there). ``benchmarks/step_time.py`` counts the graphs. The compiled region fuses the
+    normalization (no fp32 copy of the whole batch) and the element-wise parts of each iteration
+    around the matmuls. Meant for accelerators.
+
+    Args:
+        method, steps, dtype: as ``orthogonalize``'s. backend: ``torch.compile``'s backend (the
+            tests use ``"eager"``, which has the same guards and compiles in milliseconds).
 
     Returns:
         ``fn(x) -> tensor`` with ``orthogonalize``'s contract.
@@ -422,4 +440,11 @@ def compiled_orthogonalize(method: str = "standard", steps: int = 5, dtype: torc
     """
     _check_method(method)
     _check_steps(steps)
-    return torch.compile(functools.partial(orthogonalize, method=method, steps=steps, dtype=dtype), dynamic=True)
+    compiled = torch.compile(functools.partial(orthogonalize, method=method, steps=steps, dtype=dtype),
+                             dynamic=True, backend=backend)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        with torch._dynamo.config.patch(recompile_limit=COMPILE_GRAPH_LIMIT):
+            return compiled(x)
+
+    return fn

@@ -15,7 +15,7 @@ from .selection import param_shape, tag_model
 
 # Keys a user param group may set, per half. A shared key (lr, weight_decay) applies to both
 # halves unless the half-specific one (muon_lr / adam_lr, adam_weight_decay) is also given.
-MUON_KEYS = ("lr", "momentum", "nesterov", "ns_method", "ns_steps", "ns_dtype", "update_scale", "weight_decay",
+MUON_KEYS = ("lr", "momentum", "momentum_dtype", "nesterov", "ns_method", "ns_steps", "ns_dtype", "update_scale", "weight_decay",
              "exchange_dtype")
 ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
 _RENAMES_MUON = {"muon_lr": "lr"}

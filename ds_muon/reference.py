@@ -12,6 +12,7 @@ import torch
 
 from .config import parse_muon_params
 from .matrix import ns_view_shape, update_scale
+from .momentum import momentum_update_
 from .newton_schulz import orthogonalize, resolve_ns_dtype
 from .param_groups import split_param_groups
 from .selection import param_shape
@@ -56,7 +57,8 @@ class MuonAdamW(torch.optim.Optimizer):
         ds_muon.config.ConfigError: a bad hyperparameter (names the key and the allowed values).
         ValueError: ``use_muon=True`` on a parameter with fewer than 2 dims.
 
-    State per Muon parameter: ``momentum_buffer`` (fp32, the parameter's shape). Per AdamW
+    State per Muon parameter: ``momentum_buffer`` (the parameter's shape, fp32 or bf16 by
+    ``momentum_dtype``; see :func:`ds_muon.momentum.momentum_update_` for where bf16 rounds). Per AdamW
     parameter: ``step`` (int), ``exp_avg``, ``exp_avg_sq`` (fp32).
     """
 
@@ -68,18 +70,18 @@ class MuonAdamW(torch.optim.Optimizer):
         self.config = cfg
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """``torch.optim.Optimizer.load_state_dict``, keeping fp32 state fp32.
+        """``torch.optim.Optimizer.load_state_dict``, keeping each state tensor's saved dtype.
 
-        Torch casts floating-point state to each parameter's dtype; here momentum and Adam moments
-        stay fp32 whatever the model dtype (design.md §3), so they are restored from ``state_dict``
-        without that rounding.
+        Torch casts floating-point state to each parameter's dtype; here Adam moments stay fp32 and
+        momentum stays in its ``momentum_dtype`` whatever the model dtype (design.md §3), so they are
+        restored from ``state_dict`` without that cast.
         """
         super().load_state_dict(state_dict)
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for saved_id, p in zip(saved_ids, params):
             for key, value in state_dict["state"].get(saved_id, {}).items():
-                if torch.is_tensor(value) and value.dtype == torch.float32:
+                if torch.is_tensor(value) and value.is_floating_point():
                     self.state[p][key] = value.to(device=p.device, copy=True)
 
     @torch.no_grad()
@@ -102,12 +104,10 @@ class MuonAdamW(torch.optim.Optimizer):
     def _muon(self, p: torch.Tensor, group: dict) -> None:
         state = self.state[p]
         if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+            state["momentum_buffer"] = torch.zeros_like(p, dtype=getattr(torch, group["momentum_dtype"]))
         m = state["momentum_buffer"]
-        g = p.grad.float()
-        beta = group["momentum"]
-        m.lerp_(g, 1 - beta)
-        u = torch.lerp(g, m, beta) if group["nesterov"] else m  # not in place: g may be p.grad itself
+        g = p.grad.to(torch.float32, copy=True).view(-1)  # a copy: the update is written into it
+        u = momentum_update_(m.view(-1), g, group["momentum"], group["nesterov"])
         b, rows, cols = ns_view_shape(param_shape(p))
         ns_dtype = resolve_ns_dtype(group["ns_dtype"], group["ns_method"], p.device)
         o = orthogonalize(u.reshape(b, rows, cols), group["ns_method"], group["ns_steps"], ns_dtype)

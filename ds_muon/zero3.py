@@ -27,10 +27,19 @@ from deepspeed.utils import logger
 from .config import ConfigError, resolve_exchange_dtype
 from .exchange import BufferPool, OwnerExchange
 from .matrix import update_scale
+from .momentum import momentum_update_
 from .newton_schulz import compiled_orthogonalize, orthogonalize, resolve_ns_dtype
 from .ownership import BucketedPlan, ParamInfo, build_bucketed_plan
 
 MOMENTUM_KEY = "momentum_buffer"
+
+
+def cast_momentum_(state: dict, group: dict) -> None:
+    """Store ``state``'s Muon momentum (if any) in the group's ``momentum_dtype`` (loads give fp32)."""
+    momentum = state.get(MOMENTUM_KEY)
+    dtype = getattr(torch, group.get("momentum_dtype", "float32"))
+    if momentum is not None and momentum.dtype != dtype:
+        state[MOMENTUM_KEY] = momentum.to(dtype)
 
 
 class ZeroMuonInner(torch.optim.Optimizer):
@@ -72,8 +81,14 @@ class ZeroMuonInner(torch.optim.Optimizer):
         self.adamw.state = self.state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load as ``torch.optim.Optimizer`` does, then re-share groups and state with the AdamW."""
+        """Load as ``torch.optim.Optimizer`` does (which casts state to the fp32 partitions' dtype), put
+        each Muon momentum back in its group's ``momentum_dtype``, then re-share groups and state with
+        the AdamW."""
         super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            if group["use_muon"]:
+                for p in group["params"]:
+                    cast_momentum_(self.state.get(p, {}), group)
         self._share_with_adamw()
 
     @torch.no_grad()
@@ -320,13 +335,11 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         if momentum is None:
             # Created in the first step with the fp32 shard's length and dtype: the NVMe swapper
             # latches a sub-group's state keys on its first swap-out.
-            momentum = state[MOMENTUM_KEY] = torch.zeros_like(fp32, dtype=torch.float32)
+            momentum = state[MOMENTUM_KEY] = torch.zeros_like(fp32, dtype=getattr(torch, group["momentum_dtype"]))
             if self._momentum_in_memory:
                 momentum.swappable = False  # the swapper leaves tensors marked so in memory
-        beta = group["momentum"]
         with record_function("ds_muon/momentum"):
-            momentum.lerp_(grad, 1 - beta)
-            update = grad.lerp_(momentum, beta) if group["nesterov"] else momentum
+            update = momentum_update_(momentum, grad, group["momentum"], group["nesterov"])
         method, steps, mode = group["ns_method"], group["ns_steps"], group["update_scale"]
         exchange = self._muon_exchanges[i]
         if self.optimizer.config.ns_compile and exchange.device.type == "cuda":
@@ -418,6 +431,8 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                 self._prepare_sub_group(i, timer_names)  # with replace_state: only the fp32 partition
             flat, state = load(i)
             if replace_state and state:
+                if i in self.muon_plans:
+                    cast_momentum_(state, self._muon_group(i))
                 if self._momentum_in_memory and MOMENTUM_KEY in state:
                     state[MOMENTUM_KEY].swappable = False
                 self.optimizer.state[fp32] = state

@@ -172,7 +172,8 @@ def test_defaults_resolved():
     p = parse_muon_params(None)
     assert p == parse_muon_params({})
     assert p.muon_group_defaults() == {
-        "lr": 0.02, "momentum": 0.95, "nesterov": True, "ns_method": "standard", "ns_steps": 5,
+        "lr": 0.02, "momentum": 0.95, "momentum_dtype": "float32", "nesterov": True, "ns_method": "standard",
+        "ns_steps": 5,
         "ns_dtype": "auto", "update_scale": "shape", "weight_decay": 0.0, "exchange_dtype": "auto",
     }
     assert p.adamw_group_defaults() == {"lr": 0.02, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
@@ -549,3 +550,22 @@ def test_exchange_dtype_rule_is_shared_with_the_runtime():
     assert resolve_exchange_dtype("bfloat16", torch.float32) == "bfloat16"
     import ds_muon.zero3 as zero3
     assert zero3.resolve_exchange_dtype is resolve_exchange_dtype
+
+
+def test_bf16_momentum_with_nvme_needs_momentum_in_memory(tmp_path):
+    from ds_muon.config import ConfigError, validate_ds_config
+    from ds_muon.config import _async_io_available
+    cfg = {"optimizer": {"type": "Muon", "params": {"momentum_dtype": "bfloat16"}},
+           "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+    with pytest.raises(ConfigError, match="momentum_dtype: 'bfloat16' with NVMe optimizer offload needs "
+                                          "zero_optimization.save_muon_momentum_buffer_in_memory"):
+        validate_ds_config(cfg)
+    cfg["zero_optimization"]["save_muon_momentum_buffer_in_memory"] = True
+    if _async_io_available():
+        try:
+            validate_ds_config(cfg)
+        except ConfigError as err:  # only tmpfs without O_DIRECT may still object, never momentum_dtype
+            assert "momentum_dtype" not in str(err)
+    with pytest.raises(ConfigError, match="momentum_dtype"):
+        validate_ds_config({"optimizer": {"type": "Muon", "params": {"momentum_dtype": "float16"}},
+                            "zero_optimization": {"stage": 3}})

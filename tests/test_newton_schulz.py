@@ -465,3 +465,22 @@ def test_compiled_orthogonalize_matches_eager_and_is_cached():
         torch.testing.assert_close(fn(x), orthogonalize(x, "standard", 5, torch.float32), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="method"):
         compiled_orthogonalize("bogus", 5, torch.float32)
+
+
+def test_compiled_orthogonalize_never_falls_back_to_eager():
+    # A model's shapes and per-bucket batch counts exceed torch.compile's default recompile_limit (8),
+    # which is shared by every compiled function; past it torch silently runs eager. Under
+    # fail_on_recompile_limit_hit it raises instead, so this fails if ds_muon's limit is not in force.
+    from ds_muon.newton_schulz import compiled_orthogonalize
+    shapes = [(1, 8, 8), (3, 8, 8), (1, 8, 20), (2, 8, 20), (1, 20, 8), (4, 20, 8), (5, 4, 4), (1, 4, 12),
+              (7, 12, 4), (2, 16, 8), (1, 6, 6), (3, 6, 30), (2, 30, 6)]
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
+            for method in NS_METHODS:
+                fn = compiled_orthogonalize(method, 5, torch.float32, backend="eager")
+                for shape in shapes:
+                    x = torch.randn(*shape, generator=_gen(7))
+                    torch.testing.assert_close(fn(x), orthogonalize(x, method, 5, torch.float32), rtol=1e-5, atol=1e-6)
+    finally:
+        torch._dynamo.reset()

@@ -88,6 +88,14 @@ def _run_case(rank: int, world_size: int, case: dict, nvme_dir: str = "") -> dic
     return result
 
 
+def _momentum_dtypes(engine) -> list[str]:
+    """Probe: the dtype of every Muon sub-group's momentum after training."""
+    from ds_muon.zero3 import MOMENTUM_KEY
+    opt = engine.optimizer
+    return sorted({str(opt.optimizer.state[opt.fp32_partitioned_groups_flat[i]][MOMENTUM_KEY].dtype)
+                   for i in opt.muon_plans})
+
+
 def parity_worker(rank: int, world_size: int, cases: list[dict], nvme_dir: str = "") -> list[dict | None]:
     return [_run_case(rank, world_size, case, nvme_dir) for case in cases]
 
@@ -100,6 +108,9 @@ CASES = {
         dict(name="w2-zeroinit-groups-untag-small-buckets", gas=1, zero_init=True, groups=True, untag_o=True,
              zero=dict(reduce_bucket_size=100, sub_group_size=500)),
         dict(name="w2-cpu-offload-gas2-clip", gas=2, clip=0.5, zero=dict(offload_optimizer={"device": "cpu"})),
+        # bf16 momentum storage on both sides (the oracle rounds the same way), fp32 everything else
+        dict(name="w2-bf16-momentum-gas2-clip", gas=2, clip=0.5, params=dict(momentum_dtype="bfloat16"),
+             probe=(None, _momentum_dtypes), want_probe=["torch.bfloat16"]),
         # bf16 model (fp32 master weights and optimizer) against the fp32 oracle: forward/backward
         # in bf16 differ from fp32 by bf16 rounding, hence the looser, stated tolerances: Muon matrices
         # within 5e-2 of their update; AdamW parameters whose gradients are at bf16 noise level
@@ -133,6 +144,8 @@ def check_parity(case: dict, per_rank: list[dict]) -> None:
     res = per_rank[0]
     name = case["name"]
     assert res["steps"] == STEPS, (name, res["steps"])
+    if "want_probe" in case:
+        assert all(r["probe"] == case["want_probe"] for r in per_rank), (name, [r["probe"] for r in per_rank])
     assert res["n_muon_sub_groups"] >= 1
     if case.get("params", {}).get("exchange_bucket_mb"):
         assert res["n_buckets"] >= res["n_muon_sub_groups"] + 2, f"{name}: expected several buckets"

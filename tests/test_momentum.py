@@ -1,0 +1,72 @@
+"""The momentum step on a flat shard (ds_muon.momentum): fp32 and bf16 storage, chunking."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ds_muon.momentum as momentum_mod
+from ds_muon.momentum import momentum_update_
+
+
+def _data(n: int = 1000, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g), torch.randn(n, generator=g)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_fp32_matches_the_formula(nesterov: bool) -> None:
+    m0, g0 = _data()
+    m, g = m0.clone(), g0.clone()
+    u = momentum_update_(m, g, 0.9, nesterov)
+    m_want = 0.9 * m0 + 0.1 * g0
+    torch.testing.assert_close(m, m_want, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(u, 0.1 * g0 + 0.9 * m_want if nesterov else m_want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_bf16_rounds_only_the_stored_momentum(nesterov: bool, monkeypatch) -> None:
+    monkeypatch.setattr(momentum_mod, "CHUNK_ELEMENTS", 64)  # 1000 elements: 16 chunks, the last one short
+    m0, g0 = _data()
+    m, g = m0.to(torch.bfloat16), g0.clone()
+    m32 = m.float() * 0.9 + 0.1 * g0  # the fp32 momentum before it is stored
+    u = momentum_update_(m, g, 0.9, nesterov)
+    assert m.dtype == torch.bfloat16 and u.dtype == torch.float32 and u.data_ptr() == g.data_ptr()
+    torch.testing.assert_close(m, m32.to(torch.bfloat16), rtol=0, atol=0)  # round to nearest, every chunk
+    want = 0.1 * g0 + 0.9 * m32 if nesterov else m32  # from the unrounded value
+    torch.testing.assert_close(u, want, rtol=1e-6, atol=1e-6)
+    assert (u - m.float()).abs().max() > 0  # so the update really is not the rounded momentum
+
+
+def test_bad_input_is_named() -> None:
+    with pytest.raises(ValueError, match="same 1-D shape"):
+        momentum_update_(torch.zeros(3), torch.zeros(4), 0.9, True)
+    with pytest.raises(ValueError, match="grad must be float32"):
+        momentum_update_(torch.zeros(3), torch.zeros(3, dtype=torch.bfloat16), 0.9, True)
+    with pytest.raises(ValueError, match="momentum dtype must be one of"):
+        momentum_update_(torch.zeros(3, dtype=torch.float16), torch.zeros(3), 0.9, True)
+
+
+def test_reference_keeps_bf16_momentum_through_state_dict() -> None:
+    import ds_muon
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16),
+                                torch.nn.Linear(16, 2))
+    opt = ds_muon.MuonAdamW(model, momentum_dtype="bfloat16")
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    muon = [p for g in opt.param_groups if g["use_muon"] for p in g["params"]]
+    assert muon and all(opt.state[p]["momentum_buffer"].dtype == torch.bfloat16 for p in muon)
+    fresh = ds_muon.MuonAdamW(model, momentum_dtype="bfloat16")
+    fresh.load_state_dict(opt.state_dict())
+    for p in muon:
+        assert fresh.state[p]["momentum_buffer"].dtype == torch.bfloat16
+        assert torch.equal(fresh.state[p]["momentum_buffer"], opt.state[p]["momentum_buffer"])
+
+
+def test_zero_inner_load_casts_momentum_back() -> None:
+    from ds_muon.zero3 import MOMENTUM_KEY, cast_momentum_
+    state = {MOMENTUM_KEY: torch.ones(4), "step": 3}
+    cast_momentum_(state, {"momentum_dtype": "bfloat16"})
+    assert state[MOMENTUM_KEY].dtype == torch.bfloat16 and state["step"] == 3
+    cast_momentum_(state, {"momentum_dtype": "float32"})
+    assert state[MOMENTUM_KEY].dtype == torch.float32
