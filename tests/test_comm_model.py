@@ -49,4 +49,4 @@ def test_bytes_and_load_at_scale(infos, world_size: int) -> None:
 def test_the_model_prints_a_table(capsys) -> None:
     comm_model.main(["--model", "tiny", "--world-sizes", "2,16"])
     out = capsys.readouterr().out
-    assert "| 16 |" in out and "ds_muon / built-in" in out
+    assert "| 16 |" in out and "owners with work" in out
