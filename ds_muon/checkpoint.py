@@ -68,7 +68,7 @@ from deepspeed.utils import logger
 from .zero3 import MOMENTUM_KEY
 
 __all__ = ["CheckpointError", "CONVERT_COMMAND", "DS_MUON_KEY", "zero_metadata", "add_metadata", "restore_step_count",
-           "rigid_load_arguments", "check_zero_state_dict", "check_before_load", "install_load_checks",
+           "rigid_load_arguments", "check_zero_state_dict", "saved_world_size", "check_before_load", "install_load_checks",
            "convert_to_universal", "load_universal_state", "main"]
 
 DS_MUON_KEY = "ds_muon"
@@ -262,7 +262,7 @@ def _read_tag(load_dir: str, latest_name: str) -> Optional[str]:
         return f.read().strip()
 
 
-def _saved_world_size(ckpt_dir: str) -> Optional[int]:
+def saved_world_size(ckpt_dir: str) -> Optional[int]:
     """``dp_world_size`` from a ``*_model_states.pt`` of a DeepSpeed checkpoint tag dir, or None."""
     files = sorted(f for f in glob.glob(os.path.join(ckpt_dir, "*_model_states.pt"))
                    if not os.path.basename(f).startswith("layer_"))
@@ -311,7 +311,7 @@ def check_before_load(engine, load_dir: str, tag: Optional[str], load_optimizer_
                               "true} in the DeepSpeed config to load it")
     if universal or load_module_only or not load_optimizer_states:
         return
-    saved = _saved_world_size(ckpt_dir)
+    saved = saved_world_size(ckpt_dir)
     current = engine.seq_dp_world_size  # what DeepSpeed compares against
     if saved is not None and saved != current:
         raise CheckpointError(f"{ckpt_dir} was saved at data-parallel world size {saved}, this run has {current}; "

@@ -66,17 +66,21 @@ class ByteCorpus:
         return f"ByteCorpus({self.source}: {len(self.train):,} train / {len(self.val):,} val bytes)"
 
     def batches(self, split: str, batch_size: int, seq_len: int, seed: int,
-                device: torch.device | str = "cpu") -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                device: torch.device | str = "cpu", skip: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Endless (input_ids, targets) batches, each (batch_size, seq_len) int64, from random offsets.
 
         targets = input_ids shifted by one byte. The sampler's torch.Generator is seeded with ``seed``;
-        pass ``seed + rank`` so that each data-parallel rank draws different windows.
+        pass ``seed + rank`` so that each data-parallel rank draws different windows. ``skip`` batches are
+        drawn and dropped first (only their offsets), so a resumed run continues the sequence where the
+        saved run stopped.
         """
         data = self.train if split == "train" else self.val
         if len(data) < seq_len + 1:
             raise ValueError(f"{split} split has {len(data)} bytes, fewer than seq_len + 1 = {seq_len + 1}")
         gen = torch.Generator().manual_seed(seed)
         span = torch.arange(seq_len + 1)
+        for _ in range(skip):
+            torch.randint(0, len(data) - seq_len, (batch_size, 1), generator=gen)
         while True:
             starts = torch.randint(0, len(data) - seq_len, (batch_size, 1), generator=gen)
             window = data[starts + span].long()                       # (B, T + 1)

@@ -8,7 +8,13 @@ Or simply ``scripts/train.sh [args...]`` (creates .venv, installs, launches with
 
 The corpus is the Python standard library's own sources (or ``--data FILE``), byte-level (vocab 256).
 Prints train loss / tokens/s / grad norm / lr, periodic validation loss, and saves a DeepSpeed checkpoint
-to ``--save-dir`` at the end.
+to ``--save-dir`` at the end (and every ``--save-every`` steps).
+
+Resuming: ``--resume`` continues from the latest checkpoint in ``--save-dir`` (``--resume DIR``: in DIR) up to
+``--steps`` in all: weights, optimizer state, lr schedule, step count and the data sampler's position. A
+checkpoint saved at another number of processes is first converted to a universal one (``DIR/universal/``,
+by ``ds_muon.checkpoint.convert_to_universal``) and loaded through it. ``--metrics FILE`` appends one JSON
+line per step (train loss, lrs, grad norm) and per validation, so a resumed run's curve continues the file.
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import json
 import os
 import sys
 import time
+from typing import Optional
 
 import deepspeed
 import torch
@@ -28,6 +35,7 @@ from data import DEFAULT_MAX_BYTES, ByteCorpus  # noqa: E402
 from model import PRESETS, CausalLM, ModelConfig, count_params  # noqa: E402
 
 import ds_muon  # noqa: E402
+from ds_muon.checkpoint import LATEST, convert_to_universal, saved_world_size  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CONFIG = os.path.join(HERE, "ds_config_cpu.json")
@@ -45,6 +53,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=100, help="validate every N steps (0: only at start/end)")
     p.add_argument("--eval-batches", type=int, default=8, help="micro-batches per rank per validation")
     p.add_argument("--save-dir", default="checkpoints/", help="DeepSpeed checkpoint directory ('' to skip)")
+    p.add_argument("--save-every", type=int, default=0, help="also save a checkpoint every N steps (0: at the end)")
+    p.add_argument("--resume", nargs="?", const="", default=None, metavar="DIR",
+                   help="continue from the latest checkpoint in DIR (default: --save-dir), at this or another "
+                        "number of processes; --steps counts from the start of the first run")
+    p.add_argument("--metrics", default=None, metavar="FILE",
+                   help="append per-step JSON lines (step, loss, lr, grad_norm; val_loss at validations) to FILE")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--adamw", action="store_true",
                    help="baseline: replace the config's optimizer by AdamW (lr = the config's adam_lr)")
@@ -63,6 +77,41 @@ def load_config(args: argparse.Namespace) -> dict:
                                                            "weight_decay": params.get("weight_decay", 0.0)}}
     config.pop("train_batch_size", None)            # derived from micro batch x accumulation x world size
     return config
+
+
+def prepare_resume(args: argparse.Namespace, config: dict, world: int) -> Optional[tuple[str, str]]:
+    """``(load_dir, tag)`` of the checkpoint to resume from, or None when ``--resume``'s directory has none yet.
+
+    The tag is the one in ``DIR/latest``. A checkpoint saved at another world size is converted (rank 0,
+    once) to a universal checkpoint in ``DIR/universal`` and ``config`` gets ``checkpoint.load_universal``.
+
+    Raises:
+        FileNotFoundError: the directory does not exist (a mistyped path must not start a fresh run).
+    """
+    load_dir = args.resume or args.save_dir
+    if not load_dir or not os.path.isdir(load_dir):
+        raise FileNotFoundError(f"--resume: checkpoint directory {load_dir!r} does not exist")
+    latest = os.path.join(load_dir, LATEST)
+    if not os.path.isfile(latest):
+        return None
+    with open(latest) as f:
+        tag = f.read().strip()
+    saved = saved_world_size(os.path.join(load_dir, tag))
+    if saved is None or saved == world:
+        return load_dir, tag
+    universal = os.path.join(load_dir, "universal")
+    if dist.get_rank() == 0 and not os.path.isfile(os.path.join(universal, tag, "zero", "optimizer_state.pt")):
+        convert_to_universal(load_dir, universal, tag)
+    dist.barrier()                                   # every rank reads the converted files
+    config.setdefault("checkpoint", {})["load_universal"] = True
+    return universal, tag
+
+
+def write_metrics(path: Optional[str], record: dict) -> None:
+    """Append one JSON line to the ``--metrics`` file (rank 0 only calls this)."""
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
 
 
 @torch.no_grad()
@@ -90,6 +139,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     log = print if rank == 0 else (lambda *a, **k: None)
     config = load_config(args)
+    resume = prepare_resume(args, config, world) if args.resume is not None else None
 
     cfg = ModelConfig.preset(args.model, tie_embeddings=args.tie_embeddings,
                              **({"vocab_size": args.vocab_size} if args.vocab_size else {}))
@@ -105,6 +155,14 @@ def main() -> None:
         model = CausalLM(cfg)
 
     engine, _, _, _ = ds_muon.initialize(model=model, model_parameters=model.parameters(), config=config)
+    start = 1
+    if resume is not None:
+        _, client = engine.load_checkpoint(*resume)
+        start = int(client["step"]) + 1
+        log(f"resumed from {os.path.join(*resume)} (saved at step {start - 1}); continuing to step {args.steps}")
+    elif args.resume is not None:
+        log(f"--resume: no checkpoint in {args.resume or args.save_dir} yet; starting from step 1")
+    save = (lambda step: engine.save_checkpoint(args.save_dir, client_state={"args": vars(args), "step": step}))
 
     muon = [p for p in model.parameters() if getattr(p, "use_muon", False)]
     other = [p for p in model.parameters() if not getattr(p, "use_muon", False)]
@@ -116,12 +174,16 @@ def main() -> None:
     log(corpus)
     mbs, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     tokens_per_step = mbs * gas * world * seq_len
-    train_batches = corpus.batches("train", mbs, seq_len, seed=args.seed + rank, device=engine.device)
+    train_batches = corpus.batches("train", mbs, seq_len, seed=args.seed + rank, device=engine.device,
+                                   skip=(start - 1) * gas)
+    metrics = args.metrics if rank == 0 else None
 
-    val_losses = [(0, evaluate(engine, corpus, args, mbs, seq_len))]
-    log(f"step 0: val loss {val_losses[-1][1]:.4f}")
+    val_losses = [(start - 1, evaluate(engine, corpus, args, mbs, seq_len))]
+    log(f"step {start - 1}: val loss {val_losses[-1][1]:.4f}")
+    write_metrics(metrics, {"step": start - 1, "val_loss": val_losses[-1][1]})
     train_losses, train_time = [], 0.0
-    bar = tqdm(range(1, args.steps + 1), disable=rank != 0, dynamic_ncols=True, desc="train")
+    bar = tqdm(range(start, args.steps + 1), disable=rank != 0, dynamic_ncols=True, desc="train",
+               initial=start - 1, total=args.steps)
     for step in bar:
         t0 = time.perf_counter()
         step_loss = torch.zeros((), device=engine.device)
@@ -133,30 +195,36 @@ def main() -> None:
             step_loss += loss.detach().float() / gas
         dist.all_reduce(step_loss)
         train_losses.append(step_loss.item() / world)
-        if step > 1:                                 # leave out the first (warm-up) step
+        if step > start:                             # leave out the first (warm-up) step
             train_time += time.perf_counter() - t0
         grad_norm = engine.get_global_grad_norm()
         lrs = sorted(set(engine.get_lr()), reverse=True)
+        write_metrics(metrics, {"step": step, "loss": train_losses[-1], "lr": lrs,
+                                "grad_norm": None if grad_norm is None else float(grad_norm)})
         bar.set_postfix({"loss": f"{train_losses[-1]:.3f}",           # a dict keeps this order
-                         "tok/s": f"{tokens_per_step * (step - 1) / train_time:,.0f}" if train_time else "-",
+                         "tok/s": f"{tokens_per_step * (step - start) / train_time:,.0f}" if train_time else "-",
                          "gnorm": f"{float(grad_norm):.3f}" if grad_norm is not None else "-",
                          "lr": "/".join(f"{lr:.3g}" for lr in lrs)})
         if step == args.steps or (args.eval_every and step % args.eval_every == 0):
             val_losses.append((step, evaluate(engine, corpus, args, mbs, seq_len)))
+            write_metrics(metrics, {"step": step, "val_loss": val_losses[-1][1]})
             if rank == 0:
                 bar.write(f"step {step}: train loss {train_losses[-1]:.4f}, val loss {val_losses[-1][1]:.4f}")
+        if args.save_dir and args.save_every and step % args.save_every == 0 and step != args.steps:
+            save(step)
     bar.close()
 
-    last = sum(train_losses[-10:]) / len(train_losses[-10:])
-    log(f"train loss: first {train_losses[0]:.4f} -> last {last:.4f} (mean of the last {min(10, args.steps)} steps), "
-        f"relative drop {(train_losses[0] - last) / train_losses[0]:.1%}")
-    log(f"val loss:   {val_losses[0][1]:.4f} -> {val_losses[-1][1]:.4f}, "
-        f"relative drop {(val_losses[0][1] - val_losses[-1][1]) / val_losses[0][1]:.1%}")
-    if args.steps > 1:
-        log(f"throughput: {tokens_per_step * (args.steps - 1) / train_time:,.0f} tokens/s (global), "
-            f"{train_time / (args.steps - 1):.3f} s/step")
-    if args.save_dir:
-        engine.save_checkpoint(args.save_dir, client_state={"args": vars(args), "step": args.steps})
+    if train_losses:
+        last = sum(train_losses[-10:]) / len(train_losses[-10:])
+        log(f"train loss: first {train_losses[0]:.4f} -> last {last:.4f} (mean of the last "
+            f"{min(10, len(train_losses))} steps), relative drop {(train_losses[0] - last) / train_losses[0]:.1%}")
+        log(f"val loss:   {val_losses[0][1]:.4f} -> {val_losses[-1][1]:.4f}, "
+            f"relative drop {(val_losses[0][1] - val_losses[-1][1]) / val_losses[0][1]:.1%}")
+    if train_time:
+        n = len(train_losses) - 1
+        log(f"throughput: {tokens_per_step * n / train_time:,.0f} tokens/s (global), {train_time / n:.3f} s/step")
+    if args.save_dir and train_losses:
+        save(args.steps)
         log(f"saved checkpoint to {os.path.abspath(args.save_dir)}")
     dist.barrier()
     dist.destroy_process_group()                     # a clean teardown avoids aborts at interpreter exit
