@@ -9,16 +9,19 @@ ds_muon reads two places of an ordinary DeepSpeed config (``ds_config.json``):
     :class:`MuonOptimizerParams` (pydantic v2, ``extra="forbid"``): every key has a type, bounds,
     a default, and a description stating its unit and its source. DeepSpeed does not validate
     ``optimizer.params`` at all, so ds_muon validates it strictly: an unknown key is an error with
-    a "did you mean" hint, a key that only DeepSpeed's built-in Muon understands (``per_head_muon``,
-    ``torch_adam``, ...) is an error that says so, and a value of the wrong type is not coerced
+    a "did you mean" hint, a key that only DeepSpeed's built-in Muon understands (``per_head_muon``)
+    is an error that says so, and a value of the wrong type is not coerced
     (``"nesterov": "yes"`` is an error, not ``True``).
 
     The keys DeepSpeed's built-in Muon accepts keep its meaning, so an existing config works
     unchanged: ``lr``, ``momentum``, ``weight_decay``, ``muon_lr``, ``adam_lr``, ``betas``, ``eps``,
-    ``ns_method``, ``adam_w_mode`` (see ``DeepSpeedEngine._configure_basic_optimizer`` and
+    ``ns_method``, ``adam_w_mode``, ``torch_adam``, ``foreach``, ``fp32_optimizer_states`` (see
+    ``DeepSpeedEngine._configure_basic_optimizer``, ``get_optimizer_configuration`` and
     ``_muon_param_groups`` in deepspeed 0.18.9-0.19.8: ``lr``/``weight_decay`` are shared by both
     halves, ``muon_lr``/``adam_lr`` override ``lr`` per half, ``betas``/``eps`` go to the AdamW
-    half, ``momentum``/``ns_method`` to the Muon half). The one visible difference is the default
+    half, ``momentum``/``ns_method`` to the Muon half, ``torch_adam``/``foreach`` pick
+    ``torch.optim.AdamW`` for the AdamW half; ``fp32_optimizer_states`` and ``adam_w_mode`` only
+    accept ``true``, what ds_muon does). The one visible difference is the default
     ``ns_method``: DeepSpeed's is ``"gram"``, ours is ``"standard"`` until measurement picks one.
     ds_muon adds ``nesterov``, ``ns_steps``, ``ns_dtype``, ``update_scale``,
     ``adam_weight_decay``, ``exchange_dtype``, ``muon_params`` and ``adamw_params``, and accepts
@@ -75,19 +78,13 @@ MUON_TYPE = "muon"
 
 # Keys DeepSpeed's built-in Muon path reads from optimizer.params that ds_muon does not support,
 # with the reason and the fix. (DeepSpeed 0.18.9-0.19.8: deepspeed/__init__.py reads
-# per_head_muon; DeepSpeedEngine.get_optimizer_configuration pops torch_adam, foreach,
-# fp32_optimizer_states; _configure_basic_optimizer rejects max_grad_norm.)
+# per_head_muon; _configure_basic_optimizer rejects max_grad_norm. The other keys it reads --
+# lr, muon_lr, adam_lr, momentum, weight_decay, ns_method, betas, eps, adam_w_mode, and the ones
+# get_optimizer_configuration pops: torch_adam, foreach, fp32_optimizer_states -- are fields.)
 UNSUPPORTED_BUILTIN_KEYS: dict[str, str] = {
     "per_head_muon": ("is an option of DeepSpeed's built-in Muon (Newton-Schulz per attention head) that ds_muon "
                       "does not support: ds_muon orthogonalizes each weight matrix as a whole; remove the key, "
                       "or use DeepSpeed's built-in Muon"),
-    "torch_adam": ("is an option of DeepSpeed's built-in Muon that ds_muon does not support: ds_muon picks the "
-                   "AdamW implementation itself (FusedAdam on an accelerator, DeepSpeedCPUAdam when the optimizer "
-                   "is offloaded); remove the key"),
-    "foreach": ("only has an effect with torch_adam in DeepSpeed's built-in Muon, which ds_muon does not "
-                "support; remove the key"),
-    "fp32_optimizer_states": ("is an option of DeepSpeed's built-in Muon that ds_muon does not support: ds_muon "
-                              "keeps Muon momentum in fp32 whatever the model dtype; remove the key"),
     "max_grad_norm": ("is not an optimizer parameter (DeepSpeed rejects it too); set the top-level "
                       "'gradient_clipping' of the DeepSpeed config instead"),
 }
@@ -247,6 +244,22 @@ class MuonOptimizerParams(BaseModel):
         json_schema_extra={"const": True},
         description=("Decoupled weight decay for the AdamW half (AdamW rather than Adam with L2). Only true is "
                      "supported. Source: DeepSpeed built-in Muon 'adam_w_mode'."))
+    torch_adam: bool = Field(
+        False,
+        description=("Step the AdamW half with torch.optim.AdamW instead of DeepSpeed's FusedAdam (accelerator) / "
+                     "DeepSpeedCPUAdam (optimizer offload). Source: DeepSpeed built-in Muon 'torch_adam' "
+                     "(DeepSpeedEngine.get_optimizer_configuration), same meaning."))
+    foreach: Optional[bool] = Field(
+        None,
+        description=("torch.optim.AdamW's 'foreach' flag (null: torch's default) for the AdamW half; it only has "
+                     "an effect with torch_adam true, as in DeepSpeed (without it a warning says so). Source: "
+                     "DeepSpeed built-in Muon 'foreach', same meaning."))
+    fp32_optimizer_states: bool = Field(
+        True,
+        json_schema_extra={"const": True},
+        description=("Keep optimizer state in fp32. ds_muon always does: Muon momentum and the Adam moments are "
+                     "fp32 whatever the model dtype, so true changes nothing and false is refused. Source: "
+                     "DeepSpeed built-in Muon 'fp32_optimizer_states' (passed to DeepSpeedCPUAdam)."))
 
     # ---- communication -----------------------------------------------------------------------
     exchange_dtype: Literal["auto", "bfloat16", "float32"] = Field(
@@ -298,6 +311,17 @@ class MuonOptimizerParams(BaseModel):
                 allowed="true (or leave the key out)")
         return value
 
+    @field_validator("fp32_optimizer_states")
+    @classmethod
+    def _only_fp32_states(cls, value: bool) -> bool:
+        if value is not True:
+            raise _custom(
+                "ds_muon keeps Muon momentum and the Adam moments in fp32 whatever the model dtype (momentum "
+                "accumulates many small steps, which bf16 loses); lower-precision optimizer states are not "
+                "supported",
+                allowed="true (or leave the key out)")
+        return value
+
     @field_validator("muon_params", "adamw_params")
     @classmethod
     def _patterns_non_empty(cls, value: list[str]) -> list[str]:
@@ -330,6 +354,11 @@ class MuonOptimizerParams(BaseModel):
             "weight_decay": self.weight_decay,
             "exchange_dtype": self.exchange_dtype,
         }
+
+    def adamw_implementation(self) -> dict[str, Any]:
+        """The keys ``DeepSpeedEngine.get_optimizer_configuration`` reads to pick the AdamW class:
+        ``{"torch_adam": bool, "foreach": Optional[bool]}``."""
+        return {"torch_adam": self.torch_adam, "foreach": self.foreach}
 
     def adamw_group_defaults(self) -> dict[str, Any]:
         """Settings of the AdamW param group(s), with adam_lr and adam_weight_decay resolved."""
@@ -523,6 +552,16 @@ def _async_io_available() -> bool:
     return bool(AsyncIOBuilder().is_compatible(verbose=False))
 
 
+def _deepspeed_version() -> str:
+    """The installed DeepSpeed's version, for messages that name one of its limits (read from the
+    package metadata: importing deepspeed here would be slow)."""
+    try:
+        from importlib.metadata import version
+        return version("deepspeed")
+    except Exception:  # noqa: BLE001 - not installed the usual way
+        return "(unknown version)"
+
+
 def _o_direct_problem(path: str) -> Optional[str]:
     """DeepSpeed's async_io opens swap files with O_DIRECT, which tmpfs and some overlay/FUSE
     filesystems refuse (EINVAL) at the first swap. Probe it with a small file; None when it works."""
@@ -632,23 +671,29 @@ def validate_ds_config(ds_config: dict) -> Optional[MuonOptimizerParams]:
                         "libaio-dev; RHEL: yum install libaio-devel), or use device 'cpu'")
 
     if isinstance(offload, dict) and _is_number(offload.get("ratio")) and offload["ratio"] != 1.0:
-        problems.append(f"zero_optimization.offload_optimizer.ratio: {offload['ratio']!r} is invalid: ds_muon "
-                        "does not support partial optimizer offload; remove ratio (or set it to 1.0)")
+        problems.append(f"zero_optimization.offload_optimizer.ratio: {offload['ratio']!r} is invalid: DeepSpeed "
+                        f"{_deepspeed_version()}'s ZeRO-3 partial optimizer offload runs only with DeepSpeedCPUAdam as "
+                        "the optimizer (DeepSpeedZeroOptimizer_Stage3 asserts 'Hybrid Optimizer Only Supports "
+                        "DeepSpeedCPUAdam'), so neither DeepSpeed's built-in Muon nor ds_muon can use it; remove "
+                        "ratio (or set it to 1.0) to offload the whole optimizer")
     if zero.get("zenflow"):
         problems.append("zero_optimization.zenflow: is not supported by ds_muon; remove it")
     if isinstance(offload, dict) and offload.get("super_offload"):
-        problems.append("zero_optimization.offload_optimizer.super_offload: is not supported by ds_muon; remove it")
+        problems.append(f"zero_optimization.offload_optimizer.super_offload: true is invalid: DeepSpeed "
+                        f"{_deepspeed_version()}'s SuperOffload (SuperOffloadOptimizer_Stage3, CUDA only) steps every "
+                        "param group with its own CPU Adam and has no Muon step, so neither DeepSpeed's built-in Muon "
+                        "nor ds_muon can use it; remove super_offload (offload_optimizer device 'cpu' offloads "
+                        "ds_muon's optimizer)")
     tp = ds_config.get("tensor_parallel")
     if isinstance(tp, dict) and _is_number(tp.get("autotp_size")) and tp["autotp_size"] > 1:
         problems.append(f"tensor_parallel.autotp_size: {tp['autotp_size']!r} is invalid: ds_muon orthogonalizes "
                         "whole matrices and does not support tensor parallelism yet; set autotp_size to 1")
-    autocast = ds_config.get("torch_autocast")
-    if isinstance(autocast, dict) and autocast.get("enabled"):
-        problems.append("torch_autocast.enabled: true is not supported by ds_muon; use \"bf16\" or \"fp16\" "
-                        "mixed precision instead")
-    if params is not None:
-        problems.extend(_scheduler_problems(ds_config.get("scheduler"), params))
 
+    if params is not None and params.foreach is not None and not params.torch_adam:
+        warnings.warn(
+            "optimizer.params.foreach has no effect without optimizer.params.torch_adam: true (as in DeepSpeed, "
+            "it is a flag of torch.optim.AdamW); set torch_adam true to use torch's AdamW, or remove foreach.",
+            UserWarning, stacklevel=2)
     if zero.get("save_muon_momentum_buffer_in_memory") is True and device not in ("cpu", "nvme"):
         warnings.warn(
             "zero_optimization.save_muon_momentum_buffer_in_memory is true but the optimizer is not offloaded "
@@ -668,28 +713,6 @@ def validate_ds_config(ds_config: dict) -> Optional[MuonOptimizerParams]:
     if problems:
         raise ConfigError(problems)
     return params
-
-
-# DeepSpeed schedulers that write one absolute lr (the key named) into every param group. Their
-# ratio-based siblings (WarmupCosineLR) scale each group's own lr and are fine.
-_SCALAR_LR_SCHEDULERS = {"WarmupLR": "warmup_max_lr", "WarmupDecayLR": "warmup_max_lr",
-                         "OneCycle": "cycle_max_lr", "LRRangeTest": "lr_range_test_min_lr"}
-
-
-def _scheduler_problems(scheduler: Any, params: MuonOptimizerParams) -> list[str]:
-    if not isinstance(scheduler, dict) or scheduler.get("type") not in _SCALAR_LR_SCHEDULERS:
-        return []
-    muon_lr, adam_lr = params.muon_group_defaults()["lr"], params.adamw_group_defaults()["lr"]
-    key = _SCALAR_LR_SCHEDULERS[scheduler["type"]]
-    value = (scheduler.get("params") or {}).get(key)
-    if muon_lr == adam_lr or isinstance(value, (list, tuple)):
-        return []
-    shown = "not set (DeepSpeed's default applies)" if value is None else f"{value!r} is invalid"
-    return [f"scheduler.params.{key}: {shown}: DeepSpeed's {scheduler['type']} writes this one learning "
-            f"rate into every param group, which would replace both Muon's lr ({_fmt_num(muon_lr)}) and AdamW's "
-            f"({_fmt_num(adam_lr)}); use scheduler type \"WarmupCosineLR\" (it scales each group's own lr), pass a "
-            "torch.optim.lr_scheduler.LambdaLR as lr_scheduler to ds_muon.initialize, or set muon_lr equal to "
-            "adam_lr"]
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:

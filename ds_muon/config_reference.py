@@ -31,9 +31,9 @@ published as JSON Schema in `ds_config_schemas/`.
 Besides these keys, ds_muon checks the parts of the DeepSpeed config that matter to Muon:
 `zero_optimization.stage` must be 3; an NVMe optimizer offload needs an existing, writable
 `nvme_path` on a filesystem with O_DIRECT, and libaio (its `buffer_count` is checked against the
-model's sub-groups when the engine is built, see Offload); parameter offload to NVMe, partial offload, AutoTP/model parallelism, `torch_autocast`, ZenFlow/SuperOffload and
-DeepSpeed schedulers that write one absolute lr into every group (while Muon's and AdamW's lrs
-differ) are refused with a message naming the fix;
+model's sub-groups when the engine is built, see Offload); parameter offload to NVMe, partial offload, AutoTP/model parallelism, `torch_autocast` and ZenFlow/SuperOffload
+are refused with a message naming the fix; DeepSpeed's lr schedulers all work (one that writes one
+absolute lr into every group sets the Muon lr, and each group keeps its ratio to it: see Migration);
 `save_muon_momentum_buffer_in_memory` without optimizer offload only warns (it has no effect).
 
 | key | type | default | allowed | description |

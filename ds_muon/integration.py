@@ -14,8 +14,12 @@ DeepSpeed hooks used (checked against deepspeed 0.19.8; design.md §2):
   ds_muon's, the module attribute is replaced by :class:`~ds_muon.zero3.MuonZeroOptimizer`.
   The engine it builds gets a per-instance ``load_checkpoint`` that runs
   :func:`ds_muon.checkpoint.check_before_load` first (checkpoints saved at another world size).
+* ``DeepSpeedEngine._scheduler_from_config`` builds the config's ``scheduler``. On a ds_muon
+  optimizer, a scheduler that writes one lr into every param group is wrapped in
+  :class:`~ds_muon.schedulers.GroupRatioScheduler` (its value is the Muon lr; each group keeps its
+  ratio to it).
 
-Non-Muon configs pass through all three untouched. Importing ds_muon patches nothing.
+Non-Muon configs pass through all four untouched. Importing ds_muon patches nothing.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ from deepspeed.utils import logger as ds_logger
 from .checkpoint import install_load_checks
 from .config import ConfigError, load_ds_config, validate_ds_config
 from .param_groups import split_param_groups
+from .schedulers import GroupRatioScheduler, broadcasts_one_lr
 from .selection import NO_MUON_WARNING, tag_model
 from .zero3 import MuonZeroOptimizer, ZeroMuonInner
 
@@ -66,7 +71,9 @@ def _configure_basic_optimizer(self: DeepSpeedEngine, model_parameters):
         raise ConfigError("ds_muon does not support DeepSpeed MoE layers yet; tag stacked expert weights "
                           "(a 3-D parameter per layer) instead, which Muon treats as a batch of matrices")
     groups = split_param_groups(model_parameters, cfg.muon_group_defaults(), cfg.adamw_group_defaults())
-    adam_cls, adam_kwargs = self.get_optimizer_configuration({}, True)
+    # DeepSpeed's own choice of AdamW class: torch.optim.AdamW (torch_adam, foreach), else FusedAdam, or
+    # DeepSpeedCPUAdam under optimizer offload.
+    adam_cls, adam_kwargs = self.get_optimizer_configuration(cfg.adamw_implementation(), True)
 
     def adamw_factory(adam_groups: list[dict]):
         return adam_cls(adam_groups, **adam_kwargs)
@@ -105,6 +112,15 @@ def _configure_zero_optimizer(self: DeepSpeedEngine, optimizer):
     return zero_optimizer
 
 
+def _scheduler_from_config(self: DeepSpeedEngine, optimizer):
+    inner = getattr(optimizer, "optimizer", None)
+    if not isinstance(inner, ZeroMuonInner) or not broadcasts_one_lr(self.scheduler_name(), self.scheduler_params()):
+        return _originals["_scheduler_from_config"](self, optimizer)
+    muon_lr = inner.config.muon_group_defaults()["lr"]
+    ratios = [group["lr"] / muon_lr for group in inner.param_groups]  # before the scheduler writes any
+    return GroupRatioScheduler(_originals["_scheduler_from_config"](self, optimizer), inner, ratios)
+
+
 @contextlib.contextmanager
 def _swapped(obj: Any, name: str, value: Any) -> Iterator[None]:
     old = getattr(obj, name)
@@ -127,9 +143,11 @@ def enable() -> None:
             _originals["set_optimizer_flags"] = deepspeed.set_optimizer_flags
             _originals["_configure_basic_optimizer"] = DeepSpeedEngine._configure_basic_optimizer
             _originals["_configure_zero_optimizer"] = DeepSpeedEngine._configure_zero_optimizer
+            _originals["_scheduler_from_config"] = DeepSpeedEngine._scheduler_from_config
             deepspeed.set_optimizer_flags = _set_optimizer_flags
             DeepSpeedEngine._configure_basic_optimizer = _configure_basic_optimizer
             DeepSpeedEngine._configure_zero_optimizer = _configure_zero_optimizer
+            DeepSpeedEngine._scheduler_from_config = _scheduler_from_config
             # DeepSpeed asks for zero_allow_untested_optimizer unless the inner optimizer's type is listed.
             if ZeroMuonInner not in ds_zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
                 ds_zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(ZeroMuonInner)
@@ -147,6 +165,7 @@ def disable() -> None:
             deepspeed.set_optimizer_flags = _originals.pop("set_optimizer_flags")
             DeepSpeedEngine._configure_basic_optimizer = _originals.pop("_configure_basic_optimizer")
             DeepSpeedEngine._configure_zero_optimizer = _originals.pop("_configure_zero_optimizer")
+            DeepSpeedEngine._scheduler_from_config = _originals.pop("_scheduler_from_config")
             if ZeroMuonInner in ds_zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
                 ds_zero_utils.ZERO_SUPPORTED_OPTIMIZERS.remove(ZeroMuonInner)
 

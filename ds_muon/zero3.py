@@ -229,7 +229,9 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         ``step_fn()`` (the engine's global sample count after this step, DeepSpeed's own x axis): ``Train/ds_muon/muon_seconds`` (wall time of this rank's Muon sub-group steps:
         momentum, exchange, Newton–Schulz; the accelerator is synchronized around them only while a
         monitor is attached; the first step includes torch.compile time), ``Train/ds_muon/exchange_bytes``
-        (bytes this rank sends in the owner all_to_all, from the plan) and ``Train/ds_muon/owner_imbalance`` (max/mean Newton–Schulz FLOPs over ranks).
+        (bytes this rank sends in the owner all_to_all, from the plan), ``Train/ds_muon/owner_imbalance`` (max/mean Newton–Schulz FLOPs over ranks),
+        and ``Train/ds_muon/muon_lr`` / ``Train/ds_muon/adam_lr`` (the lr this step used in the first Muon / AdamW
+        param group; DeepSpeed's own ``Train/Samples/lr`` shows only the first group's).
         """
         self._monitor, self._monitor_step = monitor, step_fn
 
@@ -243,9 +245,13 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         step = self._monitor_step()
         if step is None:  # the engine is gone
             return
+        lrs: dict[str, float] = {}  # the first Muon and the first AdamW group's lr this step used
+        for group in self.optimizer.param_groups:
+            lrs.setdefault("Train/ds_muon/muon_lr" if group["use_muon"] else "Train/ds_muon/adam_lr", group["lr"])
         self._monitor.write_events([("Train/ds_muon/muon_seconds", self._muon_seconds, step),
                                     ("Train/ds_muon/exchange_bytes", self.exchange_bytes(), step),
-                                    ("Train/ds_muon/owner_imbalance", imbalance, step)])
+                                    ("Train/ds_muon/owner_imbalance", imbalance, step)]
+                                   + [(name, float(lr), step) for name, lr in lrs.items()])
 
     # ---- step ----------------------------------------------------------------------------
     def step(self, closure=None):

@@ -98,11 +98,13 @@ def reference_model(init: dict[str, torch.Tensor], tags: dict[str, bool], model_
 
 
 def train_reference(model, optimizer, steps: int, world_size: int, gas: int, clip: float,
-                    micro_batch: int = 2, data: Callable = batch) -> list[float]:
+                    micro_batch: int = 2, data: Callable = batch,
+                    before_step: Callable[[int], None] | None = None) -> list[float]:
     """The oracle loop: mean gradient over every rank's micro-batches, raw-norm clip, one step.
 
     ``data(step, rank, micro, micro_batch) -> (tokens, targets)`` is what each rank trains on
-    (default :func:`tests.models.batch`)."""
+    (default :func:`tests.models.batch`); ``before_step(step)`` runs right before each
+    ``optimizer.step()`` (an lr schedule sets the groups' lrs there)."""
     norms = []
     trainable = [p for p in model.parameters() if p.requires_grad]
     for step in range(steps):
@@ -116,6 +118,8 @@ def train_reference(model, optimizer, steps: int, world_size: int, gas: int, cli
                 p.grad = torch.zeros_like(p)
         norm = torch.nn.utils.clip_grad_norm_(trainable, clip if clip > 0 else float("inf"))
         norms.append(float(norm))
+        if before_step is not None:
+            before_step(step)
         optimizer.step()
     return norms
 

@@ -508,13 +508,13 @@ def test_nvme_path_that_is_a_file(tmp_path):
 
 @pytest.mark.parametrize("mutate, match", [
     (lambda c: c["zero_optimization"].update(offload_optimizer={"device": "cpu", "ratio": 0.5}),
-     r"offload_optimizer\.ratio: 0\.5 is invalid.*partial optimizer offload"),
+     r"offload_optimizer\.ratio: 0\.5 is invalid: DeepSpeed 0\.19\.8's ZeRO-3 partial optimizer offload runs only "
+     r"with DeepSpeedCPUAdam.*remove ratio"),
     (lambda c: c.update(tensor_parallel={"autotp_size": 2}), r"tensor_parallel\.autotp_size: 2 .*set autotp_size to 1"),
-    (lambda c: c.update(torch_autocast={"enabled": True}), r"torch_autocast\.enabled.*use \"bf16\""),
     (lambda c: c["zero_optimization"].update(zenflow={"topk_ratio": 0.1}), r"zero_optimization\.zenflow"),
     (lambda c: c["zero_optimization"].update(offload_optimizer={"device": "cpu", "super_offload": True}),
-     r"offload_optimizer\.super_offload"),
-], ids=["partial-offload", "autotp", "autocast", "zenflow", "super-offload"])
+     r"offload_optimizer\.super_offload: true is invalid: DeepSpeed 0\.19\.8's SuperOffload.*no Muon step"),
+], ids=["partial-offload", "autotp", "zenflow", "super-offload"])
 def test_unsupported_combinations_are_named(mutate, match):
     cfg = muon_config()
     mutate(cfg)
@@ -522,23 +522,23 @@ def test_unsupported_combinations_are_named(mutate, match):
         validate_ds_config(cfg)
 
 
-def test_scalar_lr_scheduler_would_collapse_muon_and_adamw_lrs():
+def test_every_deepspeed_scheduler_is_accepted_and_classified():
+    from ds_muon.schedulers import broadcasts_one_lr
     cfg = muon_config()
     cfg["optimizer"]["params"].update(lr=0.02, adam_lr=3e-4)
-    cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_max_lr": 0.02, "warmup_num_steps": 10}}
-    with pytest.raises(ConfigError, match=r"scheduler\.params\.warmup_max_lr: 0\.02 is invalid.*WarmupCosineLR"):
-        validate_ds_config(cfg)
-    cfg["scheduler"] = {"type": "WarmupDecayLR", "params": {"total_num_steps": 100}}
-    with pytest.raises(ConfigError, match=r"warmup_max_lr: not set \(DeepSpeed's default applies\)"):
-        validate_ds_config(cfg)
-    # fine: a ratio-based scheduler, a per-group list, or one shared lr
-    for sched in ({"type": "WarmupCosineLR", "params": {"total_num_steps": 100}},
-                  {"type": "WarmupLR", "params": {"warmup_max_lr": [0.02, 3e-4]}}):
+    cases = [({"type": "WarmupLR", "params": {"warmup_max_lr": 0.02, "warmup_num_steps": 10}}, True),
+             ({"type": "WarmupLR", "params": {"warmup_num_steps": 10}}, False),      # each group's own lr
+             ({"type": "WarmupLR", "params": {"warmup_max_lr": [0.02, 3e-4]}}, False),  # the user's per-group lrs
+             ({"type": "WarmupDecayLR", "params": {"total_num_steps": 100}}, True),   # DeepSpeed's default 0.001
+             ({"type": "WarmupDecayLR", "params": {"total_num_steps": 100, "warmup_max_lr": None}}, False),
+             ({"type": "WarmupCosineLR", "params": {"total_num_steps": 100}}, False),  # ratios already
+             ({"type": "OneCycle", "params": {"cycle_min_lr": 0.001, "cycle_max_lr": 0.02}}, True),
+             ({"type": "LRRangeTest", "params": {}}, True),
+             ({"type": "StepLR", "params": {"step_size": 10}}, False)]
+    for sched, scaled in cases:
         cfg["scheduler"] = sched
-        assert validate_ds_config(cfg) is not None
-    cfg["optimizer"]["params"]["adam_lr"] = 0.02
-    cfg["scheduler"] = {"type": "OneCycle", "params": {"cycle_max_lr": 0.02}}
-    assert validate_ds_config(cfg) is not None
+        assert validate_ds_config(cfg) is not None, sched
+        assert broadcasts_one_lr(sched["type"], sched["params"]) is scaled, sched
 
 
 def test_exchange_dtype_rule_is_shared_with_the_runtime():
@@ -569,3 +569,22 @@ def test_bf16_momentum_with_nvme_needs_momentum_in_memory(tmp_path):
     with pytest.raises(ConfigError, match="momentum_dtype"):
         validate_ds_config({"optimizer": {"type": "Muon", "params": {"momentum_dtype": "float16"}},
                             "zero_optimization": {"stage": 3}})
+
+
+def test_builtin_optimizer_keys_keep_their_meaning():
+    # fp32_optimizer_states: true is what ds_muon does; false is refused with the reason
+    assert parse_muon_params({"fp32_optimizer_states": True}).fp32_optimizer_states is True
+    with pytest.raises(ConfigError, match=r"optimizer\.params\.fp32_optimizer_states: False is invalid: ds_muon "
+                                          r"keeps Muon momentum and the Adam moments in fp32.*allowed: true"):
+        parse_muon_params({"fp32_optimizer_states": False})
+    # torch_adam / foreach pick torch.optim.AdamW through DeepSpeed's get_optimizer_configuration
+    p = parse_muon_params({"torch_adam": True, "foreach": False})
+    assert p.adamw_implementation() == {"torch_adam": True, "foreach": False}
+    assert parse_muon_params({}).adamw_implementation() == {"torch_adam": False, "foreach": None}
+    cfg = muon_config({"foreach": True})
+    with pytest.warns(UserWarning, match=r"foreach has no effect without optimizer\.params\.torch_adam"):
+        validate_ds_config(cfg)
+    with pytest.raises(ConfigError, match=r"torch_adam: 'yes' is invalid"):
+        parse_muon_params({"torch_adam": "yes"})
+    # torch_autocast is accepted (parity: tests/test_dropin.py)
+    assert validate_ds_config(muon_config(torch_autocast={"enabled": True, "dtype": "bfloat16"})) is not None

@@ -175,7 +175,10 @@ def test_integration_paths() -> None:
     assert res["exchange_bytes"] == res["plan_bytes"] > 0
     csvs = res["csv"]
     assert set(csvs) == {"Train_ds_muon_muon_seconds.csv", "Train_ds_muon_exchange_bytes.csv",
-                         "Train_ds_muon_owner_imbalance.csv"}, csvs
+                         "Train_ds_muon_owner_imbalance.csv", "Train_ds_muon_muon_lr.csv",
+                         "Train_ds_muon_adam_lr.csv"}, csvs
+    assert [float(r[1]) for r in csvs["Train_ds_muon_adam_lr.csv"][1:]] == [3e-3] * 2  # harness.MUON_PARAMS
+    assert [float(r[1]) for r in csvs["Train_ds_muon_muon_lr.csv"][1:]] == [0.02] * 2
     for rows in csvs.values():
         assert len(rows) == 1 + 2  # header + one row per optimizer step
     assert all(float(r[1]) > 0 for r in csvs["Train_ds_muon_muon_seconds.csv"][1:])
