@@ -135,6 +135,16 @@ def _add_aliases_to_schema(schema: dict[str, Any]) -> None:
         schema["allOf"] = exclusions
 
 
+# Built-in keys whose only value ds_muon implements is true, and why.
+_ONLY_TRUE_REASONS = {
+    "adam_w_mode": ("ds_muon only implements decoupled weight decay (AdamW) for its AdamW half; Adam with L2 "
+                    "regularization (adam_w_mode=false) is not supported"),
+    "fp32_optimizer_states": ("ds_muon keeps Muon momentum and the Adam moments in fp32 whatever the model dtype "
+                              "(momentum accumulates many small steps, which bf16 loses); lower-precision optimizer "
+                              "states are not supported"),
+}
+
+
 class MuonOptimizerParams(BaseModel):
     """The params of "optimizer": {"type": "Muon", "params": {...}} in a DeepSpeed config, as ds_muon reads them.
 
@@ -301,25 +311,11 @@ class MuonOptimizerParams(BaseModel):
                         allowed=f"one of '{name}' or '{alias}', not both (they mean the same)")
         return data
 
-    @field_validator("adam_w_mode")
+    @field_validator("adam_w_mode", "fp32_optimizer_states")
     @classmethod
-    def _only_adamw(cls, value: bool) -> bool:
+    def _only_true(cls, value: bool, info) -> bool:
         if value is not True:
-            raise _custom(
-                "ds_muon only implements decoupled weight decay (AdamW) for its AdamW half; Adam with L2 "
-                "regularization (adam_w_mode=false) is not supported",
-                allowed="true (or leave the key out)")
-        return value
-
-    @field_validator("fp32_optimizer_states")
-    @classmethod
-    def _only_fp32_states(cls, value: bool) -> bool:
-        if value is not True:
-            raise _custom(
-                "ds_muon keeps Muon momentum and the Adam moments in fp32 whatever the model dtype (momentum "
-                "accumulates many small steps, which bf16 loses); lower-precision optimizer states are not "
-                "supported",
-                allowed="true (or leave the key out)")
+            raise _custom(_ONLY_TRUE_REASONS[info.field_name], allowed="true (or leave the key out)")
         return value
 
     @field_validator("muon_params", "adamw_params")
