@@ -31,8 +31,9 @@ published as JSON Schema in `ds_config_schemas/`.
 Besides these keys, ds_muon checks the parts of the DeepSpeed config that matter to Muon:
 `zero_optimization.stage` must be 3; an NVMe optimizer offload needs an existing, writable
 `nvme_path` on a filesystem with O_DIRECT, and libaio (its `buffer_count` is checked against the
-model's sub-groups when the engine is built, see Offload); parameter offload to NVMe, partial offload, AutoTP/model parallelism, `torch_autocast` and ZenFlow/SuperOffload
-are refused with a message naming the fix; DeepSpeed's lr schedulers all work (one that writes one
+model's sub-groups when the engine is built, see Offload); parameter offload to NVMe, partial offload and
+SuperOffload (DeepSpeed cannot run either with a Muon optimizer), AutoTP/model parallelism and ZenFlow
+are refused with a message naming the fix; `torch_autocast` works; DeepSpeed's lr schedulers all work (one that writes one
 absolute lr into every group sets the Muon lr, and each group keeps its ratio to it: see Migration);
 `save_muon_momentum_buffer_in_memory` without optimizer offload only warns (it has no effect).
 

@@ -154,3 +154,21 @@ def swap_dir_for(path: str) -> str:
         return path
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return os.path.join(repo, ".nvme_tmp", hashlib.sha1(path.encode()).hexdigest()[:16])
+
+
+def oracle_schedule(scheduler: dict, init_lrs: list[float], muon_lr: float, steps: int,
+                    scaled: bool) -> list[list[float]]:
+    """Per optimizer step, the lr of each oracle param group under a DeepSpeed config ``scheduler``
+    (``{"type", "params"}``): DeepSpeed's own scheduler class run on a plain SGD holding one group per
+    oracle group with the same initial lrs (``init_lrs``). ``scaled``: the scheduler writes one lr
+    ``L`` into every group, which ds_muon reads as the Muon lr, so group g gets ``L * init_lrs[g] / muon_lr``."""
+    from deepspeed.runtime import lr_schedules
+    dummy = torch.optim.SGD([{"params": [torch.zeros(1, requires_grad=True)], "lr": lr} for lr in init_lrs])
+    sched = getattr(lr_schedules, scheduler["type"])(dummy, **scheduler.get("params", {}))
+    out = []
+    for _ in range(steps):
+        lrs = [g["lr"] for g in dummy.param_groups]
+        out.append([lr * lr0 / muon_lr for lr, lr0 in zip(lrs, init_lrs)] if scaled else lrs)
+        sched.step()
+    return out
+

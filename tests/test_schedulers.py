@@ -16,7 +16,7 @@ import torch
 
 from tests.dist_util import run_distributed
 from tests.harness import (PARITY_RTOL, build_engine, clone_tags, compare, ds_config, gathered_params,
-                           reference_model, train_engine, train_reference)
+                           oracle_schedule, reference_model, train_engine, train_reference)
 
 STEPS = 4
 
@@ -46,20 +46,6 @@ CASES = [
 ]
 
 
-def _oracle_schedule(case: dict, init_lrs: list[float], muon_lr: float) -> list[list[float]]:
-    """Per step, the lr of each oracle group: DeepSpeed's scheduler class on a plain SGD holding one
-    group per oracle group (same initial lrs), scaled by the group's ratio when ``case["scale"]``."""
-    from deepspeed.runtime import lr_schedules
-    dummy = torch.optim.SGD([{"params": [torch.zeros(1, requires_grad=True)], "lr": lr} for lr in init_lrs])
-    sched = getattr(lr_schedules, case["name"])(dummy, **case["params"])
-    out = []
-    for _ in range(STEPS):
-        lrs = [g["lr"] for g in dummy.param_groups]
-        out.append([lr * lr0 / muon_lr for lr, lr0 in zip(lrs, init_lrs)] if case["scale"] else lrs)
-        sched.step()
-    return out
-
-
 def _worker(rank: int, world_size: int) -> list[dict]:
     import ds_muon
     from ds_muon.schedulers import GroupRatioScheduler
@@ -86,7 +72,8 @@ def _worker(rank: int, world_size: int) -> list[dict]:
             ref = reference_model(init, tags)
             opt = ds_muon.MuonAdamW(groups_fn(ref) if groups_fn else ref.parameters(), **cfg["optimizer"]["params"])
             muon_lr = cfg["optimizer"]["params"]["lr"]
-            schedule = _oracle_schedule(case, [g["lr"] for g in opt.param_groups], muon_lr)
+            schedule = oracle_schedule(cfg["scheduler"], [g["lr"] for g in opt.param_groups], muon_lr, STEPS,
+                                       case["scale"])
 
             def set_lrs(step: int) -> None:
                 for g, lr in zip(opt.param_groups, schedule[step]):
