@@ -139,9 +139,9 @@ def _add_aliases_to_schema(schema: dict[str, Any]) -> None:
 _ONLY_TRUE_REASONS = {
     "adam_w_mode": ("ds_muon only implements decoupled weight decay (AdamW) for its AdamW half; Adam with L2 "
                     "regularization (adam_w_mode=false) is not supported"),
-    "fp32_optimizer_states": ("ds_muon keeps Muon momentum and the Adam moments in fp32 whatever the model dtype "
-                              "(momentum accumulates many small steps, which bf16 loses); lower-precision optimizer "
-                              "states are not supported"),
+    "fp32_optimizer_states": ("ds_muon keeps the Adam moments in fp32 whatever the model dtype (in DeepSpeed this key "
+                              "only sets DeepSpeedCPUAdam's moment dtype), and lower-precision Adam moments are not "
+                              "supported; for bf16 Muon momentum set momentum_dtype 'bfloat16' instead"),
 }
 
 
@@ -267,8 +267,8 @@ class MuonOptimizerParams(BaseModel):
     fp32_optimizer_states: bool = Field(
         True,
         json_schema_extra={"const": True},
-        description=("Keep optimizer state in fp32. ds_muon always does: Muon momentum and the Adam moments are "
-                     "fp32 whatever the model dtype, so true changes nothing and false is refused. Source: "
+        description=("Keep the Adam moments in fp32. ds_muon always does, whatever the model dtype, so true "
+                     "changes nothing and false is refused (Muon momentum's dtype is momentum_dtype). Source: "
                      "DeepSpeed built-in Muon 'fp32_optimizer_states' (passed to DeepSpeedCPUAdam)."))
 
     # ---- communication -----------------------------------------------------------------------

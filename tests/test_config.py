@@ -575,7 +575,7 @@ def test_builtin_optimizer_keys_keep_their_meaning():
     # fp32_optimizer_states: true is what ds_muon does; false is refused with the reason
     assert parse_muon_params({"fp32_optimizer_states": True}).fp32_optimizer_states is True
     with pytest.raises(ConfigError, match=r"optimizer\.params\.fp32_optimizer_states: False is invalid: ds_muon "
-                                          r"keeps Muon momentum and the Adam moments in fp32.*allowed: true"):
+                                          r"keeps the Adam moments in fp32.*momentum_dtype 'bfloat16'.*allowed: true"):
         parse_muon_params({"fp32_optimizer_states": False})
     # torch_adam / foreach pick torch.optim.AdamW through DeepSpeed's get_optimizer_configuration
     p = parse_muon_params({"torch_adam": True, "foreach": False})

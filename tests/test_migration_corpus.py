@@ -39,8 +39,8 @@ HALF = dict(rtol=1e-2, rtol_update=5e-2, adamw_rtol_update=0.5)
 CORPUS: dict[str, dict] = {
     "builtin_tutorial_zero2.json": {"error": r"zero_optimization\.stage: 2 is invalid.*set zero_optimization\.stage "
                                              r"to 3, or use DeepSpeed's built-in Muon"},
-    "builtin_keys_bf16_states.json": {"error": r"fp32_optimizer_states: False is invalid: ds_muon keeps Muon momentum "
-                                               r"and the Adam moments in fp32.*allowed: true"},
+    "builtin_keys_bf16_states.json": {"error": r"fp32_optimizer_states: False is invalid: ds_muon keeps the Adam "
+                                               r"moments in fp32.*allowed: true"},
     "partial_offload.json": {"error": r"offload_optimizer\.ratio: 0\.3 is invalid: DeepSpeed \S+'s ZeRO-3 partial "
                                       r"optimizer offload runs only with DeepSpeedCPUAdam.*remove ratio"},
     "super_offload.json": {"error": r"super_offload: true is invalid: DeepSpeed \S+'s SuperOffload.*remove "
