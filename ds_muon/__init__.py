@@ -1,6 +1,9 @@
 """ds_muon: the Muon optimizer for DeepSpeed ZeRO stage 3.
 
-Importing this package changes nothing in DeepSpeed. Use one of:
+Installed (``pip install ds_muon`` or ``pip install -e .``), ds_muon activates itself: a start-up
+hook (``ds_muon_autoload.pth``, see :mod:`ds_muon._autoload`) enables it when a process imports
+``deepspeed``, so a ``"type": "Muon"`` config runs ds_muon with no change to the training script;
+``DS_MUON=0`` turns that off. Importing this package itself changes nothing in DeepSpeed. Explicitly:
 
 * ``ds_muon.initialize(...)`` -- same signature and return value as ``deepspeed.initialize``;
 * ``ds_muon.enable()`` / ``ds_muon.disable()`` -- for frameworks (HF Trainer, Accelerate) that call
@@ -11,7 +14,6 @@ The single-device reference optimizer is ``ds_muon.MuonAdamW``.
 from __future__ import annotations
 
 import importlib
-from typing import Any
 
 __version__ = "0.1.0"
 
@@ -29,7 +31,7 @@ _LAZY = {
 __all__ = sorted(_LAZY) + ["__version__"]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     # Lazy so that `import ds_muon` stays cheap and has no side effects on DeepSpeed.
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)

@@ -39,6 +39,8 @@ Universal layout written by :func:`convert_to_universal` (``OUT_DIR/<tag>/``)::
                                           AdamW step) plus ds_muon's metadata under "ds_muon"
     *_model_states.pt                     copied from the source (lr scheduler, global step, ...)
     ../latest_universal                   the tag, for engine.load_checkpoint(OUT_DIR) with tag=None
+    ../<side files>                       Trainer/Accelerate files next to the source tag (trainer_state.json,
+                                          rng_state_<rank>.pth, scheduler.pt, ...), see carry_side_files
 
 Errors are :class:`CheckpointError`, raised on every rank together, so none waits in a collective
 for a rank that failed: :func:`check_before_load` (wrapped around ``engine.load_checkpoint``) reads
@@ -69,7 +71,7 @@ from .zero3 import MOMENTUM_KEY
 
 __all__ = ["CheckpointError", "CONVERT_COMMAND", "DS_MUON_KEY", "zero_metadata", "add_metadata", "restore_step_count",
            "rigid_load_arguments", "check_zero_state_dict", "saved_world_size", "check_before_load", "install_load_checks",
-           "convert_to_universal", "load_universal_state", "main"]
+           "convert_to_universal", "carry_side_files", "load_universal_state", "main"]
 
 DS_MUON_KEY = "ds_muon"
 METADATA_VERSION = 1
@@ -366,7 +368,8 @@ def convert_to_universal(ckpt_dir: str, out_dir: str, tag: Optional[str] = None)
 
     Reads ``ckpt_dir/<tag>/`` (every rank's ``*_optim_states.pt`` and the ``*_model_states.pt``
     files) one parameter at a time through memory-mapped files, and writes ``out_dir/<tag>/`` in
-    the layout of the module docstring, plus ``out_dir/latest_universal``. Per parameter of shape
+    the layout of the module docstring, plus ``out_dir/latest_universal`` and the framework's side
+    files (:func:`carry_side_files`). Per parameter of shape
     ``S``: ``fp32.pt`` and either ``momentum_buffer.pt`` (Muon) or ``exp_avg.pt``/``exp_avg_sq.pt``
     (AdamW), each ``{"param": float32 tensor of shape S}`` without ZeRO padding; scalar state
     (the AdamW ``step``) goes to the metadata.
@@ -457,7 +460,44 @@ def convert_to_universal(ckpt_dir: str, out_dir: str, tag: Optional[str] = None)
         shutil.copy2(path, dst)
     with open(os.path.join(out_dir, LATEST_UNIVERSAL), "w", encoding="utf-8") as f:
         f.write(tag)
+    carry_side_files(ckpt_dir, out_dir)
     return dst
+
+
+# Written by DeepSpeed for its own format; not carried into a universal checkpoint folder.
+_NOT_CARRIED = {LATEST, LATEST_UNIVERSAL, "zero_to_fp32.py"}
+
+
+def carry_side_files(ckpt_dir: str, out_dir: str) -> list[str]:
+    """Copy the files a training framework saved next to the ZeRO checkpoint into ``out_dir``.
+
+    HF Trainer and Accelerate keep their own state beside DeepSpeed's ``<tag>/`` folder:
+    ``trainer_state.json``, ``training_args.bin``, ``scheduler.pt``, ``rng_state_<rank>.pth``
+    (``rng_state.pth`` at one process), model config and weights, PEFT adapter files, Accelerate's
+    ``random_states_<rank>.pkl``. Every regular file directly in ``ckpt_dir`` is copied except
+    DeepSpeed's ``latest``/``latest_universal`` and ``zero_to_fp32.py`` (it reads only the rigid
+    format); sub-folders are not. ``out_dir`` is then a folder Trainer resumes from
+    (``resume_from_checkpoint=out_dir``, with ``"checkpoint": {"load_universal": true}``).
+
+    RNG states are per process and have no counterpart at another world size: the files are
+    carried as they are (ranks below the new world size find theirs), and when the source has
+    ``rng_state_0.pth`` but no ``rng_state.pth``, a copy of rank 0's is written as
+    ``rng_state.pth``, the name Trainer reads when resuming at one process.
+
+    Returns:
+        The names written into ``out_dir``, sorted.
+    """
+    written = []
+    for name in sorted(os.listdir(ckpt_dir)):
+        path = os.path.join(ckpt_dir, name)
+        if name in _NOT_CARRIED or not os.path.isfile(path):
+            continue
+        shutil.copy2(path, os.path.join(out_dir, name))
+        written.append(name)
+    if "rng_state_0.pth" in written and "rng_state.pth" not in written:
+        shutil.copy2(os.path.join(ckpt_dir, "rng_state_0.pth"), os.path.join(out_dir, "rng_state.pth"))
+        written.append("rng_state.pth")
+    return sorted(written)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import threading
 import weakref
 from typing import Any, Iterator
@@ -46,6 +47,11 @@ from .zero3 import MuonZeroOptimizer, ZeroMuonInner
 _lock = threading.RLock()
 _originals: dict[str, Any] = {}
 _depth = 0
+_auto = False  # enabled by the start-up hook (ds_muon._autoload), not by the user's code
+_auto_notice_done = False
+AUTO_NOTICE = ("ds_muon is active: \"type\": \"Muon\" in this DeepSpeed config runs ds_muon's ZeRO-3 Muon "
+               "(activated automatically because ds_muon is installed). Set DS_MUON=0 to use DeepSpeed's "
+               "built-in Muon instead.")
 
 
 def _is_rank0() -> bool:
@@ -53,14 +59,44 @@ def _is_rank0() -> bool:
 
 
 def _set_optimizer_flags(config_class, model) -> None:
-    cfg = validate_ds_config(config_class._param_dict)
+    global _auto_notice_done
+    try:
+        cfg = validate_ds_config(config_class._param_dict)
+    except ConfigError as err:
+        if _auto and _depth == 1:  # only the start-up hook enabled ds_muon: name the way out
+            err.args = (f"{err}\n(ds_muon was activated automatically because it is installed; set DS_MUON=0 "
+                        "to use DeepSpeed's built-in Muon instead)",) + err.args[1:]
+        raise
     if cfg is None:
         return _originals["set_optimizer_flags"](config_class, model)
+    if _auto and not _auto_notice_done and _is_rank0():
+        ds_logger.warning(AUTO_NOTICE)
+        _auto_notice_done = True
     selection = tag_model(model, cfg.muon_params, cfg.adamw_params, log=False)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     if _is_rank0():  # DeepSpeed's own logger, so the summary shows where DeepSpeed's start-up lines do
-        ds_logger.info(selection.summary())
-        if not any(selection.use_muon.values()):
+        log_info(selection.summary(frozen))
+        if not any(u for n, u in selection.use_muon.items() if n not in frozen):
             ds_logger.warning(NO_MUON_WARNING)
+
+
+def log_info(message: str) -> None:
+    """Log ``message`` at INFO on DeepSpeed's logger, shown whenever that logger's level allows INFO.
+
+    DeepSpeed's stdout handler is created at WARNING and stays there when only the logger's level
+    is lowered, which is what HF Trainer's ``log_level="info"`` (``ds_logger.setLevel``) and a plain
+    ``logging.getLogger("DeepSpeed").setLevel(logging.INFO)`` do. The record is therefore handed to
+    DeepSpeed's handlers directly once the logger itself is enabled for INFO (their filters and
+    formatters still apply); ``deepspeed.utils.logging.set_log_level_from_string("info")`` works too.
+    """
+    if not ds_logger.isEnabledFor(logging.INFO):
+        return
+    fn, lno, func, _ = ds_logger.findCaller(False, 2)
+    record = ds_logger.makeRecord(ds_logger.name, logging.INFO, fn, lno, message, (), None, func)
+    if not ds_logger.handlers:  # someone removed DeepSpeed's handler: fall back to the usual path
+        ds_logger.handle(record)
+    for handler in ds_logger.handlers:
+        handler.handle(record)
 
 
 def _configure_basic_optimizer(self: DeepSpeedEngine, model_parameters):
@@ -168,6 +204,20 @@ def disable() -> None:
             DeepSpeedEngine._scheduler_from_config = _originals.pop("_scheduler_from_config")
             if ZeroMuonInner in ds_zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
                 ds_zero_utils.ZERO_SUPPORTED_OPTIMIZERS.remove(ZeroMuonInner)
+
+
+def auto_enable() -> None:
+    """:func:`enable` once per process, from the start-up hook (see :mod:`ds_muon._autoload`).
+
+    Rank 0 then logs :data:`AUTO_NOTICE` (at WARNING, so it shows at DeepSpeed's default level)
+    the first time a Muon config is built. Idempotent; explicit :func:`enable`/:func:`disable`
+    pairs nest on top of it.
+    """
+    global _auto
+    with _lock:
+        if not _auto:
+            _auto = True
+            enable()
 
 
 def is_enabled() -> bool:

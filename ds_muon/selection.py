@@ -80,11 +80,22 @@ class Selection:
     reasons: dict[str, str] = field(default_factory=dict)
     numels: dict[str, int] = field(default_factory=dict)
 
-    def summary(self) -> str:
-        """A one-screen table: parameter count and elements per side and per reason."""
-        lines = ["ds_muon parameter split:"]
+    def summary(self, frozen: Iterable[str] = ()) -> str:
+        """A one-screen table of what the optimizer trains: parameters and elements per side, per rule.
+
+        Args:
+            frozen: names of parameters with ``requires_grad=False`` (PEFT base weights, frozen
+                embeddings). They are not counted on either side (the optimizer never sees them)
+                and are listed on one ``frozen`` line instead.
+
+        Each side lists the rule that put parameters there (the reason strings of this module,
+        e.g. ``hidden linear/conv weight`` for Muon, ``embedding``/``output head`` for AdamW).
+        """
+        frozen = set(frozen)
+        trainable = [n for n in self.use_muon if n not in frozen]
+        lines = ["ds_muon parameter split (trainable parameters only):"]
         for side, flag in (("Muon", True), ("AdamW", False)):
-            names = [n for n, u in self.use_muon.items() if u is flag]
+            names = [n for n in trainable if self.use_muon[n] is flag]
             elems = sum(self.numels[n] for n in names)
             lines.append(f"  {side:<5} {len(names):>6} params {elems:>14,d} elements")
             by_reason: dict[str, list[str]] = {}
@@ -92,8 +103,14 @@ class Selection:
                 by_reason.setdefault(self.reasons[n], []).append(n)
             for reason, ns in sorted(by_reason.items()):
                 example = ns[0] if len(ns) == 1 else f"{ns[0]}, ... ({len(ns)})"
-                lines.append(f"        {reason}: {sum(self.numels[x] for x in ns):,d} elements  [{example}]")
-        unrecognised = [n for n, r in self.reasons.items() if r == UNRECOGNISED]
+                lines.append(f"        rule \"{reason}\": {len(ns)} params, {sum(self.numels[x] for x in ns):,d} "
+                             f"elements  [{example}]")
+        frozen_names = [n for n in self.use_muon if n in frozen]
+        if frozen_names:
+            shown = ", ".join(frozen_names[:3]) + (", ..." if len(frozen_names) > 3 else "")
+            lines.append(f"  frozen {len(frozen_names):>5} params {sum(self.numels[n] for n in frozen_names):>14,d} "
+                         f"elements (requires_grad=False, not optimized): {shown}")
+        unrecognised = [n for n in trainable if self.reasons[n] == UNRECOGNISED]
         if unrecognised:
             lines.append("  note: set param.use_muon=True or add a muon_params pattern to train "
                          f"{unrecognised[:3]}{'...' if len(unrecognised) > 3 else ''} with Muon")
@@ -202,7 +219,7 @@ def tag_model(model: nn.Module,
             p.use_muon = sel.use_muon[name]
             p._ds_muon_auto = sel.use_muon[name]
     if log:
-        logger.info("%s", sel.summary())
+        logger.info("%s", sel.summary(n for n, p in model.named_parameters() if not p.requires_grad))
         if not any(sel.use_muon.values()):
             logger.warning(NO_MUON_WARNING)
     return sel

@@ -1,0 +1,88 @@
+"""Zero-code activation: ``"type": "Muon"`` in any DeepSpeed config uses ds_muon once it is installed.
+
+The installed package ships ``ds_muon_autoload.pth`` into site-packages (``setup.py`` puts it
+there for both ``pip install .`` and ``pip install -e .``). Python runs its one line at start-up,
+in every process (so in every rank the ``deepspeed`` launcher, ``torchrun`` or ``accelerate
+launch`` starts), and that line calls :func:`install`. It costs one environment lookup and one
+entry on ``sys.meta_path``: neither ``torch`` nor ``deepspeed`` is imported here.
+
+When the process later imports ``deepspeed`` (the top-level package, whoever imports it), the
+finder lets the normal import run to completion and then calls
+:func:`ds_muon.integration.auto_enable`, which is :func:`ds_muon.enable` plus a one-line notice
+on rank 0 the first time a Muon config is built. Non-Muon configs are untouched either way.
+
+``DS_MUON=0`` (also ``false``/``off``/``no``) in the environment turns this off: DeepSpeed's
+built-in ``"Muon"`` runs as if ds_muon were not installed. Explicit ``ds_muon.enable()`` and
+``ds_muon.initialize`` keep working under ``DS_MUON=0``; the variable only governs the automatic
+path. See docs/migration.md ("Zero-code activation") for the trade-offs.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+ENV = "DS_MUON"
+_OFF = {"0", "false", "off", "no"}
+
+
+def auto_enabled_by_env() -> bool:
+    """Whether ``DS_MUON`` allows automatic activation (unset, or anything but 0/false/off/no)."""
+    return os.environ.get(ENV, "1").strip().lower() not in _OFF
+
+
+class _AfterLoad:  # a Loader by duck type (importlib.abc costs milliseconds at start-up)
+    """Wraps ``deepspeed``'s own loader: runs it unchanged, then activates ds_muon."""
+
+    def __init__(self, loader) -> None:
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._loader.exec_module(module)
+        try:
+            from .integration import auto_enable
+            auto_enable()
+        except Exception as err:  # never break `import deepspeed`; say loudly that ds_muon is off
+            import warnings
+            warnings.warn(f"ds_muon: automatic activation failed ({type(err).__name__}: {err}); DeepSpeed's "
+                          "built-in Muon will be used. Call ds_muon.enable() to see the full error, or set "
+                          f"{ENV}=0 to silence this.", RuntimeWarning, stacklevel=2)
+
+    def __getattr__(self, name: str):  # get_resource_reader, is_package, get_code, ... of the real loader
+        return getattr(self._loader, name)
+
+
+class _DeepSpeedFinder:  # a MetaPathFinder by duck type
+    """One-shot meta-path finder for the top-level ``deepspeed`` module."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "deepspeed":
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            sys.meta_path[:] = [f for f in sys.meta_path if f is not self]  # done: one import, one patch
+            spec.loader = _AfterLoad(spec.loader)
+        return spec
+
+
+def install() -> None:
+    """Arrange for ds_muon to activate when ``deepspeed`` is imported (no-op under ``DS_MUON=0``).
+
+    If ``deepspeed`` is already imported, activates at once. Called by ``ds_muon_autoload.pth``.
+    """
+    if not auto_enabled_by_env():
+        return
+    if "deepspeed" in sys.modules:
+        from .integration import auto_enable
+        auto_enable()
+    elif not any(isinstance(f, _DeepSpeedFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _DeepSpeedFinder())

@@ -1,0 +1,160 @@
+"""Zero-code activation (ds_muon/_autoload.py): an installed ds_muon serves ``"type": "Muon"`` with no import.
+
+A throw-away virtual environment sees the test venv's packages (torch, deepspeed, transformers) through
+a path-only ``.pth`` and gets ds_muon installed into it with pip, editable and normal, exactly as a user
+would; PYTHONPATH is removed so only the installed copy (and its ``ds_muon_autoload.pth``) can act.
+The scripts below never import ds_muon.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import sysconfig
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+PLAIN = textwrap.dedent('''
+    import argparse, json, sys
+    import torch, deepspeed
+    ap = argparse.ArgumentParser(); ap.add_argument("--local_rank", type=int, default=0)
+    args = deepspeed.add_config_arguments(ap).parse_args()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))
+    engine, _, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
+    for _ in range(2):
+        loss = engine(torch.randn(4, 16)).pow(2).mean(); engine.backward(loss); engine.step()
+    print("RESULT " + json.dumps({"rank": engine.global_rank, "optimizer": type(engine.optimizer).__name__,
+                                  "ds_muon_file": getattr(sys.modules.get("ds_muon"), "__file__", None)}), flush=True)
+''')
+
+TRAINER = textwrap.dedent('''
+    import json, torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    class Tokens(torch.utils.data.Dataset):
+        x = torch.randint(0, 128, (16, 16), generator=torch.Generator().manual_seed(0))
+        def __len__(self): return len(self.x)
+        def __getitem__(self, i): return {"input_ids": self.x[i], "labels": self.x[i]}
+
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+          "optimizer": {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 3e-3, "ns_steps": 5}},
+          "zero_optimization": {"stage": 3}}
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+    args = TrainingArguments(output_dir="out", per_device_train_batch_size=2, learning_rate=0.02, max_steps=2,
+                             deepspeed=ds, use_cpu=True, report_to=[], save_strategy="no", log_level="info")
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens())
+    trainer.train()
+    if trainer.is_world_process_zero():
+        print("RESULT " + json.dumps({"optimizer": type(trainer.deepspeed.optimizer).__name__,
+                                      "muon_steps": getattr(trainer.deepspeed.optimizer, "muon_step_count", None)}))
+''')
+
+DS_CONFIG = {"train_micro_batch_size_per_gpu": 4,
+             "optimizer": {"type": "Muon", "params": {"lr": 0.02, "ns_steps": 5}},
+             # reduce_scatter off: DeepSpeed's built-in Muon refuses it, and DS_MUON=0 must reach the built-in
+             "zero_optimization": {"stage": 3, "reduce_scatter": False}}
+
+
+def _make_venv(root: Path, editable: bool) -> Path:
+    """A venv seeing this interpreter's site-packages, with ds_muon pip-installed from REPO."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
+    py = root / "bin" / "python"
+    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    # A path line only: the outer venv's own .pth files (e.g. an editable ds_muon elsewhere) are not run.
+    (site / "_outer_site.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    cmd = [str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"] + (["-e"] if editable else [])
+    subprocess.run(cmd + [str(REPO)], check=True, capture_output=True, text=True, env=_env(), cwd=root)
+    assert (site / "ds_muon_autoload.pth").is_file(), sorted(p.name for p in site.iterdir())
+    return py
+
+
+def _env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DS_MUON")}
+    return dict(env, **extra)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _results(out: str) -> list[dict]:
+    return [json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines() if "RESULT " in line]
+
+
+@pytest.fixture(scope="module")
+def editable_venv(tmp_path_factory) -> Path:
+    return _make_venv(tmp_path_factory.mktemp("venv_e"), editable=True)
+
+
+def _launch(py: Path, cwd: Path, **env: str) -> tuple[list[dict], str]:
+    (cwd / "plain.py").write_text(PLAIN)
+    (cwd / "ds.json").write_text(json.dumps(DS_CONFIG))
+    proc = subprocess.run([str(py), "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
+                           str(_free_port()), "plain.py", "--deepspeed_config", "ds.json"],
+                          capture_output=True, text=True, timeout=900, cwd=cwd, env=_env(**env))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    return _results(out), out
+
+
+def test_deepspeed_launcher_unmodified_script_uses_ds_muon(editable_venv, tmp_path) -> None:
+    results, out = _launch(editable_venv, tmp_path)
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    assert {r["optimizer"] for r in results} == {"MuonZeroOptimizer"}
+    assert all(r["ds_muon_file"].startswith(str(REPO)) for r in results)  # the editable install's copy
+    assert out.count("ds_muon is active") == 1 and "DS_MUON=0" in out  # one line, rank 0 only
+
+
+def test_ds_muon_0_falls_back_to_builtin(editable_venv, tmp_path) -> None:
+    results, out = _launch(editable_venv, tmp_path, DS_MUON="0")
+    assert {r["optimizer"] for r in results} == {"DeepSpeedZeroOptimizer_Stage3"}
+    assert "ds_muon is active" not in out
+
+
+def test_trainer_without_import_uses_ds_muon_and_shows_split(editable_venv, tmp_path) -> None:
+    (tmp_path / "trainer.py").write_text(TRAINER)
+    proc = subprocess.run([str(editable_venv), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "trainer.py"], capture_output=True, text=True, timeout=900, cwd=tmp_path, env=_env())
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert _results(out) == [{"optimizer": "MuonZeroOptimizer", "muon_steps": 2}]
+    assert out.count("ds_muon is active") == 1
+    # log_level="info" alone (no DeepSpeed logging call in the script) shows the split
+    assert "ds_muon parameter split" in out
+
+
+def test_normal_install_ships_hook_and_activates_on_deepspeed_import(tmp_path) -> None:
+    py = _make_venv(tmp_path / "venv", editable=False)
+    probe = ("import sys; import deepspeed; from ds_muon import integration as i; "
+             "print('PROBE', i.is_enabled(), sys.modules['ds_muon'].__file__)")
+    on = subprocess.run([str(py), "-c", probe], capture_output=True, text=True, env=_env(), cwd=tmp_path, check=True)
+    enabled, path = on.stdout.split("PROBE ", 1)[1].split()
+    assert enabled == "True" and path.startswith(str(tmp_path / "venv"))  # the installed copy, not the repo
+    off = subprocess.run([str(py), "-c", probe], capture_output=True, text=True, env=_env(DS_MUON="0"), cwd=tmp_path,
+                         check=True)
+    assert off.stdout.split("PROBE ", 1)[1].split()[0] == "False"
+    # start-up stays cheap: the hook imports neither torch nor deepspeed
+    cheap = subprocess.run([str(py), "-c", "import sys; print('PROBE', 'torch' in sys.modules, "
+                            "'deepspeed' in sys.modules, 'ds_muon._autoload' in sys.modules)"],
+                           capture_output=True, text=True, env=_env(), cwd=tmp_path, check=True)
+    assert cheap.stdout.split("PROBE ", 1)[1].split() == ["False", "False", "True"]
+
+
+def test_explicit_enable_nests_on_top_of_auto() -> None:
+    code = ("import deepspeed, ds_muon; from ds_muon import integration as i, _autoload as a; a.install(); "
+            "assert i.is_enabled(); ds_muon.enable(); ds_muon.disable(); assert i.is_enabled(); "
+            "a.install(); i.disable(); assert not i.is_enabled(); print('OK')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(REPO), DS_MUON="1"))
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
