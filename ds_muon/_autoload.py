@@ -41,6 +41,12 @@ class _AfterLoad:  # a Loader by duck type (importlib.abc costs milliseconds at 
 
     def exec_module(self, module) -> None:
         self._loader.exec_module(module)
+        # deepspeed is imported now: the finder has done its job (it stays until here because
+        # importlib.util.find_spec("deepspeed"), as Accelerate's is_deepspeed_available() calls it,
+        # asks finders without importing)
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _DeepSpeedFinder)]
+        if not auto_enabled_by_env():  # DS_MUON=0 set after start-up (e.g. by a test suite's conftest)
+            return
         try:
             from .integration import auto_enable
             auto_enable()
@@ -55,7 +61,7 @@ class _AfterLoad:  # a Loader by duck type (importlib.abc costs milliseconds at 
 
 
 class _DeepSpeedFinder:  # a MetaPathFinder by duck type
-    """One-shot meta-path finder for the top-level ``deepspeed`` module."""
+    """Meta-path finder for the top-level ``deepspeed`` module; removed once deepspeed is imported."""
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname != "deepspeed":
@@ -68,9 +74,9 @@ class _DeepSpeedFinder:  # a MetaPathFinder by duck type
                 break
         else:
             return None
-        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            sys.meta_path[:] = [f for f in sys.meta_path if f is not self]  # done: one import, one patch
-            spec.loader = _AfterLoad(spec.loader)
+        loader = spec.loader
+        if loader is not None and hasattr(loader, "exec_module") and not isinstance(loader, _AfterLoad):
+            spec.loader = _AfterLoad(loader)
         return spec
 
 

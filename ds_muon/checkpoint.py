@@ -465,7 +465,7 @@ def convert_to_universal(ckpt_dir: str, out_dir: str, tag: Optional[str] = None)
 
 
 # Written by DeepSpeed for its own format; not carried into a universal checkpoint folder.
-_NOT_CARRIED = {LATEST, LATEST_UNIVERSAL, "zero_to_fp32.py"}
+_NOT_CARRIED = {LATEST, LATEST_UNIVERSAL, "zero_to_fp32.py", "zero_to_torch.py"}
 
 
 def carry_side_files(ckpt_dir: str, out_dir: str) -> list[str]:
@@ -475,8 +475,8 @@ def carry_side_files(ckpt_dir: str, out_dir: str) -> list[str]:
     ``trainer_state.json``, ``training_args.bin``, ``scheduler.pt``, ``rng_state_<rank>.pth``
     (``rng_state.pth`` at one process), model config and weights, PEFT adapter files, Accelerate's
     ``random_states_<rank>.pkl``. Every regular file directly in ``ckpt_dir`` is copied except
-    DeepSpeed's ``latest``/``latest_universal`` and ``zero_to_fp32.py`` (it reads only the rigid
-    format); sub-folders are not. ``out_dir`` is then a folder Trainer resumes from
+    DeepSpeed's ``latest``/``latest_universal`` and ``zero_to_fp32.py``/``zero_to_torch.py`` (they
+    read only the rigid format); sub-folders are not. ``out_dir`` is then a folder Trainer resumes from
     (``resume_from_checkpoint=out_dir``, with ``"checkpoint": {"load_universal": true}``).
 
     RNG states are per process and have no counterpart at another world size: the files are

@@ -39,6 +39,7 @@ from deepspeed.utils import logger as ds_logger
 
 from .checkpoint import install_load_checks
 from .config import ConfigError, load_ds_config, validate_ds_config
+from .frameworks import SCHEDULER_FIX, detect_framework, for_framework
 from .param_groups import split_param_groups
 from .schedulers import GroupRatioScheduler, broadcasts_one_lr
 from .selection import NO_MUON_WARNING, tag_model
@@ -63,9 +64,15 @@ def _set_optimizer_flags(config_class, model) -> None:
     try:
         cfg = validate_ds_config(config_class._param_dict)
     except ConfigError as err:
+        notes = []
+        if any(p.startswith("scheduler") for p in err.problems):  # the fix depends on who built the engine
+            framework = detect_framework()
+            notes.append(f"for this {framework} setup: {for_framework(SCHEDULER_FIX, framework)}")
         if _auto and _depth == 1:  # only the start-up hook enabled ds_muon: name the way out
-            err.args = (f"{err}\n(ds_muon was activated automatically because it is installed; set DS_MUON=0 "
-                        "to use DeepSpeed's built-in Muon instead)",) + err.args[1:]
+            notes.append("ds_muon was activated automatically because it is installed; set DS_MUON=0 to use "
+                         "DeepSpeed's built-in Muon instead")
+        if notes:
+            err.args = ("\n".join([str(err)] + [f"({n})" for n in notes]),) + err.args[1:]
         raise
     if cfg is None:
         return _originals["set_optimizer_flags"](config_class, model)

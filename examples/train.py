@@ -63,6 +63,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--adamw", action="store_true",
                    help="baseline: replace the config's optimizer by AdamW (lr = the config's adam_lr)")
     p.add_argument("--zero-init", action="store_true", help="build the model under deepspeed.zero.Init")
+    p.add_argument("--log-json", default=None, help="write the loss curves (per step, with tokens seen) to this "
+                                                   "JSON file on rank 0, for scripts/plot_results.py")
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", -1)))
     p = deepspeed.add_config_arguments(p)
     return p.parse_args()
@@ -223,6 +225,14 @@ def main() -> None:
     if train_time:
         n = len(train_losses) - 1
         log(f"throughput: {tokens_per_step * n / train_time:,.0f} tokens/s (global), {train_time / n:.3f} s/step")
+    if args.log_json and rank == 0 and train_losses:
+        with open(args.log_json, "w", encoding="utf-8") as f:
+            json.dump({"model": args.model, "optimizer": "AdamW" if args.adamw else "ds_muon", "world_size": world,
+                       "tokens_per_step": tokens_per_step, "steps": args.steps, "seed": args.seed,
+                       "device": str(engine.device), "first_step": start, "train_loss": train_losses,
+                       "val_loss": [list(v) for v in val_losses],
+                       "tokens_per_s": tokens_per_step * (len(train_losses) - 1) / train_time if train_time else None,
+                       "command": " ".join(sys.argv)}, f, indent=1)
     if args.save_dir and train_losses:
         save(args.steps)
         log(f"saved checkpoint to {os.path.abspath(args.save_dir)}")

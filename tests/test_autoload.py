@@ -57,10 +57,11 @@ TRAINER = textwrap.dedent('''
                                       "muon_steps": getattr(trainer.deepspeed.optimizer, "muon_step_count", None)}))
 ''')
 
+# ZeRO-3 defaults (reduce_scatter on): DeepSpeed's built-in Muon refuses this config at once ("Muon and
+# reduce scatter cannot be used together"), ds_muon trains it; so the outcome says which one ran.
 DS_CONFIG = {"train_micro_batch_size_per_gpu": 4,
              "optimizer": {"type": "Muon", "params": {"lr": 0.02, "ns_steps": 5}},
-             # reduce_scatter off: DeepSpeed's built-in Muon refuses it, and DS_MUON=0 must reach the built-in
-             "zero_optimization": {"stage": 3, "reduce_scatter": False}}
+             "zero_optimization": {"stage": 3}}
 
 
 def _make_venv(root: Path, editable: bool) -> Path:
@@ -97,19 +98,19 @@ def editable_venv(tmp_path_factory) -> Path:
     return _make_venv(tmp_path_factory.mktemp("venv_e"), editable=True)
 
 
-def _launch(py: Path, cwd: Path, **env: str) -> tuple[list[dict], str]:
+def _launch(py: Path, cwd: Path, **env: str) -> tuple[int, list[dict], str]:
     (cwd / "plain.py").write_text(PLAIN)
     (cwd / "ds.json").write_text(json.dumps(DS_CONFIG))
     proc = subprocess.run([str(py), "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
                            str(_free_port()), "plain.py", "--deepspeed_config", "ds.json"],
                           capture_output=True, text=True, timeout=900, cwd=cwd, env=_env(**env))
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    return _results(out), out
+    return proc.returncode, _results(out), out
 
 
 def test_deepspeed_launcher_unmodified_script_uses_ds_muon(editable_venv, tmp_path) -> None:
-    results, out = _launch(editable_venv, tmp_path)
+    rc, results, out = _launch(editable_venv, tmp_path)
+    assert rc == 0, out[-4000:]
     assert sorted(r["rank"] for r in results) == [0, 1]
     assert {r["optimizer"] for r in results} == {"MuonZeroOptimizer"}
     assert all(r["ds_muon_file"].startswith(str(REPO)) for r in results)  # the editable install's copy
@@ -117,9 +118,10 @@ def test_deepspeed_launcher_unmodified_script_uses_ds_muon(editable_venv, tmp_pa
 
 
 def test_ds_muon_0_falls_back_to_builtin(editable_venv, tmp_path) -> None:
-    results, out = _launch(editable_venv, tmp_path, DS_MUON="0")
-    assert {r["optimizer"] for r in results} == {"DeepSpeedZeroOptimizer_Stage3"}
-    assert "ds_muon is active" not in out
+    rc, results, out = _launch(editable_venv, tmp_path, DS_MUON="0")
+    assert rc != 0 and not results
+    assert "Muon and reduce scatter cannot be used together" in out  # DeepSpeed's built-in Muon was built
+    assert "ds_muon is active" not in out and "MuonZeroOptimizer" not in out
 
 
 def test_trainer_without_import_uses_ds_muon_and_shows_split(editable_venv, tmp_path) -> None:
@@ -155,6 +157,17 @@ def test_explicit_enable_nests_on_top_of_auto() -> None:
     code = ("import deepspeed, ds_muon; from ds_muon import integration as i, _autoload as a; a.install(); "
             "assert i.is_enabled(); ds_muon.enable(); ds_muon.disable(); assert i.is_enabled(); "
             "a.install(); i.disable(); assert not i.is_enabled(); print('OK')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(REPO), DS_MUON="1"))
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_hook_survives_find_spec_before_import() -> None:
+    """Accelerate's is_deepspeed_available() calls importlib.util.find_spec("deepspeed") before importing it."""
+    code = ("import importlib.util, sys; from ds_muon import _autoload as a; a.install(); "
+            "assert importlib.util.find_spec('deepspeed') is not None; assert 'deepspeed' not in sys.modules; "
+            "import deepspeed; from ds_muon import integration as i; assert i.is_enabled(), 'not enabled'; "
+            "assert not any(isinstance(f, a._DeepSpeedFinder) for f in sys.meta_path); print('OK')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=str(REPO), DS_MUON="1"))
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
