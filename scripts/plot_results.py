@@ -25,7 +25,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COLORS = {"ds_muon": "tab:blue", "AdamW": "tab:orange", "built-in Muon": "tab:green"}
+COLORS = {"AdamW": "tab:orange", "built-in Muon": "tab:green", "ds_muon": "tab:blue"}
 
 
 def smooth(values: list[float], window: int) -> list[float]:

@@ -98,10 +98,10 @@ def test_peft_lora_trainer_split_and_resume(tmp_path) -> None:
     assert len(full["muon"]) == 8 and all(".lora_" in n for n in full["muon"])
     assert sorted(full_params) == full["muon"]
     split = log[log.index("ds_muon parameter split"):]
-    assert "Muon        8 params" in split
-    assert "AdamW       0 params" in split
-    frozen_line = next(line for line in split.splitlines() if line.strip().startswith("frozen"))
-    assert f"frozen {len(full['frozen']):>5} params" in frozen_line and "requires_grad=False" in frozen_line
+    counts = {line.split()[0]: int(line.split()[1]) for line in split.splitlines()[1:5]
+              if line.strip().startswith(("Muon ", "AdamW ", "frozen "))}
+    assert counts == {"Muon": 8, "AdamW": 0, "frozen": len(full["frozen"])}, split[:600]
+    assert "requires_grad=False" in split
     resumed, resumed_params, _ = _job("peft", tmp_path / "resumed", 2, "--resume",
                                       str(tmp_path / "full" / "checkpoint-2"))
     assert resumed["muon_step_count"] == 4
