@@ -99,7 +99,7 @@ def run_accelerate(args) -> None:
     cfg.update(train_micro_batch_size_per_gpu=args.batch, gradient_accumulation_steps=1, gradient_clipping=1.0)
     # A scheduler that scales each param group's own lr (Muon's and AdamW's differ).
     cfg["scheduler"] = {"type": "WarmupCosineLR", "params": {"total_num_steps": args.steps, "warmup_num_steps": 1}}
-    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg), cpu=True)
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg))
     model = tiny_llama()
     optimizer = DummyOptim(model.parameters())
     scheduler = DummyScheduler(optimizer)
