@@ -171,3 +171,18 @@ def test_hook_survives_find_spec_before_import() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=str(REPO), DS_MUON="1"))
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_error_under_auto_activation_names_the_way_out() -> None:
+    """A config ds_muon refuses (ZeRO-2 here) names DS_MUON=0 when only the start-up hook enabled ds_muon."""
+    code = ("from ds_muon import _autoload as a; a.install(); import deepspeed; from ds_muon import integration as i\n"
+            "class Cfg: _param_dict = {'optimizer': {'type': 'Muon', 'params': {}}, 'zero_optimization': {'stage': 2}}\n"
+            "for explicit in (False, True):\n"
+            "    if explicit: i.enable()\n"
+            "    try: i._set_optimizer_flags(Cfg(), None)\n"
+            "    except Exception as e: print('MSG', explicit, 'DS_MUON=0' in str(e), 'stage' in str(e))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(REPO), DS_MUON="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    msgs = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("MSG")]
+    assert msgs == [["False", "True", "True"], ["True", "False", "True"]]  # explicit enable(): no DS_MUON hint
