@@ -1,4 +1,5 @@
-"""Hugging Face Trainer with ds_muon: one extra line, ``ds_muon.enable()``, before building the Trainer.
+"""Hugging Face Trainer with ds_muon. Installed with pip, ds_muon needs no line here (a start-up hook
+enables it); from a source checkout, ``ds_muon.enable()`` before building the Trainer does the same.
 
     torchrun --nproc_per_node 2 examples/hf_trainer.py [--steps 3]        # CPU (DeepSpeed picks gloo) or GPUs
 
@@ -18,7 +19,6 @@ import argparse
 import json
 
 import torch
-from deepspeed.utils.logging import set_log_level_from_string
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 import ds_muon
@@ -49,7 +49,6 @@ def main() -> None:
         "optimizer": {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 3e-3, "momentum": 0.95, "weight_decay": 0.0}},
         "zero_optimization": {"stage": 3},
     }
-    set_log_level_from_string("info")  # DeepSpeed's logger (WARNING by default) then shows ds_muon's parameter split
     ds_muon.enable()
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -57,7 +56,7 @@ def main() -> None:
     training_args = TrainingArguments(output_dir=args.output_dir, per_device_train_batch_size=4, learning_rate=0.02,
                                       max_steps=args.steps, logging_steps=1, deepspeed=ds_config,
                                       use_cpu=not torch.cuda.is_available(), report_to=[], save_strategy="no",
-                                      log_level="info")  # Trainer sets DeepSpeed's logger to this level
+                                      log_level="info")  # shows ds_muon's parameter split
     trainer = Trainer(model=model, args=training_args, train_dataset=RandomTokens())
     trainer.train()
     opt = trainer.deepspeed.optimizer
