@@ -2,6 +2,7 @@
 shown whenever DeepSpeed's logger is at INFO (its handler stays at WARNING; Trainer lowers the logger only)."""
 from __future__ import annotations
 
+import io
 import logging
 
 import torch
@@ -25,21 +26,26 @@ def _lora_like() -> nn.Module:
     return m
 
 
-def _split_output(capfd, level: int) -> str:
+def _split_output(level: int) -> str:
+    """What DeepSpeed's own handler prints while its logger is at ``level`` (the handler is untouched)."""
     from deepspeed.utils import logger as ds_logger
     from ds_muon import integration
-    old = ds_logger.level
+    old_level, buffer = ds_logger.level, io.StringIO()
+    # DeepSpeed's own stdout handler only (pytest may have added capture handlers at level 0)
+    handlers = [h for h in ds_logger.handlers if type(h) is logging.StreamHandler]
+    old_streams = [h.setStream(buffer) for h in handlers]
     ds_logger.setLevel(level)  # what Trainer(log_level=...) does: the logger only, not its handler
     try:
-        capfd.readouterr()
         integration._set_optimizer_flags(Cfg(), _lora_like())
-        return capfd.readouterr().out
+        return buffer.getvalue()
     finally:
-        ds_logger.setLevel(old)
+        ds_logger.setLevel(old_level)
+        for h, stream in zip(handlers, old_streams):
+            h.setStream(stream)
 
 
-def test_split_shows_at_info_and_counts_trainable_only(capfd) -> None:
-    out = _split_output(capfd, logging.INFO)
+def test_split_shows_at_info_and_counts_trainable_only() -> None:
+    out = _split_output(logging.INFO)
     assert "ds_muon parameter split (trainable parameters only)" in out
     lines = out.splitlines()
     muon = next(line for line in lines if line.strip().startswith("Muon "))
@@ -54,5 +60,5 @@ def test_split_shows_at_info_and_counts_trainable_only(capfd) -> None:
     assert "embedding" not in out.split("frozen")[0]  # the frozen embedding is on no side
 
 
-def test_split_hidden_at_warning(capfd) -> None:
-    assert "parameter split" not in _split_output(capfd, logging.WARNING)
+def test_split_hidden_at_warning() -> None:
+    assert "parameter split" not in _split_output(logging.WARNING)
