@@ -32,6 +32,8 @@ PLAIN = textwrap.dedent('''
         loss = engine(torch.randn(4, 16)).pow(2).mean(); engine.backward(loss); engine.step()
     print("RESULT " + json.dumps({"rank": engine.global_rank, "optimizer": type(engine.optimizer).__name__,
                                   "ds_muon_file": getattr(sys.modules.get("ds_muon"), "__file__", None)}), flush=True)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()  # a clean teardown: gloo can abort at interpreter exit otherwise
 ''')
 
 TRAINER = textwrap.dedent('''
