@@ -3,10 +3,9 @@
 Hugging Face Trainer (and TRL's trainers, which subclass it) call ``accelerator.prepare``, which
 calls ``deepspeed.initialize``; Accelerate users call ``accelerator.prepare`` themselves; everyone
 else calls ``deepspeed.initialize`` or ``ds_muon.initialize`` directly. The same config problem
-then has different fixes: a scheduler block in the DeepSpeed config is dropped under Trainer (it
-builds its own schedule from ``lr_scheduler_type``), replaced by
-``DummyScheduler(lr_scheduler_callable=...)`` under Accelerate, and passed as ``lr_scheduler=`` to
-``ds_muon.initialize`` directly.
+then has different fixes: the ZeRO stage, for one, is set in the config handed to
+``TrainingArguments(deepspeed=...)`` under Trainer, in ``DeepSpeedPlugin(zero_stage=...)`` (or the
+accelerate config file) under Accelerate, and in the DeepSpeed config directly.
 
 Use :func:`detect_framework` inside code that ``deepspeed.initialize`` runs (it reads the call
 stack), and :func:`for_framework` to pick the text.
@@ -23,13 +22,12 @@ DIRECT = "direct"
 # module-name prefixes on the call stack -> framework; the outermost match wins (Trainer calls Accelerate)
 _PREFIXES = ((TRAINER, ("transformers.trainer", "trl.")), (ACCELERATE, ("accelerate.",)))
 
-SCHEDULER_FIX = {
-    TRAINER: "remove the \"scheduler\" block from the DeepSpeed config and set TrainingArguments.lr_scheduler_type "
-             "(Trainer's schedules scale every param group's own lr)",
-    ACCELERATE: "remove the \"scheduler\" block and pass DummyScheduler(optimizer, lr_scheduler_callable=lambda opt: "
-                "torch.optim.lr_scheduler.LambdaLR(opt, ...)) to accelerator.prepare",
-    DIRECT: "remove the \"scheduler\" block and pass lr_scheduler=torch.optim.lr_scheduler.LambdaLR(...) (or a "
-            "callable taking the optimizer) to ds_muon.initialize / deepspeed.initialize",
+ZERO_STAGE_FIX = {
+    TRAINER: "set \"zero_optimization\": {\"stage\": 3} in the DeepSpeed config given to "
+             "TrainingArguments(deepspeed=...)",
+    ACCELERATE: "set zero_stage=3 in DeepSpeedPlugin(...) (zero_stage: 3 in the accelerate config file) or "
+                "\"stage\": 3 in its DeepSpeed config file",
+    DIRECT: "set \"zero_optimization\": {\"stage\": 3} in the DeepSpeed config",
 }
 
 
@@ -55,7 +53,7 @@ def for_framework(fixes: Mapping[str, str], framework: Optional[str] = None) -> 
     """The entry of ``fixes`` (keyed ``"trainer"``/``"accelerate"``/``"direct"``) for ``framework``.
 
     ``framework`` defaults to :func:`detect_framework` at the caller; a missing key falls back to
-    ``fixes["direct"]``. Example: ``for_framework(SCHEDULER_FIX)``.
+    ``fixes["direct"]``. Example: ``for_framework(ZERO_STAGE_FIX)``.
     """
     if framework is None:
         framework = detect_framework(sys._getframe(1))

@@ -39,7 +39,7 @@ from deepspeed.utils import logger as ds_logger
 
 from .checkpoint import install_load_checks
 from .config import ConfigError, load_ds_config, validate_ds_config
-from .frameworks import SCHEDULER_FIX, detect_framework, for_framework
+from .frameworks import ZERO_STAGE_FIX, detect_framework, for_framework
 from .param_groups import split_param_groups
 from .schedulers import GroupRatioScheduler, broadcasts_one_lr
 from .selection import NO_MUON_WARNING, tag_model
@@ -65,9 +65,9 @@ def _set_optimizer_flags(config_class, model) -> None:
         cfg = validate_ds_config(config_class._param_dict)
     except ConfigError as err:
         notes = []
-        if any(p.startswith("scheduler") for p in err.problems):  # the fix depends on who built the engine
-            framework = detect_framework()
-            notes.append(f"for this {framework} setup: {for_framework(SCHEDULER_FIX, framework)}")
+        if any(p.startswith("zero_optimization.stage") for p in err.problems):  # where to set it depends on
+            framework = detect_framework()                                        # who builds the engine
+            notes.append(f"for this {framework} setup: {for_framework(ZERO_STAGE_FIX, framework)}")
         if _auto and _depth == 1:  # only the start-up hook enabled ds_muon: name the way out
             notes.append("ds_muon was activated automatically because it is installed; set DS_MUON=0 to use "
                          "DeepSpeed's built-in Muon instead")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from ds_muon.config import ConfigError
-from ds_muon.frameworks import ACCELERATE, DIRECT, SCHEDULER_FIX, TRAINER, detect_framework, for_framework
+from ds_muon.frameworks import ACCELERATE, DIRECT, TRAINER, ZERO_STAGE_FIX, detect_framework, for_framework
 
 
 def _call_chain(*modules: str):
@@ -32,26 +32,28 @@ def test_detect_framework(chain, expected) -> None:
 
 
 def test_for_framework_picks_and_falls_back() -> None:
-    assert for_framework(SCHEDULER_FIX, TRAINER).startswith("remove the \"scheduler\" block")
-    assert "DummyScheduler" in for_framework(SCHEDULER_FIX, ACCELERATE)
-    assert "ds_muon.initialize" in for_framework(SCHEDULER_FIX, DIRECT)
+    assert "TrainingArguments(deepspeed=...)" in for_framework(ZERO_STAGE_FIX, TRAINER)
+    assert "DeepSpeedPlugin" in for_framework(ZERO_STAGE_FIX, ACCELERATE)
+    assert for_framework(ZERO_STAGE_FIX, DIRECT).startswith("set \"zero_optimization\"")
     assert for_framework({DIRECT: "d"}, TRAINER) == "d"
 
 
-def test_scheduler_error_names_the_trainer_fix() -> None:
+@pytest.mark.parametrize("module, expected", [("transformers.trainer", "TrainingArguments(deepspeed=...)"),
+                                              ("accelerate.accelerator", "DeepSpeedPlugin(...)"),
+                                              ("train_script", "in the DeepSpeed config")])
+def test_stage_error_names_the_fix_for_the_framework(module, expected) -> None:
     """The engine-side check (integration._set_optimizer_flags) appends the detected framework's fix."""
     from ds_muon import integration
 
     class Cfg:  # what DeepSpeed passes: its config object with the raw dict
-        _param_dict = {"optimizer": {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 3e-4}},
-                       "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.02}},
-                       "zero_optimization": {"stage": 3}}
+        _param_dict = {"optimizer": {"type": "Muon", "params": {"lr": 0.02}}, "zero_optimization": {"stage": 2}}
 
-    scope = {"__name__": "transformers.trainer", "flags": integration._set_optimizer_flags, "Cfg": Cfg}
-    exec("def train():\n    flags(Cfg(), None)\n", scope)
+    scope = {"__name__": module, "flags": integration._set_optimizer_flags, "Cfg": Cfg}
+    exec("def build():\n    flags(Cfg(), None)\n", scope)
     with pytest.raises(ConfigError) as err:
-        scope["train"]()
+        scope["build"]()
     text = str(err.value)
-    assert "scheduler.params.warmup_max_lr" in text
-    assert "for this trainer setup: remove the \"scheduler\" block" in text and "lr_scheduler_type" in text
+    assert "zero_optimization.stage: 2 is invalid" in text
+    framework = {"transformers.trainer": TRAINER, "accelerate.accelerator": ACCELERATE}.get(module, DIRECT)
+    assert f"for this {framework} setup: " in text and expected in text
     assert "DS_MUON=0" not in text  # ds_muon was not enabled by the start-up hook here
