@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 
+import deepspeed
 import torch
 from deepspeed.utils.logging import set_log_level_from_string
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
@@ -54,6 +55,8 @@ def main() -> None:
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     model = LlamaForCausalLM(config)
+    watched = ("model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight")  # a Muon and an AdamW weight
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if n in watched}
     training_args = TrainingArguments(output_dir=args.output_dir, per_device_train_batch_size=4, learning_rate=0.02,
                                       max_steps=args.steps, logging_steps=1, deepspeed=ds_config,
                                       use_cpu=not torch.cuda.is_available(), report_to=[], save_strategy="no",
@@ -61,6 +64,10 @@ def main() -> None:
     trainer = Trainer(model=model, args=training_args, train_dataset=RandomTokens())
     trainer.train()
     opt = trainer.deepspeed.optimizer
+    params = dict(model.named_parameters())
+    with deepspeed.zero.GatheredParameters([params[n] for n in watched]):  # ZeRO-3 partitions: gather to compare
+        change = {n: ((params[n].detach().float() - before[n].float()).norm() / before[n].float().norm()).item()
+                  for n in watched}
     if trainer.is_world_process_zero():
         print("RESULT " + json.dumps({
             "optimizer": type(opt).__name__,
@@ -69,6 +76,7 @@ def main() -> None:
             "adamw_params": sorted(n for n, p in model.named_parameters() if not getattr(p, "use_muon", False)),
             "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
             "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "weight_change": change,  # ||w_after - w_before|| / ||w_before||
         }), flush=True)
     ds_muon.disable()
 

@@ -98,14 +98,20 @@ def reference_model(init: dict[str, torch.Tensor], tags: dict[str, bool], model_
 
 
 def train_reference(model, optimizer, steps: int, world_size: int, gas: int, clip: float,
-                    micro_batch: int = 2, data: Callable = batch) -> list[float]:
+                    micro_batch: int = 2, data: Callable = batch, skip: frozenset = frozenset(),
+                    after_step: Callable | None = None) -> list[float]:
     """The oracle loop: mean gradient over every rank's micro-batches, raw-norm clip, one step.
 
     ``data(step, rank, micro, micro_batch) -> (tokens, targets)`` is what each rank trains on
-    (default :func:`tests.models.batch`)."""
+    (default :func:`tests.models.batch`). Steps in ``skip`` are left out entirely (an fp16 overflow
+    step: no update, momentum untouched; their norm is reported as nan). ``after_step()`` runs after
+    each optimizer step, where DeepSpeed steps its lr scheduler."""
     norms = []
     trainable = [p for p in model.parameters() if p.requires_grad]
     for step in range(steps):
+        if step in skip:
+            norms.append(float("nan"))
+            continue
         optimizer.zero_grad(set_to_none=True)
         for rank in range(world_size):
             for micro in range(gas):
@@ -117,6 +123,8 @@ def train_reference(model, optimizer, steps: int, world_size: int, gas: int, cli
         norm = torch.nn.utils.clip_grad_norm_(trainable, clip if clip > 0 else float("inf"))
         norms.append(float(norm))
         optimizer.step()
+        if after_step is not None:
+            after_step()
     return norms
 
 
