@@ -163,7 +163,7 @@ def _fp16_overflow_case(rank: int, world_size: int, case: dict, nvme_dir: str = 
     from tests.harness import fp32_master_params
     from tests.models import batch, use_extra
     cfg = ds_config(gas=1, clip=case.get("clip", 0.0))
-    cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
     engine, model = build_engine(cfg)
     init, tags = gathered_params(model), clone_tags(model)
     opt = engine.optimizer
@@ -218,23 +218,29 @@ CASES = {
         dict(name="w2-bf16-momentum-gas2-clip", gas=2, clip=0.5, params=dict(momentum_dtype="bfloat16"),
              probe=(None, _momentum_dtypes), want_probe=["torch.bfloat16"]),
         # bf16 model (fp32 master weights and optimizer) against the fp32 oracle: forward/backward
-        # in bf16 differ from fp32 by bf16 rounding, hence the looser, stated tolerances: Muon matrices
-        # within 5e-2 of their update; AdamW parameters whose gradients are at bf16 noise level
-        # (zero-initialised biases) only within 0.5 (Adam normalizes that noise into full-size steps).
+        # in bf16 differ from fp32 by bf16 rounding (unit roundoff 2^-9), hence the looser, stated
+        # tolerances for every parameter, Muon or AdamW: 1e-2 of the parameter, 5e-2 of its update
+        # (measured: 2.2e-3 and 3.2e-2, embed.weight). Two AdamW parameters whose gradients are at bf16
+        # noise level are held only to 0.5 of their update (Adam normalizes that noise into full-size
+        # steps): norm1.bias (zero-initialised; measured 0.22) and v.bias (its gradient goes through
+        # k(h) * silu'(v(h)); measured 0.35).
         dict(name="w2-bf16-gas2-clip", gas=2, clip=0.5, bf16=True, rtol=1e-2, rtol_update=5e-2, rtol_norm=5e-3,
-             adamw_rtol_update=0.5),
-        # fp32 model, bf16 on the wire (u in, the scaled update out): TOLERANCE TBD
+             loose_update={"norm1.bias": 0.5, "v.bias": 0.5}),
+        # fp32 model, bf16 on the wire (u in, the scaled update out): each crossing rounds to 2^-9
+        # relative; stated tolerance 5e-3 of the parameter, 5e-2 of its update, 1e-4 of the later
+        # steps' grad norms (measured 1.4e-3 and 1.8e-2, down.weight; 2.2e-5)
         dict(name="w2-bf16-exchange", gas=1, clip=0.5, params=dict(exchange_dtype="bfloat16"),
-             probe=(None, _exchange_dtypes), rtol=1e-2, rtol_update=5e-2),
-        # a DeepSpeed scheduler in training; Muon's and AdamW's lrs are equal (0.02), so it may write
-        # one absolute lr into every group: linear warmup 0.005 -> 0.02 over 3 steps (0.005, 0.01, 0.015)
+             probe=(None, _exchange_dtypes), rtol=5e-3, rtol_update=5e-2, rtol_norm=1e-4),
+        # a DeepSpeed scheduler in a training run; Muon's and AdamW's lrs are equal (0.02), so it may
+        # write one absolute lr into every group. Linear warmup: the steps use 0.005, 0.005, 0.01 and
+        # every group ends at 0.015; the oracle steps the same scheduler class.
         dict(name="w2-warmup-lr-scheduler", gas=1, params=dict(adam_lr=0.02), probe=(None, _lrs),
              scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 0.005, "warmup_max_lr": 0.02,
                                                        "warmup_num_steps": 3, "warmup_type": "linear"}},
-             final_lr=0.02),
-        # fp16 model, dynamic loss scale, an overflow step: TOLERANCE TBD
-        dict(name="w2-fp16-loss-scale-overflow", fp16_overflow=True, clip=0.5, rtol=1e-2, rtol_update=5e-2,
-             adamw_rtol_update={})],
+             final_lr=0.015),
+        # fp16 model (unit roundoff 2^-11), dynamic loss scale, an overflow step: 3e-3 of the parameter,
+        # 2e-2 of its update (measured 1.0e-3, norm2.bias, and 5.3e-3, extra.weight)
+        dict(name="w2-fp16-loss-scale-overflow", fp16_overflow=True, clip=0.5, rtol=3e-3, rtol_update=2e-2)],
     3: [dict(name="w3-gas4-clip-overlap-no-nesterov", gas=4, clip=0.5, params=dict(nesterov=False),
              zero=dict(reduce_scatter=True, overlap_comm=True)),
         dict(name="w3-subgroups-small-buckets", gas=1, params=dict(exchange_bucket_mb=0.004),
@@ -273,16 +279,15 @@ def check_fp16_overflow(case: dict, per_rank: list[dict]) -> None:
         assert r["same_momentum"] and r["same_weights"], f"{name}: the overflow step changed the state"
         assert r["muon_steps_across"][0] == r["muon_steps_across"][1] == FP16_POISONED
         assert r["steps"] == FP16_STEPS - 1
-    scales = res["scales"]  # 2^8, doubled never (window 1000), halved after the overflow (hysteresis 2)
-    assert scales[0] == 2.0 ** 8 and scales[FP16_POISONED] <= scales[FP16_POISONED - 1], scales
-    tags = res["tags"]
+    assert res["tags"]["q.weight"] and not res["tags"]["embed.weight"]
+    scales = res["scales"]  # 2^8, halved by the overflow (hysteresis 1), not raised again (window 1000)
+    assert scales == [2.0 ** 8] * FP16_POISONED + [2.0 ** 7] * (FP16_STEPS - FP16_POISONED), scales
     for pname, err in res["errors"].items():
         if err["moved"] == 0:
             assert pname.startswith("frozen"), f"{name}: trainable {pname} did not move"
             continue
         assert err["rel"] <= case["rtol"], f"{name}: {pname} rel error {err['rel']:.2e}"
-        bound = case["rtol_update"] if tags[pname] else case["adamw_rtol_update"].get(pname, case["rtol_update"])
-        assert err["rel_update"] <= bound, f"{name}: {pname} update rel error {err['rel_update']:.2e} > {bound}"
+        assert err["rel_update"] <= case["rtol_update"], f"{name}: {pname} update rel error {err['rel_update']:.2e}"
 
 
 def check_parity(case: dict, per_rank: list[dict]) -> None:
@@ -318,8 +323,8 @@ def check_parity(case: dict, per_rank: list[dict]) -> None:
     assert tags["o.weight"] is (not case.get("untag_o", False))
     rtol, rtol_update = case.get("rtol", PARITY_RTOL), case.get("rtol_update", 1e-3)
     for pname, err in res["errors"].items():
-        if not tags[pname] and "adamw_rtol_update" in case:
-            assert err["rel_update"] <= case["adamw_rtol_update"], f"{name}: {pname} {err['rel_update']:.2e}"
+        if pname in case.get("loose_update", {}):
+            assert err["rel_update"] <= case["loose_update"][pname], f"{name}: {pname} {err['rel_update']:.2e}"
             continue
         assert err["rel"] <= rtol, f"{name}: {pname} rel error {err['rel']:.2e} > {rtol}"
         if err["moved"] > 0:
