@@ -65,7 +65,12 @@ def _train(engine, steps: int = 2) -> None:
 
 
 class _OneWayModelParallel:
-    """The smallest Megatron-style mpu: tensor/model-parallel size 1, data parallel over the world."""
+    """The smallest Megatron-style mpu: tensor/model-parallel size 1, data parallel over the world.
+    Built on every rank (``new_subgroups`` is collective)."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+        self._mp_group, _ = dist.new_subgroups(group_size=1)
 
     def get_model_parallel_rank(self) -> int:
         return 0
@@ -74,8 +79,7 @@ class _OneWayModelParallel:
         return 1
 
     def get_model_parallel_group(self):
-        import torch.distributed as dist
-        return dist.new_group([dist.get_rank()])
+        return self._mp_group
 
     get_tensor_model_parallel_rank = get_model_parallel_rank
     get_tensor_model_parallel_world_size = get_model_parallel_world_size

@@ -277,8 +277,8 @@ def check_fp16_overflow(case: dict, per_rank: list[dict]) -> None:
     for r in per_rank:
         assert r["skipped"] == [s == FP16_POISONED for s in range(FP16_STEPS)], (name, r["skipped"])
         assert r["same_momentum"] and r["same_weights"], f"{name}: the overflow step changed the state"
-        assert r["muon_steps_across"][0] == r["muon_steps_across"][1] == FP16_POISONED
-        assert r["steps"] == FP16_STEPS - 1
+        assert r["muon_steps_across"] == (FP16_POISONED, FP16_POISONED), f"{name}: Muon steps {r['muon_steps_across']}"
+        assert r["steps"] == FP16_STEPS - 1, f"{name}: {r['steps']} Muon steps"
     assert res["tags"]["q.weight"] and not res["tags"]["embed.weight"]
     scales = res["scales"]  # 2^8, halved by the overflow (hysteresis 1), not raised again (window 1000)
     assert scales == [2.0 ** 8] * FP16_POISONED + [2.0 ** 7] * (FP16_STEPS - FP16_POISONED), scales
