@@ -4,7 +4,8 @@
 
 Trainer (through Accelerate) calls ``deepspeed.initialize`` itself; ``ds_muon.enable()`` makes that
 call build ds_muon's ZeRO-3 Muon for ``"optimizer": {"type": "Muon"}``. The model is a tiny
-``LlamaForCausalLM`` built from a config (no download), trained on random tokens for a few steps.
+``LlamaForCausalLM`` built from a config (no download), trained for a few steps on counting sequences
+(each token is the previous one plus 1, from a random start), which it learns at once: the loss falls.
 
 Trainer cross-checks the DeepSpeed optimizer's ``lr`` against ``TrainingArguments.learning_rate``,
 so they are set equal (the Muon lr); AdamW's lr comes from ``adam_lr``. Trainer's own linear
@@ -25,11 +26,14 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArgumen
 import ds_muon
 
 
-class RandomTokens(torch.utils.data.Dataset):
-    """``n`` fixed random sequences of ``seq`` token ids below ``vocab``; labels = input_ids."""
+class CountingTokens(torch.utils.data.Dataset):
+    """``n`` fixed sequences of ``seq`` token ids ``(start + t) % vocab``, random ``start``; labels = input_ids.
+    Learnable (each token predicts the next), unlike uniform random tokens, whose loss cannot fall below
+    ``ln(vocab)``."""
 
     def __init__(self, n: int = 64, seq: int = 32, vocab: int = 128) -> None:
-        self.x = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(0))
+        start = torch.randint(0, vocab, (n, 1), generator=torch.Generator().manual_seed(0))
+        self.x = (start + torch.arange(seq)) % vocab
 
     def __len__(self) -> int:
         return len(self.x)
@@ -61,7 +65,7 @@ def main() -> None:
                                       max_steps=args.steps, logging_steps=1, deepspeed=ds_config,
                                       use_cpu=not torch.cuda.is_available(), report_to=[], save_strategy="no",
                                       log_level="info")  # Trainer sets DeepSpeed's logger to this level
-    trainer = Trainer(model=model, args=training_args, train_dataset=RandomTokens())
+    trainer = Trainer(model=model, args=training_args, train_dataset=CountingTokens())
     trainer.train()
     opt = trainer.deepspeed.optimizer
     params = dict(model.named_parameters())

@@ -118,11 +118,11 @@ def _same_w_config(offload: str, swap_dir: str = "", exact_betas: bool = True) -
     return cfg
 
 
-def resume_worker(rank: int, world_size: int, mode: str, root: str) -> dict:
-    """Per offload mode (and ``DRIFT`` run): ``continuous`` (N steps), ``save`` (N/2 steps, save) or
-    ``load`` (load, N/2 steps)."""
+def resume_worker(rank: int, world_size: int, mode: str, root: str, runs: tuple = (*OFFLOAD, *DRIFT)) -> dict:
+    """Per offload mode (and ``DRIFT`` run) in ``runs``: ``continuous`` (N steps), ``save`` (N/2 steps,
+    save) or ``load`` (load, N/2 steps)."""
     out = {}
-    for run in [*OFFLOAD, *DRIFT]:
+    for run in runs:
         offload = DRIFT.get(run, run)
         cfg = _same_w_config(offload, os.path.join(root, f"swap-{mode}-{run}"), exact_betas=run not in DRIFT)
         engine, _ = build_engine(cfg, model_fn=_model_fn(offload))
