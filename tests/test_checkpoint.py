@@ -10,9 +10,12 @@ keeps ``beta^t`` as a running product in a live process but recomputes it with `
 fresh one: with betas like 0.9/0.999 the two differ in the last bit of the bias correction, so a
 resumed run drifts from a continuous one by an ulp. Powers of 0.5 and 0.75 (= 3^t / 4^t, exact while
 3^t < 2^24, i.e. t <= 15) are exact in fp32 either way, so any remaining difference would be a real
-resume bug. The drift itself is asserted with the default betas (0.9, 0.999) in the same process
-groups (``DRIFT``): loading is still bit-exact, the resumed run does differ from the continuous one
-in some AdamW weight, and every tensor stays within ``DRIFT_RTOL`` = 1e-6 relative of it.
+resume bug. The drift itself is asserted with the default betas (0.9, 0.999), without and with CPU
+offload, in the same process groups (``DRIFT``): loading is still bit-exact; the resumed run does
+differ from the continuous one (the 1-ulp bias-correction difference of step 3 reaches the Muon
+weights through the next forward); every weight and state tensor stays within ``DRIFT_RTOL`` = 1e-6
+relative of the continuous run's, except the zero-initialised LayerNorm biases, whose norms are ~0.03
+after 4 steps: within 1e-5 (measured after 2 resumed steps: 4.4e-6 for those, <= 6.3e-7 elsewhere).
 
 Another world size (W=2 -> 1, 2 -> 3 and 3 -> 2, mixing CPU offload and none): N/2 steps at W_a,
 ``save_checkpoint``, ``python -m ds_muon.checkpoint to-universal``, load at W_b with
@@ -56,6 +59,7 @@ OFFLOAD = {"none": {}, "cpu": {"offload_optimizer": {"device": "cpu"}},
 # Runs with DeepSpeed's default AdamW betas (0.9, 0.999), by offload mode: the 1-ulp drift after resume.
 DRIFT = {"none_default_betas": "none", "cpu_default_betas": "cpu"}
 DRIFT_RTOL = 1e-6
+DRIFT_RTOL_SMALL = {"norm1.bias": 1e-5, "norm2.bias": 1e-5}  # zero-initialised, small norm
 
 
 def _zero(offload: str, swap_dir: str) -> dict:
@@ -175,10 +179,12 @@ def test_same_world_size_resume_is_bit_exact(tmp_path) -> None:
             assert final["steps"] == want["steps"] and final["muon_steps"] == want["muon_steps"] == STEPS
             for key, x in want["tensors"].items():
                 rel = ((final["tensors"][key] - x).norm() / x.norm().clamp_min(1e-30)).item()
-                assert rel <= DRIFT_RTOL, f"rank {rank} {run} {key}: resumed vs. continuous {rel:.2e}"
+                bound = DRIFT_RTOL_SMALL.get(key[0], DRIFT_RTOL)
+                assert rel <= bound, f"rank {rank} {run} {key}: resumed vs. continuous {rel:.2e} > {bound}"
                 if key[1] == "fp32" and not torch.equal(final["tensors"][key], x):
                     drifted.append(key[0])
-        assert drifted, f"{run}: no drift with the default betas; the 1-ulp note in the README is stale"
+        assert any(name in ("embed.weight", "norm1.weight") for name in drifted), (
+            f"{run}: no AdamW drift with the default betas; the README's note on it is stale")
     for offload in ("nvme", "nvme_mem"):
         fp32 = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / offload), tag=TAG)
         for (name, key), want in saved[0][offload]["tensors"].items():
