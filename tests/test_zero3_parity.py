@@ -142,13 +142,14 @@ def _oracle_scheduler(optimizer, case: dict):
     return sched.step
 
 
-def _exchange_dtypes(engine) -> dict:
-    return {"exchange_dtypes": sorted({str(ex.exchange_dtype) for ex in engine.optimizer._muon_exchanges.values()})}
+def _exchange_dtypes(engine) -> list[str]:
+    """Probe: the wire dtype of every Muon sub-group's exchange."""
+    return sorted({str(ex.exchange_dtype) for ex in engine.optimizer._muon_exchanges.values()})
 
 
-def _lrs(engine) -> dict:
-    """Every inner param group's lr after the run (Muon and AdamW groups)."""
-    return {"lrs": sorted({g["lr"] for g in engine.optimizer.optimizer.param_groups})}
+def _lrs(engine) -> list[float]:
+    """Probe: every inner param group's lr after the run (Muon and AdamW groups)."""
+    return sorted({g["lr"] for g in engine.optimizer.optimizer.param_groups})
 
 
 FP16_STEPS, FP16_POISONED = 4, 2
@@ -230,14 +231,13 @@ CASES = {
         # relative; stated tolerance 5e-3 of the parameter, 5e-2 of its update, 1e-4 of the later
         # steps' grad norms (measured 1.4e-3 and 1.8e-2, down.weight; 2.2e-5)
         dict(name="w2-bf16-exchange", gas=1, clip=0.5, params=dict(exchange_dtype="bfloat16"),
-             probe=(None, _exchange_dtypes), rtol=5e-3, rtol_update=5e-2, rtol_norm=1e-4),
+             probe=(None, _exchange_dtypes), want_probe=["torch.bfloat16"], rtol=5e-3, rtol_update=5e-2, rtol_norm=1e-4),
         # a DeepSpeed scheduler in a training run; Muon's and AdamW's lrs are equal (0.02), so it may
         # write one absolute lr into every group. Linear warmup: the steps use 0.005, 0.005, 0.01 and
         # every group ends at 0.015; the oracle steps the same scheduler class.
-        dict(name="w2-warmup-lr-scheduler", gas=1, params=dict(adam_lr=0.02), probe=(None, _lrs),
+        dict(name="w2-warmup-lr-scheduler", gas=1, params=dict(adam_lr=0.02), probe=(None, _lrs), want_probe=[0.015],
              scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 0.005, "warmup_max_lr": 0.02,
-                                                       "warmup_num_steps": 3, "warmup_type": "linear"}},
-             final_lr=0.015),
+                                                       "warmup_num_steps": 3, "warmup_type": "linear"}}),
         # fp16 model (unit roundoff 2^-11), dynamic loss scale, an overflow step: 3e-3 of the parameter,
         # 2e-2 of its update (measured 1.0e-3, norm2.bias, and 5.3e-3, extra.weight)
         dict(name="w2-fp16-loss-scale-overflow", fp16_overflow=True, clip=0.5, rtol=3e-3, rtol_update=2e-2)],
@@ -298,10 +298,6 @@ def check_parity(case: dict, per_rank: list[dict]) -> None:
     name = case["name"]
     if case.get("expect_gram"):  # the Gram kernel ran (it equals the standard one up to rounding)
         assert sum(r["probe"]["gram_calls"] for r in per_rank) >= STEPS, [r["probe"] for r in per_rank]
-    if case.get("params", {}).get("exchange_dtype") == "bfloat16":
-        assert all(r["probe"]["exchange_dtypes"] == ["torch.bfloat16"] for r in per_rank), res["probe"]
-    if case.get("scheduler"):  # both Muon and AdamW groups end at the scheduled lr
-        assert res["probe"]["lrs"] == [case["final_lr"]], res["probe"]
     assert res["steps"] == STEPS, (name, res["steps"])
     if "want_probe" in case:
         assert all(r["probe"] == case["want_probe"] for r in per_rank), (name, [r["probe"] for r in per_rank])
