@@ -98,16 +98,22 @@ def reference_model(init: dict[str, torch.Tensor], tags: dict[str, bool], model_
 
 
 def train_reference(model, optimizer, steps: int, world_size: int, gas: int, clip: float,
-                    micro_batch: int = 2, data: Callable = batch,
-                    before_step: Callable[[int], None] | None = None) -> list[float]:
+                    micro_batch: int = 2, data: Callable = batch, skip: frozenset = frozenset(),
+                    before_step: Callable[[int], None] | None = None,
+                    after_step: Callable | None = None) -> list[float]:
     """The oracle loop: mean gradient over every rank's micro-batches, raw-norm clip, one step.
 
     ``data(step, rank, micro, micro_batch) -> (tokens, targets)`` is what each rank trains on
-    (default :func:`tests.models.batch`); ``before_step(step)`` runs right before each
-    ``optimizer.step()`` (an lr schedule sets the groups' lrs there)."""
+    (default :func:`tests.models.batch`). Steps in ``skip`` are left out entirely (an fp16 overflow
+    step: no update, momentum untouched; their norm is reported as nan). ``before_step(step)`` runs
+    right before each ``optimizer.step()`` (an lr schedule sets the groups' lrs there);
+    ``after_step()`` runs after it, where DeepSpeed steps its lr scheduler."""
     norms = []
     trainable = [p for p in model.parameters() if p.requires_grad]
     for step in range(steps):
+        if step in skip:
+            norms.append(float("nan"))
+            continue
         optimizer.zero_grad(set_to_none=True)
         for rank in range(world_size):
             for micro in range(gas):
@@ -121,6 +127,8 @@ def train_reference(model, optimizer, steps: int, world_size: int, gas: int, cli
         if before_step is not None:
             before_step(step)
         optimizer.step()
+        if after_step is not None:
+            after_step()
     return norms
 
 

@@ -5,6 +5,7 @@ Runs ``examples/hf_trainer.py`` under ``torchrun`` exactly as a user would and r
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -33,3 +34,10 @@ def test_trainer_runs_ds_muon(tmp_path) -> None:
     assert "ds_muon parameter split" in out  # the start-up summary reached the log
     # Trainer logs the raw gradient norm (of order 1 here), not the orthogonalized update's (~28, design §8b)
     assert len(result["grad_norms"]) == 3 and all(0 < g < 5 for g in result["grad_norms"])
+    # it trained: one finite loss per step, falling, and both a Muon and an AdamW weight moved
+    losses = result["losses"]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses
+    assert losses[-1] < losses[0], losses
+    change = result["weight_change"]
+    assert set(change) == {"model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight"}, change
+    assert all(1e-4 < c < 1 for c in change.values()), change

@@ -137,6 +137,73 @@ def test_coefficient_tables():
     assert ns.gram_restart_points(8) == (2, 5)
 
 
+# arXiv:2505.16932 (Amsel, Persson, Musco, Gower, "The Polar Express"), Algorithm 1, as published
+# with the authors' code (github.com/NoahAmsel/PolarExpress, polar_express/basic.py): the degree-5
+# coefficients before the 1.01 safety factor, from optimal_composition(l=1e-3, cushion=0.02407327424182761).
+PAPER_PE_TABLE = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),  # "subsequent coeffs equal this numerically"
+)
+PAPER_PE_LOWER, PAPER_PE_CUSHION = 1e-3, 0.02407327424182761
+
+
+def _minimax_odd_quintic(lo: float, hi: float) -> tuple[float, float, float]:
+    """(a, b, c) of the odd quintic a x + b x^3 + c x^5 nearest to 1 in max-norm on [lo, hi]: Remez
+    exchange on 4 alternation points (both ends and the two interior extrema), float64. On a vanishing
+    interval the limit is the Newton-Schulz quintic (15, -10, 3) / 8 scaled to hi (paper, Sec. 4)."""
+    if lo / hi >= 1 - 5e-6:
+        return 15 / 8 / hi, -10 / 8 / hi ** 3, 3 / 8 / hi ** 5
+    pts = [lo, (3 * lo + hi) / 4, (lo + 3 * hi) / 4, hi]
+    last = None
+    for _ in range(200):
+        A = torch.tensor([[x, x ** 3, x ** 5, sign] for x, sign in zip(pts, (1.0, -1.0, 1.0, -1.0))], dtype=F64)
+        a, b, c, err = torch.linalg.solve(A, torch.ones(4, dtype=F64)).tolist()
+        root = (9 * b * b - 20 * a * c) ** 0.5  # p'(x) = a + 3b x^2 + 5c x^4 = 0
+        pts[1], pts[2] = ((-3 * b - root) / (10 * c)) ** 0.5, ((-3 * b + root) / (10 * c)) ** 0.5
+        if last is not None and abs(err - last) <= 1e-15:
+            break
+        last = err
+    return a, b, c
+
+
+def _paper_composition(lo: float, steps: int, cushion: float) -> list[tuple[float, float, float]]:
+    """The paper's greedy composition: step t takes the minimax quintic on [max(l_t, cushion u_t), u_t],
+    rescaled so that p(l_t) + p(u_t) = 2, then l_{t+1} = p(l_t), u_{t+1} = 2 - l_{t+1}."""
+    hi, out = 1.0, []
+    for _ in range(steps):
+        a, b, c = _minimax_odd_quintic(max(lo, cushion * hi), hi)
+        if cushion * hi > lo:
+            k = 2 / (a * lo + b * lo ** 3 + c * lo ** 5 + a * hi + b * hi ** 3 + c * hi ** 5)
+            a, b, c = a * k, b * k, c * k
+        out.append((a, b, c))
+        lo = a * lo + b * lo ** 3 + c * lo ** 5
+        hi = 2 - lo
+    return out
+
+
+def test_polar_express_table_is_the_papers():
+    """Every row of the table against the paper's published values, and against the table recomputed
+    here from the paper's construction (an independent Remez): a mistyped digit in any row fails."""
+    raw = ns._POLAR_EXPRESS_RAW
+    assert len(raw) == len(PAPER_PE_TABLE) == 8
+    for t, (got, want) in enumerate(zip(raw, PAPER_PE_TABLE)):
+        assert got == want, f"row {t}: {got} != {want}"
+    # the safety factor 1.01, p(x) -> p(x / 1.01), on every row but the last (paper, Alg. 1)
+    want_scaled = [(a / 1.01, b / 1.01 ** 3, c / 1.01 ** 5) for a, b, c in PAPER_PE_TABLE[:-1]] + [PAPER_PE_TABLE[-1]]
+    for t, (got, want) in enumerate(zip(ns.POLAR_EXPRESS_COEFFS, want_scaled)):
+        assert got == pytest.approx(want, rel=1e-15, abs=0), f"row {t}"
+    # recomputed: rows 0-5 to 1e-14; rows 6-7 sit at the Remez stopping rule / limit switch (~5e-9)
+    recomputed = _paper_composition(PAPER_PE_LOWER, 8, PAPER_PE_CUSHION)
+    for t, (got, want) in enumerate(zip(raw, recomputed)):
+        assert got == pytest.approx(want, rel=1e-13 if t < 6 else 1e-8, abs=0), f"row {t}"
+
+
 def test_scalar_bands():
     """The bands quoted above, from the float64 scalar maps on a fine grid."""
     s = torch.logspace(-5, 0, 200_001, dtype=F64)
