@@ -283,7 +283,7 @@ def main() -> None:
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for opt in args.optimizers.split(","):
+        for opt in filter(None, args.optimizers.split(",")):
             out = os.path.join(tmp, f"{opt}.json")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), __file__,
                    "--worker", "--optimizer", opt, "--model", args.model, "--micro-batch", str(args.micro_batch),
