@@ -128,6 +128,10 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     Attributes:
         muon_plans: ``{sub_group_id: BucketedPlan}`` for the Muon sub-groups.
         muon_step_count: optimizer steps that ran the Muon update (overflow-skipped ones excluded).
+        skipped_step_count: optimizer steps skipped because the global gradient norm was NaN/Inf (this process).
+        consecutive_skipped_steps: skipped steps since the last applied one; ``optimizer.params.
+            max_consecutive_skipped_steps`` of them in a row stop the run (RuntimeError).
+        last_non_finite_param: name of the first parameter with a non-finite gradient in the last skipped step.
     """
 
     def __init__(self, *args, **kwargs) -> None:
@@ -136,6 +140,9 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             raise TypeError("MuonZeroOptimizer needs a ds_muon ZeroMuonInner optimizer; "
                             "build the engine through ds_muon.initialize or ds_muon.enable()")
         self.muon_step_count = 0
+        self.skipped_step_count = 0
+        self.consecutive_skipped_steps = 0
+        self.last_non_finite_param: Optional[str] = None
         self._stepping = False
         self._offloaded_grad_ids: set[int] = set()  # ds_ids whose gradient DeepSpeed offloaded this window
         # zero_optimization.save_muon_momentum_buffer_in_memory: keep Muon momentum out of the NVMe swap.
@@ -230,6 +237,8 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         momentum, exchange, Newton–Schulz; the accelerator is synchronized around them only while a
         monitor is attached; the first step includes torch.compile time), ``Train/ds_muon/exchange_bytes``
         (bytes this rank sends in the owner all_to_all, from the plan) and ``Train/ds_muon/owner_imbalance`` (max/mean Newton–Schulz FLOPs over ranks).
+        After each step skipped for a non-finite gradient norm: ``Train/ds_muon/skipped_steps`` (skipped steps
+        so far in this process, a count).
         """
         self._monitor, self._monitor_step = monitor, step_fn
 
@@ -269,8 +278,87 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             self._muon_pool.clear()
         if not self.overflow:
             self.muon_step_count += 1
+            self.consecutive_skipped_steps = 0
             if self._monitor is not None:
                 self._report()
+        else:
+            self._count_skipped_step()
+
+    # ---- skipped steps (non-finite gradients) ----------------------------------------------
+    def _loss_scale_update_and_overflow_cleanup(self):
+        """DeepSpeed's; on a skipped step first finds the parameter to name (the gradients are
+        still there: DeepSpeed's clean-up drops them)."""
+        if self.overflow and self._stepping:
+            self.last_non_finite_param = self._first_non_finite_grad()
+        return super()._loss_scale_update_and_overflow_cleanup()
+
+    def _local_grad_partitions(self):
+        """Yield ``(param, local fp32/bf16/fp16 gradient partition or None)`` in sub-group order, wherever
+        DeepSpeed keeps it at the overflow check: ``averaged_gradients`` without offload, the fp32
+        partition's ``grad`` with CPU offload, swapped in (and released) under NVMe."""
+        for i, params in enumerate(self.fp16_groups):
+            swapped = self.offload_optimizer and self._swappable_optimizer_subgroup(i)
+            if swapped:
+                self._optimizer_states_and_gradient_swap_in(i)
+            try:
+                flat = self.fp32_partitioned_groups_flat[i].grad if self.offload_optimizer else None
+                grads = None if self.offload_optimizer else (self.averaged_gradients or {}).get(i)
+                for j, param in enumerate(params):
+                    if grads is not None:
+                        yield param, grads[j]
+                    elif flat is not None and (not swapped or param.ds_id in self._offloaded_grad_ids):
+                        _, offset, numel = self.grad_position[self.get_param_id(param)]
+                        yield param, flat.narrow(0, offset, numel)
+                    else:
+                        yield param, None
+            finally:
+                if swapped:
+                    self._release_swap_buffers(i)
+
+    def _first_non_finite_grad(self) -> Optional[str]:
+        """Name of the first parameter (sub-group order, over all ranks of the data-parallel group) whose
+        gradient holds a NaN or Inf, or None if none does (e.g. only the norm overflowed). Collective: one
+        all_reduce(MIN) of one int64."""
+        import torch.distributed as dist
+        params = [p for group in self.fp16_groups for p in group]
+        first = len(params)
+        for k, (param, grad) in enumerate(self._local_grad_partitions()):
+            if first == len(params) and grad is not None and grad.numel() and not torch.isfinite(grad).all():
+                first = k
+        found = torch.tensor([first], dtype=torch.int64, device=get_accelerator().current_device_name())
+        dist.all_reduce(found, op=dist.ReduceOp.MIN, group=self.dp_process_group)
+        k = int(found.item())
+        if k == len(params):
+            return None
+        return self.param_names.get(params[k], f"ds_id={params[k].ds_id}")
+
+    def _count_skipped_step(self) -> None:
+        """Count, log and report a step skipped for a non-finite gradient norm; stop the run after
+        ``max_consecutive_skipped_steps`` in a row (design.md §3: the step leaves state untouched).
+
+        Raises:
+            RuntimeError: on every rank (the overflow flag is global), naming the first parameter with a
+                non-finite gradient and the config key.
+        """
+        self.skipped_step_count += 1
+        self.consecutive_skipped_steps += 1
+        limit = self.optimizer.config.max_consecutive_skipped_steps
+        where = (f"first parameter with a non-finite gradient: {self.last_non_finite_param}"
+                 if self.last_non_finite_param else "no gradient element is non-finite; the norm overflowed")
+        if self.dp_process_group is None or torch.distributed.get_rank(group=self.dp_process_group) == 0:
+            logger.warning("ds_muon: optimizer step skipped, the global gradient norm is not finite (%s); "
+                           "%d consecutive, %d skipped in all, loss scale %s", where, self.consecutive_skipped_steps,
+                           self.skipped_step_count, self.loss_scale)
+        if self._monitor is not None:
+            step = self._monitor_step()
+            if step is not None:
+                self._monitor.write_events([("Train/ds_muon/skipped_steps", self.skipped_step_count, step)])
+        if limit and self.consecutive_skipped_steps >= limit:
+            raise RuntimeError(
+                f"ds_muon: {self.consecutive_skipped_steps} consecutive optimizer steps skipped because the gradient "
+                f"norm was NaN or Inf ({where}); stopping. Check the data and the loss for NaN/Inf, lower the "
+                "learning rate or enable gradient_clipping, or raise optimizer.params.max_consecutive_skipped_steps "
+                "(0 never stops)")
 
     def _zero_grad_partitions(self) -> None:
         if getattr(self, "grad_partitions_flat_buffer", None) is not None:
