@@ -282,8 +282,9 @@ def check_before_load(engine, load_dir: str, tag: Optional[str], load_optimizer_
         load_optimizer_states, load_module_only: as given to ``engine.load_checkpoint``.
 
     Raises:
-        CheckpointError: the checkpoint was saved at another data-parallel world size and the
-            optimizer state is to be loaded (naming ``python -m ds_muon.checkpoint to-universal``);
+        CheckpointError: the checkpoint was saved at another data-parallel world size (naming
+            ``python -m ds_muon.checkpoint to-universal``; weights-only loads too, since ds_muon loads
+            the tag's ZeRO partitions);
             ``checkpoint.load_universal`` is set but the checkpoint is not a universal one, or the
             other way round.
     """
@@ -309,9 +310,9 @@ def check_before_load(engine, load_dir: str, tag: Optional[str], load_optimizer_
     if not universal and is_universal:
         raise CheckpointError(f"{ckpt_dir} is a universal checkpoint; set \"checkpoint\": {{\"load_universal\": "
                               "true} in the DeepSpeed config to load it")
-    if universal or load_module_only or not load_optimizer_states:
+    if universal:
         return
-    saved = _saved_world_size(ckpt_dir)
+    saved = _saved_world_size(ckpt_dir)  # weights-only loads too: ds_muon loads the tag's ZeRO partitions
     current = engine.seq_dp_world_size  # what DeepSpeed compares against
     if saved is not None and saved != current:
         raise CheckpointError(f"{ckpt_dir} was saved at data-parallel world size {saved}, this run has {current}; "
@@ -332,9 +333,33 @@ def install_load_checks(engine) -> None:
         bound.apply_defaults()
         a = bound.arguments
         check_before_load(this, a["load_dir"], a["tag"], a["load_optimizer_states"], a["load_module_only"])
-        return load(this, *args, **kwargs)
+        result = load(this, *args, **kwargs)
+        weights_only = a["load_module_only"] or not a["load_optimizer_states"]
+        if weights_only and result[0] is not None and not this.load_universal_checkpoint():
+            tag = a["tag"] if a["tag"] is not None else _read_tag(a["load_dir"], LATEST)
+            load_weights_of_tag(this, a["load_dir"], str(tag))
+        return result
 
     engine.load_checkpoint = load_checkpoint
+
+
+def load_weights_of_tag(engine, load_dir: str, tag: str) -> None:
+    """Install the fp32 weights of ``load_dir/tag`` (this rank's ZeRO partitions), keeping the live
+    optimizer state, loss scaler and step counts: what ``load_checkpoint(tag=..., load_optimizer_states=False)``
+    and ``load_module_only=True`` must do.
+
+    DeepSpeed 0.19.8 does neither for ZeRO-3: without the optimizer states it re-derives the fp32
+    weights from the live bf16/fp16 ones (so the model keeps whatever it held, e.g. ``latest``'s weights,
+    not ``tag``'s), and ``load_module_only`` loads nothing (ZeRO-3's module file holds no weights).
+
+    Raises:
+        CheckpointError: the tag does not fit the model (:func:`check_zero_state_dict`); another
+            data-parallel world size is refused before, by :func:`check_before_load`.
+    """
+    opt = engine.optimizer
+    live = (opt.loss_scaler, opt.dynamic_loss_scale, opt.overflow)
+    engine._load_zero_checkpoint(load_dir, tag, load_optimizer_states=False)
+    opt.loss_scaler, opt.dynamic_loss_scale, opt.overflow = live
 
 
 # ------------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from deepspeed.utils import logger as ds_logger
 
 from .checkpoint import install_load_checks
 from .config import ConfigError, load_ds_config, validate_ds_config
-from .param_groups import split_param_groups
+from .param_groups import check_zero3_parameters, split_param_groups
 from .selection import NO_MUON_WARNING, tag_model
 from .zero3 import MuonZeroOptimizer, ZeroMuonInner
 
@@ -51,6 +51,7 @@ def _set_optimizer_flags(config_class, model) -> None:
     cfg = validate_ds_config(config_class._param_dict)
     if cfg is None:
         return _originals["set_optimizer_flags"](config_class, model)
+    check_zero3_parameters(model)
     selection = tag_model(model, cfg.muon_params, cfg.adamw_params, log=False)
     if _is_rank0():  # DeepSpeed's own logger, so the summary shows where DeepSpeed's start-up lines do
         ds_logger.info(selection.summary())

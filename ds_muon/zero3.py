@@ -154,6 +154,7 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self._muon_pool = BufferPool()
         self._muon_exchanges: dict[int, OwnerExchange] = {}
         self._build_muon_plans()
+        self._check_trainable_set()  # records the trainable set
 
     # ---- setup ---------------------------------------------------------------------------
     def initialize_optimizer_states(self) -> None:
@@ -268,6 +269,7 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         oracle's semantics.
         """
         self._muon_seconds = 0.0
+        self._check_trainable_set()
         self._stepping = True
         try:
             super().step(closure)
@@ -283,6 +285,30 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                 self._report()
         else:
             self._count_skipped_step()
+
+    def _check_trainable_set(self) -> None:
+        """Raise if a parameter's ``requires_grad`` changed since the engine was built.
+
+        ZeRO-3 fixes the trainable set at initialize: a weight frozen later keeps being stepped (Muon's
+        momentum keeps it moving at full step size), and one unfrozen later is never stepped. The
+        check is local (no collective); switch ``requires_grad`` on every rank alike.
+
+        Raises:
+            RuntimeError: naming each parameter whose ``requires_grad`` changed, and the fix.
+        """
+        if not hasattr(self, "_trainable_at_init"):
+            self._trainable_at_init = {p: p.requires_grad for p in self.module.parameters()}
+            return
+        changed = [(self.param_names.get(p, f"ds_id={getattr(p, 'ds_id', '?')}"), was)
+                   for p, was in self._trainable_at_init.items() if p.requires_grad != was]
+        if changed:
+            lines = [f"'{name}' was {'trainable' if was else 'frozen'} at initialize and is now "
+                     f"{'frozen' if was else 'trainable'}" for name, was in changed]
+            raise RuntimeError(
+                "ds_muon: requires_grad changed after the engine was built, which ZeRO-3 does not follow (a frozen "
+                "weight would keep moving, an unfrozen one would never train):\n  " + "\n  ".join(lines)
+                + "\nSet requires_grad before ds_muon.initialize (save a checkpoint and build a new engine to "
+                "change it mid-run), or keep the parameter trainable with lr 0 in its own param group")
 
     # ---- skipped steps (non-finite gradients) ----------------------------------------------
     def _loss_scale_update_and_overflow_cleanup(self):

@@ -240,3 +240,78 @@ def test_tiny_gradients_scale_invariant_through_zero3():
                 assert out[name]["exact"][scale], (name, scale, out[name][scale])
             for pname, e in out[name][scale].items():
                 assert e["rel_update"] <= 1e-3, (name, scale, pname, e)
+
+
+# ------------------------------------------------------------------------------------------------
+# edge parameters
+# ------------------------------------------------------------------------------------------------
+def _error_of(fn) -> str | None:
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - the message is what is checked
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def _edge_cases(rank: int, world_size: int, ckpt_dir: str) -> dict:
+    from torch import nn
+    out = {}
+
+    def with_extra(name, module_or_param):
+        def before(model):
+            setattr(model, name, module_or_param)
+        return before
+
+    # a 0-D trainable parameter and a zero-element one: refused before DeepSpeed allocates anything
+    out["zero_dim"] = _error_of(lambda: build_engine(ds_config(gas=GAS), before=with_extra("temp", nn.Parameter(torch.tensor(1.0)))))
+    out["empty"] = _error_of(lambda: build_engine(ds_config(gas=GAS), before=with_extra("empty", nn.Linear(16, 0))))
+
+    # requires_grad switched after initialize: the next step says so
+    engine, model = build_engine(ds_config(gas=GAS))
+    _train_steps(engine, rank, range(2))
+    model.q.weight.requires_grad_(False)
+    out["frozen_later"] = _error_of(lambda: _train_steps(engine, rank, range(2, 3)))
+    engine.destroy()
+    engine, model = build_engine(ds_config(gas=GAS))
+    _train_steps(engine, rank, range(1))
+    model.frozen.weight.requires_grad_(True)
+    out["unfrozen_later"] = _error_of(lambda: _train_steps(engine, rank, range(1, 2)))
+    engine.destroy()
+
+    # load_checkpoint(tag=..., load_optimizer_states=False) and load_module_only load that tag's weights
+    engine, model = build_engine(ds_config(gas=GAS))
+    _train_steps(engine, rank, range(2))
+    engine.save_checkpoint(ckpt_dir, tag="t2")
+    w2 = gathered_params(model)
+    _train_steps(engine, rank, range(2, 4))
+    engine.save_checkpoint(ckpt_dir, tag="t4")
+    w4 = gathered_params(model)
+    engine.destroy()
+    for label, kwargs in (("no_optimizer_states", {"load_optimizer_states": False}),
+                          ("module_only", {"load_module_only": True})):
+        engine, model = build_engine(ds_config(gas=GAS))
+        engine.load_checkpoint(ckpt_dir)  # latest = t4, with its optimizer state
+        engine.load_checkpoint(ckpt_dir, tag="t2", **kwargs)
+        got = gathered_params(model)
+        out[label] = {"is_t2": all(torch.equal(got[n], w2[n]) for n in w2),
+                      "differs_from_t4": any(not torch.equal(got[n], w4[n]) for n in w4),
+                      "muon_steps": engine.optimizer.muon_step_count}
+        _train_steps(engine, rank, range(4, 5))  # trains on from there
+        out[label]["finite"] = all(torch.isfinite(t).all() for t in gathered_params(model).values())
+        engine.destroy()
+    return out
+
+
+def test_edge_parameters(tmp_path):
+    """0-D and zero-element trainable parameters get a clear error at initialize; requires_grad switched
+    after initialize (either way) stops the next step naming the parameter; load_checkpoint(tag="t2",
+    load_optimizer_states=False) and load_module_only=True install t2's weights (not latest's t4),
+    keeping the live optimizer state (muon_step_count of t4)."""
+    results = run_distributed(_edge_cases, 2, str(tmp_path / "ckpt"))
+    for out in results:
+        assert out["zero_dim"] and "'temp' is 0-D" in out["zero_dim"] and "shape (1,)" in out["zero_dim"], out
+        assert out["empty"] and "'empty.weight' has no elements" in out["empty"], out
+        assert out["frozen_later"] and "'q.weight' was trainable at initialize and is now frozen" in out["frozen_later"]
+        assert out["unfrozen_later"] and "'frozen.weight' was frozen" in out["unfrozen_later"], out["unfrozen_later"]
+        for label in ("no_optimizer_states", "module_only"):
+            assert out[label] == {"is_t2": True, "differs_from_t4": True, "muon_steps": 4, "finite": True}, (label, out)
