@@ -315,3 +315,150 @@ def test_edge_parameters(tmp_path):
         assert out["unfrozen_later"] and "'frozen.weight' was frozen" in out["unfrozen_later"], out["unfrozen_later"]
         for label in ("no_optimizer_states", "module_only"):
             assert out[label] == {"is_t2": True, "differs_from_t4": True, "muon_steps": 4, "finite": True}, (label, out)
+
+
+# ------------------------------------------------------------------------------------------------
+# corrupt checkpoint files, crash during a save
+# ------------------------------------------------------------------------------------------------
+def _optim_file(ckpt_dir: str, rank: int) -> str:
+    import glob
+    import os
+    (path,) = glob.glob(os.path.join(ckpt_dir, f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
+    return path
+
+
+def _flip_bit(path: str) -> None:
+    """Flip one bit in the middle of the largest member's data of a torch.save zip file."""
+    import struct
+    import zipfile
+    with zipfile.ZipFile(path) as z:
+        info = max(z.infolist(), key=lambda i: i.file_size)
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = struct.unpack("<HH", f.read(4))
+        where = info.header_offset + 30 + name_len + extra_len + info.file_size // 2
+        f.seek(where)
+        byte = f.read(1)[0]
+        f.seek(where)
+        f.write(bytes([byte ^ 0x04]))
+
+
+def _corrupt_cases(rank: int, world_size: int, ckpt_dir: str) -> dict:
+    import os
+    import shutil
+    import torch.distributed as dist
+    from ds_muon.checkpoint import CheckpointError
+    engine, model = build_engine(ds_config(gas=GAS))
+    _train_steps(engine, rank, range(1))
+    engine.save_checkpoint(ckpt_dir, tag="t1")
+    w1 = gathered_params(model)
+    _train_steps(engine, rank, range(1, 2))
+    engine.save_checkpoint(ckpt_dir, tag="t2")
+    engine.destroy()
+    leftovers = sorted(f for _, _, fs in os.walk(ckpt_dir) for f in fs if f.endswith(".tmp"))
+    if rank == 0:  # three broken copies of t2, each damaging rank 1's optimizer file
+        for label in ("truncated", "flipped", "missing"):
+            shutil.copytree(os.path.join(ckpt_dir, "t2"), os.path.join(ckpt_dir, label))
+            path = _optim_file(os.path.join(ckpt_dir, label), 1)
+            if label == "truncated":
+                os.truncate(path, os.path.getsize(path) // 2)
+            elif label == "flipped":
+                _flip_bit(path)
+            else:
+                os.remove(path)
+    dist.barrier()
+    out = {"leftovers": leftovers}
+    for label in ("truncated", "flipped", "missing"):
+        engine, model = build_engine(ds_config(gas=GAS))
+        try:
+            engine.load_checkpoint(ckpt_dir, tag=label)
+            out[label] = None
+        except CheckpointError as err:
+            out[label] = str(err)
+        engine.destroy()
+    engine, model = build_engine(ds_config(gas=GAS))
+    engine.load_checkpoint(ckpt_dir, tag="t1")  # an intact tag still loads
+    got = gathered_params(model)
+    out["t1_loads"] = all(torch.equal(got[n], w1[n]) for n in w1)
+    engine.destroy()
+    return out
+
+
+def test_corrupt_checkpoint_file_is_named(tmp_path):
+    """Rank 1's optimizer file of a tag truncated to half, one bit flipped in it (which torch.load reads
+    silently), or removed: loading that tag fails on every rank with a CheckpointError naming the file,
+    before DeepSpeed loads anything; an intact tag of the same directory still loads; the atomic save
+    leaves no temporary files."""
+    ckpt = str(tmp_path / "ckpt")
+    results = run_distributed(_corrupt_cases, 2, ckpt)
+    for out in results:
+        assert out["leftovers"] == [], out["leftovers"]
+        for label, what in (("truncated", "is truncated or damaged"), ("flipped", "fails the CRC-32 check"),
+                            ("missing", "has no ZeRO optimizer file of data-parallel rank 1")):
+            msg = out[label]
+            assert msg is not None and what in msg, (label, msg)
+            assert f"{label}/" in msg and ("zero_pp_rank_1_mp_rank_00_optim_states.pt" in msg), (label, msg)
+        assert out["t1_loads"], out
+
+
+def _crash_in_save(rank: int, world_size: int, ckpt_dir: str) -> None:
+    """Save t1, then save t2 with rank 1 SIGKILLed halfway through writing its optimizer file (after a
+    pause, so rank 0 has written all it would write)."""
+    import os
+    import signal
+    import time
+    engine, model = build_engine(ds_config(gas=GAS))
+    _train_steps(engine, rank, range(1))
+    engine.save_checkpoint(ckpt_dir, tag="t1")
+    _train_steps(engine, rank, range(1, 2))
+    if rank == 1:
+        real_save = torch.save
+
+        def dying_save(obj, f, *args, **kwargs):
+            if isinstance(f, str) and "optim_states" in f:
+                import io
+                buf = io.BytesIO()
+                real_save(obj, buf, *args, **kwargs)
+                with open(f, "wb") as out:
+                    out.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+                    out.flush()
+                time.sleep(5)  # rank 0 finishes its own files meanwhile
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_save(obj, f, *args, **kwargs)
+
+        torch.save = dying_save
+    engine.save_checkpoint(ckpt_dir, tag="t2")
+
+
+def _after_crash(rank: int, world_size: int, ckpt_dir: str) -> dict:
+    from ds_muon.checkpoint import CheckpointError
+    out = {}
+    engine, model = build_engine(ds_config(gas=GAS))
+    path, _ = engine.load_checkpoint(ckpt_dir)  # latest
+    out["latest_loaded"] = path
+    out["steps"] = engine.optimizer.muon_step_count
+    engine.destroy()
+    engine, model = build_engine(ds_config(gas=GAS))
+    try:
+        engine.load_checkpoint(ckpt_dir, tag="t2")
+        out["t2"] = None
+    except CheckpointError as err:
+        out["t2"] = str(err)
+    engine.destroy()
+    return out
+
+
+def test_crash_during_save_keeps_previous_checkpoint(tmp_path):
+    """SIGKILL of rank 1 in the middle of writing its optimizer file: `latest` still names t1, t1 loads
+    (muon_step_count 1), and loading t2 explicitly names the missing optimizer file of rank 1."""
+    import os
+    ckpt = str(tmp_path / "ckpt")
+    with pytest.raises(RuntimeError):
+        run_distributed(_crash_in_save, 2, ckpt, timeout=120)
+    with open(os.path.join(ckpt, "latest")) as f:
+        assert f.read().strip() == "t1"
+    results = run_distributed(_after_crash, 2, ckpt)
+    for out in results:
+        assert "/t1/" in out["latest_loaded"] and out["steps"] == 1, out
+        assert out["t2"] and "has no ZeRO optimizer file of data-parallel rank 1" in out["t2"], out["t2"]
+        assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in out["t2"], out["t2"]
