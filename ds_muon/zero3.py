@@ -12,6 +12,7 @@ DeepSpeedCPUAdam when offloaded).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 
@@ -40,6 +41,31 @@ def cast_momentum_(state: dict, group: dict) -> None:
     dtype = getattr(torch, group.get("momentum_dtype", "float32"))
     if momentum is not None and momentum.dtype != dtype:
         state[MOMENTUM_KEY] = momentum.to(dtype)
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed, most likely because a peer rank died; the message names the collective.
+
+    Raised from the backend's own error (chained as ``__cause__``): gloo reports a dead peer at once
+    ("Connection closed by peer"); NCCL reports it when its watchdog times out. A peer that hangs
+    instead of dying is bounded by the process-group timeout: ``deepspeed.init_distributed(timeout=
+    datetime.timedelta(minutes=N))`` (DeepSpeed's default: 30 minutes). See docs/troubleshooting.md.
+    """
+
+
+@contextlib.contextmanager
+def _named_collective(what: str):
+    """Re-raise a backend error from inside the block as a :class:`CollectiveError` naming ``what``."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as err:  # gloo: RuntimeError; NCCL: torch.distributed.DistBackendError (a subclass)
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        raise CollectiveError(
+            f"ds_muon: {what} failed on rank {rank}: {err}\nA peer rank probably exited or lost its connection: "
+            "check the other ranks' logs for the first error. A rank that hangs instead is bounded by the "
+            "process-group timeout (deepspeed.init_distributed(timeout=...), 30 minutes by default)") from err
 
 
 class ZeroMuonInner(torch.optim.Optimizer):
@@ -272,7 +298,9 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self._check_trainable_set()
         self._stepping = True
         try:
-            super().step(closure)
+            with _named_collective("a collective of DeepSpeed's ZeRO-3 optimizer step (overflow/gradient-norm "
+                                   "all_reduce, parameter all_gather)"):
+                super().step(closure)
         finally:
             self._stepping = False
             self._offloaded_grad_ids.clear()
@@ -394,6 +422,16 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                 if fp32.grad is not None and not self._swappable_optimizer_subgroup(i):
                     fp32.grad.zero_()
 
+    def reduce_ready_partitions_and_remove_grads(self, param):
+        """DeepSpeed's (the gradient hook); a failed gradient reduce-scatter names itself."""
+        with _named_collective("DeepSpeed's gradient reduce-scatter (ZeRO-3, in backward)"):
+            return super().reduce_ready_partitions_and_remove_grads(param)
+
+    def independent_gradient_partition_epilogue(self):
+        """DeepSpeed's (reduces the last gradient bucket after backward); a failure names the collective."""
+        with _named_collective("DeepSpeed's gradient reduce-scatter (ZeRO-3, end of backward)"):
+            return super().independent_gradient_partition_epilogue()
+
     def _offload_grad_partition_at_boundary(self, param, *args, **kwargs):
         """DeepSpeed's; also records that ``param``'s gradient was offloaded in this window."""
         self._offloaded_grad_ids.add(param.ds_id)
@@ -465,7 +503,8 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             rows, cols = mats.shape[-2:]
             return ns(mats).mul_(update_scale(rows, cols, mode))
 
-        with record_function("ds_muon/exchange_and_newton_schulz"):
+        with record_function("ds_muon/exchange_and_newton_schulz"), \
+                _named_collective(f"the Muon owner exchange (all_to_all) of ZeRO sub-group {i}"):
             exchange.run(plan, update, grad, owner_update)
         with record_function("ds_muon/apply_update"):
             fp32.mul_(1 - group["lr"] * group["weight_decay"])

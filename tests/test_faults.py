@@ -462,3 +462,62 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path):
         assert "/t1/" in out["latest_loaded"] and out["steps"] == 1, out
         assert out["t2"] and "has no ZeRO optimizer file of data-parallel rank 1" in out["t2"], out["t2"]
         assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in out["t2"], out["t2"]
+
+
+# ------------------------------------------------------------------------------------------------
+# a dead rank
+# ------------------------------------------------------------------------------------------------
+DEAD_RANK_DEADLINE_S = 60  # gloo reports a closed peer at once (measured: < 1 s); the bound is generous
+
+
+def _dead_rank(rank: int, world_size: int, where: str, out_dir: str) -> None:
+    """Rank 1 exits (status 0, so the spawner waits for rank 0) in the owner exchange's all_to_all or
+    just before DeepSpeed's end-of-backward gradient reduce-scatter, in step 1; rank 0 records the error
+    it ends with and how long it took, in ``out_dir/rank0.json``."""
+    import json
+    import os
+    import time
+    engine, _ = build_engine(ds_config(gas=1))
+    when = {"step": 0}
+    if rank == 1:
+        opt = engine.optimizer
+
+        def die_in_step_1(real):
+            def wrapper(*args, **kwargs):
+                if when["step"] == 1:
+                    os._exit(0)
+                return real(*args, **kwargs)
+            return wrapper
+
+        if where == "exchange":
+            for exchange in opt._muon_exchanges.values():
+                exchange._all_to_all = die_in_step_1(exchange._all_to_all)
+        else:
+            opt.independent_gradient_partition_epilogue = die_in_step_1(opt.independent_gradient_partition_epilogue)
+    start, error = None, None
+    try:
+        for step in range(3):
+            when["step"] = step
+            if step == 1:
+                start = time.monotonic()
+            tokens, targets = batch(step, rank, 0)
+            engine.backward(engine(tokens, targets, use_extra(step)))
+            engine.step()
+    except Exception as err:  # noqa: BLE001 - the message is what is checked
+        error = f"{type(err).__name__}: {err}"
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"error": error, "seconds": time.monotonic() - start}, f)
+
+
+@pytest.mark.parametrize("where,collective", [("exchange", "the Muon owner exchange (all_to_all)"),
+                                              ("reduce_scatter", "DeepSpeed's gradient reduce-scatter")])
+def test_dead_rank_ends_the_others_with_a_named_collective(tmp_path, where, collective):
+    """Rank 1 exits mid-step; rank 0 ends within DEAD_RANK_DEADLINE_S with a CollectiveError naming the
+    collective it was in (no hang until the job's time limit)."""
+    import json
+    with pytest.raises((RuntimeError, FileNotFoundError)):  # rank 1 reports nothing: it is gone
+        run_distributed(_dead_rank, 2, where, str(tmp_path), timeout=DEAD_RANK_DEADLINE_S + 120)
+    with open(tmp_path / "rank0.json") as f:
+        out = json.load(f)
+    assert out["error"] and out["error"].startswith("CollectiveError") and collective in out["error"], out
+    assert out["seconds"] < DEAD_RANK_DEADLINE_S, out
