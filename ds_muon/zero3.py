@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import shutil
 import time
 
 from typing import Callable, Optional
@@ -191,6 +193,7 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         """
         if self.swap_optimizer:
             self._check_swap_buffer_count()
+            self._check_swap_space()
         super().initialize_optimizer_states()
 
     def swap_buffers_needed(self) -> int:
@@ -229,6 +232,36 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                 f"zero_optimization.offload_optimizer.buffer_count: {cfg.buffer_count} is too small for this model: "
                 f"{how}, each needing one pinned buffer per swapped tensor (fp32 weights, gradient, and "
                 f"exp_avg + exp_avg_sq for AdamW or the Muon momentum); set buffer_count to at least {needed}")
+
+    def swap_bytes_needed(self) -> int:
+        """Bytes of NVMe swap files this rank writes: per swapped sub-group, its fp32 partition, gradient and
+        optimizer state (AdamW: 4 fp32 tensors of the partition's size; Muon: 3, or 2 with
+        ``save_muon_momentum_buffer_in_memory``). DeepSpeed's block alignment adds at most a few KiB per file."""
+        in_memory = bool(self.save_muon_momentum_buffer_in_memory)
+        total = 0
+        for i in range(len(self.fp16_groups)):
+            if self._swappable_optimizer_subgroup(i):
+                muon = self.optimizer.param_groups[self.sub_group_to_group_id[i]]["use_muon"]
+                tensors = (2 if in_memory else 3) if muon else 4
+                total += tensors * 4 * int(self.fp16_partitioned_groups_flat_numel[i])
+        return total
+
+    def _check_swap_space(self) -> None:
+        """Refuse to start when the NVMe swap directory's filesystem cannot hold the swap files of this node's
+        ranks (``LOCAL_WORLD_SIZE`` of them, which share it), before the first swap writes anything.
+
+        Raises:
+            ConfigError: naming ``nvme_path``, the bytes needed and the bytes free.
+        """
+        folder = self.optimizer_swapper.swap_folder
+        need = self.swap_bytes_needed()
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        free = shutil.disk_usage(folder).free
+        if free < need * local:
+            raise ConfigError(
+                f"zero_optimization.offload_optimizer.nvme_path: the filesystem of {folder} has {free} bytes free, "
+                f"but the optimizer swap files need {need} bytes per rank ({need * local} for the {local} rank(s) of "
+                "this node); free space there or point nvme_path at a larger drive")
 
     def _muon_group(self, sub_group_id: int) -> dict:
         return self.optimizer.param_groups[self.sub_group_to_group_id[sub_group_id]]

@@ -521,3 +521,43 @@ def test_dead_rank_ends_the_others_with_a_named_collective(tmp_path, where, coll
         out = json.load(f)
     assert out["error"] and out["error"].startswith("CollectiveError") and collective in out["error"], out
     assert out["seconds"] < DEAD_RANK_DEADLINE_S, out
+
+
+# ------------------------------------------------------------------------------------------------
+# a full disk under NVMe swap
+# ------------------------------------------------------------------------------------------------
+def _full_swap_disk(rank: int, world_size: int, nvme_dir: str, free: int) -> str | int:
+    """Build an NVMe-offloaded engine with the swap filesystem reporting ``free`` bytes free (an injected
+    full disk); the construction error, or the engine's swap_bytes_needed()."""
+    import shutil
+    from collections import namedtuple
+    import ds_muon.zero3 as zero3
+    from tests.models import wide_parity_net
+    usage = namedtuple("usage", "total used free")
+    real = shutil.disk_usage
+    zero3.shutil.disk_usage = lambda path: usage(free, 0, free) if free >= 0 else real(path)
+    cfg = ds_config(offload_optimizer={"device": "nvme", "nvme_path": nvme_dir})
+    try:
+        engine, _ = build_engine(cfg, model_fn=wide_parity_net)
+    except Exception as err:  # noqa: BLE001 - the message is what is checked
+        return f"{type(err).__name__}: {err}"
+    need = engine.optimizer.swap_bytes_needed()
+    engine.destroy()
+    return need
+
+
+def test_full_swap_disk_names_nvme_path_and_bytes(tmp_path):
+    """A swap filesystem with too little room (injected: one byte below the need of the node's ranks) is
+    refused at initialize, on every rank, before the first swap, naming nvme_path, the bytes needed and
+    the bytes free; with real free space the same engine builds."""
+    import os
+    from tests.harness import swap_dir_for
+    swap = swap_dir_for(str(tmp_path / "swap"))
+    os.makedirs(swap, exist_ok=True)
+    need = run_distributed(_full_swap_disk, 2, swap, -1)
+    assert need[0] == need[1] and need[0] > 4 * 262144, need  # both sub-groups swapped (> 1 MiB each)
+    short = 2 * need[0] - 1  # LOCAL_WORLD_SIZE = 2 ranks share the filesystem
+    for msg in run_distributed(_full_swap_disk, 2, swap, short):
+        assert isinstance(msg, str) and msg.startswith("ConfigError"), msg
+        assert "offload_optimizer.nvme_path" in msg and f"has {short} bytes free" in msg, msg
+        assert f"need {need[0]} bytes per rank ({2 * need[0]} for the 2 rank(s)" in msg, msg
