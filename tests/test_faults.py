@@ -561,3 +561,19 @@ def test_full_swap_disk_names_nvme_path_and_bytes(tmp_path):
         assert isinstance(msg, str) and msg.startswith("ConfigError"), msg
         assert "offload_optimizer.nvme_path" in msg and f"has {short} bytes free" in msg, msg
         assert f"need {need[0]} bytes per rank ({2 * need[0]} for the 2 rank(s)" in msg, msg
+
+
+# ------------------------------------------------------------------------------------------------
+# soak (short version of scripts/soak.py)
+# ------------------------------------------------------------------------------------------------
+def test_soak_short():
+    """24 steps in 3 segments (W=2, then W=1 through the universal path, then W=2 through it again), each
+    in fresh processes after a save: the per-step loss matches the uninterrupted W=2 run within 1e-4
+    relative (measured: 2.7e-7) and no rank's RSS grows by more than 32 MiB within a segment."""
+    from scripts.soak import soak
+    import tempfile
+    with tempfile.TemporaryDirectory() as work:
+        out = soak(24, 8, 4, work)
+    assert out["n_compared"] == 24, out
+    assert out["worst_loss_rel_diff"] <= 1e-4, out
+    assert out["max_rss_growth_mib"] <= 32.0, out
