@@ -79,7 +79,8 @@ def segment(rank: int, world_size: int, start: int, stop: int, load: dict | None
 
 def soak(steps: int, seg: int, every: int, work: str) -> dict:
     from ds_muon.checkpoint import convert_to_universal
-    ref = run_distributed(segment, 2, 0, steps, None, "", every)[0]
+    timeout = max(600.0, 2.0 * steps)  # a shared 2-core machine runs ~0.3 s per step
+    ref = run_distributed(segment, 2, 0, steps, None, "", every, timeout=timeout)[0]
     losses, rss_growth = [], []
     last = None  # (world size, checkpoint dir, tag)
     for k, start in enumerate(range(0, steps, seg)):
@@ -94,7 +95,7 @@ def soak(steps: int, seg: int, every: int, work: str) -> dict:
                 convert_to_universal(ckpt, out, tag)
                 load = {"dir": out, "tag": tag, "universal": True}
         ckpt = os.path.join(work, f"seg{k}-w{world}")
-        results = run_distributed(segment, world, start, stop, load, ckpt, every)
+        results = run_distributed(segment, world, start, stop, load, ckpt, every, timeout=max(600.0, 2.0 * seg))
         losses += results[0]["losses"]
         for r in results:  # growth after the first logged step (warm-up: allocator, caches, compiled ops)
             if len(r["rss"]) >= 2:
