@@ -77,14 +77,14 @@ def segment(rank: int, world_size: int, start: int, stop: int, load: dict | None
     return {"losses": losses, "rss": rss}
 
 
-def soak(steps: int, seg: int, every: int, work: str) -> dict:
+def soak(steps: int, seg: int, every: int, work: str, worlds: tuple[int, ...] = (2, 1)) -> dict:
     from ds_muon.checkpoint import convert_to_universal
     timeout = max(600.0, 2.0 * steps)  # a shared 2-core machine runs ~0.3 s per step
     ref = run_distributed(segment, 2, 0, steps, None, "", every, timeout=timeout)[0]
     losses, rss_growth = [], []
     last = None  # (world size, checkpoint dir, tag)
     for k, start in enumerate(range(0, steps, seg)):
-        stop, world = min(steps, start + seg), (2, 1)[k % 2]
+        stop, world = min(steps, start + seg), worlds[k % len(worlds)]
         load = None
         if last is not None:
             saved_world, ckpt, tag = last
@@ -101,8 +101,11 @@ def soak(steps: int, seg: int, every: int, work: str) -> dict:
             if len(r["rss"]) >= 2:
                 rss_growth.append(r["rss"][-1][1] - r["rss"][0][1])
         last = (world, ckpt, f"step{stop}")
-    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"]))
-    return {"steps": steps, "segment": seg, "worst_loss_rel_diff": worst,
+    diffs = [abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"])]
+    worst = max(diffs)
+    return {"steps": steps, "segment": seg, "worlds": list(worlds), "worst_loss_rel_diff": worst,
+            "worst_step": diffs.index(worst), "rel_diff_at_segment_ends": [diffs[min(steps, e) - 1] for e in
+                                                                          range(seg, steps + seg, seg)],
             "max_rss_growth_mib": max(rss_growth, default=0.0), "first_loss": ref["losses"][0],
             "last_loss": ref["losses"][-1], "n_compared": len(losses)}
 
@@ -112,11 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--segment", type=int, default=500, help="steps between save + exit + resume")
     parser.add_argument("--every", type=int, default=50, help="log RSS every this many steps")
+    parser.add_argument("--worlds", default="2,1", help="world sizes of the segments, in turn (2,2: no W change)")
     parser.add_argument("--loss-rtol", type=float, default=1e-4)
     parser.add_argument("--rss-growth-mib", type=float, default=32.0)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as work:
-        result = soak(args.steps, args.segment, args.every, work)
+        result = soak(args.steps, args.segment, args.every, work, tuple(int(w) for w in args.worlds.split(",")))
     result["ok"] = (result["worst_loss_rel_diff"] <= args.loss_rtol
                     and result["max_rss_growth_mib"] <= args.rss_growth_mib
                     and result["n_compared"] == args.steps)
