@@ -273,6 +273,57 @@ def saved_world_size(ckpt_dir: str) -> Optional[int]:
     return torch.load(files[0], map_location="cpu", mmap=True, weights_only=False).get("dp_world_size")
 
 
+def _file_problem(path: str) -> Optional[str]:
+    """A line naming ``path`` if it is not an intact ``torch.save`` file (a zip archive): truncated, or a
+    member whose CRC-32 does not match its data (a flipped bit, which ``torch.load`` reads silently)."""
+    import zipfile
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()  # reads every member and checks the CRC-32 torch.save wrote
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as err:
+        size = os.path.getsize(path) if os.path.exists(path) else 0
+        return (f"{path} is truncated or damaged ({size} bytes; {err}): the save did not finish or the file was "
+                "damaged after it; load another tag")
+    if bad is not None:
+        return (f"{path}: its member '{bad}' fails the CRC-32 check (the file changed after it was written, e.g. a "
+                "flipped bit); load another tag")
+    return None
+
+
+def verify_checkpoint_files(ckpt_dir: str, group=None) -> None:
+    """Check a checkpoint tag's files before anything is loaded: every ``*.pt`` file is an intact zip
+    (truncation and flipped bits found by the CRC-32 each member carries), and a ZeRO checkpoint has its
+    model-states file and one ``*_optim_states.pt`` per saved data-parallel rank. Each rank reads every
+    W-th file (one extra read of the tag in all), and all ranks raise the same error. Collective over
+    ``group`` (None: the world).
+
+    Raises:
+        CheckpointError: on every rank, naming each missing, short or damaged file.
+    """
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    rank = dist.get_rank(group) if world > 1 else 0
+    problems: list[str] = []
+    if not os.path.isdir(ckpt_dir):
+        problems.append(f"{ckpt_dir} does not exist")
+    else:
+        files = sorted(glob.glob(os.path.join(ckpt_dir, "**", "*.pt"), recursive=True))
+        problems += [line for line in map(_file_problem, files[rank::world]) if line]
+        universal = os.path.isfile(os.path.join(ckpt_dir, UNIVERSAL_STATE_FILE))
+        model_files = [f for f in glob.glob(os.path.join(ckpt_dir, "*_model_states.pt"))
+                       if not os.path.basename(f).startswith("layer_")]
+        if not universal and rank == 0:
+            if not model_files:
+                problems.append(f"{ckpt_dir} has no mp_rank_00_model_states.pt: the save did not finish; load "
+                                "another tag")
+            elif _file_problem(sorted(model_files)[0]) is None:
+                saved = saved_world_size(ckpt_dir) or 0
+                have = _optim_files(ckpt_dir)
+                problems += [f"{ckpt_dir} has no ZeRO optimizer file of data-parallel rank {r} of the {saved} it was "
+                             f"saved with ({os.path.join(ckpt_dir, f'zero_pp_rank_{r}_mp_rank_00_optim_states.pt')} is "
+                             "missing): the save did not finish; load another tag" for r in range(saved) if r not in have]
+    _raise_on_every_rank(problems, group, f"ds_muon: checkpoint {ckpt_dir} is incomplete or damaged:")
+
+
 def check_before_load(engine, load_dir: str, tag: Optional[str], load_optimizer_states: bool = True,
                       load_module_only: bool = False) -> None:
     """Checks ``engine.load_checkpoint`` runs first on a ds_muon engine (from the files alone).
@@ -284,8 +335,10 @@ def check_before_load(engine, load_dir: str, tag: Optional[str], load_optimizer_
         load_optimizer_states, load_module_only: as given to ``engine.load_checkpoint``.
 
     Raises:
-        CheckpointError: the checkpoint was saved at another data-parallel world size and the
-            optimizer state is to be loaded (naming ``python -m ds_muon.checkpoint to-universal``);
+        CheckpointError: a file of the tag is missing, truncated or damaged (:func:`verify_checkpoint_files`);
+            the checkpoint was saved at another data-parallel world size (naming
+            ``python -m ds_muon.checkpoint to-universal``; weights-only loads too, since ds_muon loads
+            the tag's ZeRO partitions);
             ``checkpoint.load_universal`` is set but the checkpoint is not a universal one, or the
             other way round.
     """
@@ -304,6 +357,7 @@ def check_before_load(engine, load_dir: str, tag: Optional[str], load_optimizer_
                                       "config to load it")
             return  # DeepSpeed says there is nothing to load
     ckpt_dir = os.path.join(load_dir, str(tag))
+    verify_checkpoint_files(ckpt_dir)
     is_universal = os.path.isfile(os.path.join(ckpt_dir, UNIVERSAL_STATE_FILE))
     if universal and not is_universal:
         raise CheckpointError(f"checkpoint.load_universal is true but {ckpt_dir} is not a universal checkpoint (no "
@@ -311,9 +365,9 @@ def check_before_load(engine, load_dir: str, tag: Optional[str], load_optimizer_
     if not universal and is_universal:
         raise CheckpointError(f"{ckpt_dir} is a universal checkpoint; set \"checkpoint\": {{\"load_universal\": "
                               "true} in the DeepSpeed config to load it")
-    if universal or load_module_only or not load_optimizer_states:
+    if universal:
         return
-    saved = saved_world_size(ckpt_dir)
+    saved = saved_world_size(ckpt_dir)  # weights-only loads too: ds_muon loads the tag's ZeRO partitions
     current = engine.seq_dp_world_size  # what DeepSpeed compares against
     if saved is not None and saved != current:
         raise CheckpointError(f"{ckpt_dir} was saved at data-parallel world size {saved}, this run has {current}; "
@@ -334,9 +388,88 @@ def install_load_checks(engine) -> None:
         bound.apply_defaults()
         a = bound.arguments
         check_before_load(this, a["load_dir"], a["tag"], a["load_optimizer_states"], a["load_module_only"])
-        return load(this, *args, **kwargs)
+        result = load(this, *args, **kwargs)
+        weights_only = a["load_module_only"] or not a["load_optimizer_states"]
+        if weights_only and result[0] is not None and not this.load_universal_checkpoint():
+            tag = a["tag"] if a["tag"] is not None else _read_tag(a["load_dir"], LATEST)
+            load_weights_of_tag(this, a["load_dir"], str(tag))
+        return result
 
     engine.load_checkpoint = load_checkpoint
+    install_atomic_save(engine)
+
+
+def install_atomic_save(engine) -> None:
+    """Make ``engine.save_checkpoint`` crash-safe (on this engine only).
+
+    DeepSpeed 0.19.8 writes each file in place and rank 0 writes ``latest`` as soon as its own files
+    are written, without waiting for the other ranks: a rank killed in the middle of its write leaves
+    a short file under the final name, and ``latest`` may already name the broken tag. Here each file is
+    written to ``<name>.tmp`` and renamed when complete (``os.replace``, atomic on POSIX), and ``latest``
+    is written (also through a temporary name) only after a barrier that every rank reaches once all its
+    files are in place. A crash during a save therefore leaves ``latest`` on the previous tag, and the
+    broken tag without the file that was being written (:func:`verify_checkpoint_files` names it).
+    Decoupled (asynchronous) checkpoint engines keep DeepSpeed's own commit protocol.
+    """
+    engine_ref = weakref.ref(engine)
+    save = type(engine).save_checkpoint
+    signature = inspect.signature(save)
+
+    def make_atomic(ckpt_engine) -> None:  # the engine builds its checkpoint engine after the optimizer
+        if getattr(ckpt_engine, "_ds_muon_atomic", False):
+            return
+        write = ckpt_engine.save
+
+        def atomic_write(state_dict, path: str):
+            tmp = f"{path}.tmp"
+            result = write(state_dict, tmp)
+            os.replace(tmp, path)
+            return result
+
+        ckpt_engine.save, ckpt_engine._ds_muon_atomic = atomic_write, True
+
+    @functools.wraps(save)
+    def save_checkpoint(*args, **kwargs):
+        this = engine_ref()
+        if this.checkpoint_engine is None or this.checkpoint_engine.is_decoupled():
+            return save(this, *args, **kwargs)
+        make_atomic(this.checkpoint_engine)
+        bound = signature.bind(this, *args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        save_latest, a["save_latest"] = a["save_latest"], False
+        tag = str(a["tag"]) if a["tag"] is not None else f"global_step{this.global_steps}"  # DeepSpeed's default
+        result = save(*bound.args, **bound.kwargs)
+        if save_latest:
+            dist.barrier()  # every rank's files are renamed into place
+            if this.global_rank == 0:
+                tmp = os.path.join(a["save_dir"], f"{LATEST}.tmp")
+                with open(tmp, "w", encoding="utf-8") as f:
+                    f.write(tag)
+                os.replace(tmp, os.path.join(a["save_dir"], LATEST))
+            dist.barrier()
+        return result
+
+    engine.save_checkpoint = save_checkpoint
+
+
+def load_weights_of_tag(engine, load_dir: str, tag: str) -> None:
+    """Install the fp32 weights of ``load_dir/tag`` (this rank's ZeRO partitions), keeping the live
+    optimizer state, loss scaler and step counts: what ``load_checkpoint(tag=..., load_optimizer_states=False)``
+    and ``load_module_only=True`` must do.
+
+    DeepSpeed 0.19.8 does neither for ZeRO-3: without the optimizer states it re-derives the fp32
+    weights from the live bf16/fp16 ones (so the model keeps whatever it held, e.g. ``latest``'s weights,
+    not ``tag``'s), and ``load_module_only`` loads nothing (ZeRO-3's module file holds no weights).
+
+    Raises:
+        CheckpointError: the tag does not fit the model (:func:`check_zero_state_dict`); another
+            data-parallel world size is refused before, by :func:`check_before_load`.
+    """
+    opt = engine.optimizer
+    live = (opt.loss_scaler, opt.dynamic_loss_scale, opt.overflow)
+    engine._load_zero_checkpoint(load_dir, tag, load_optimizer_states=False)
+    opt.loss_scaler, opt.dynamic_loss_scale, opt.overflow = live
 
 
 # ------------------------------------------------------------------------------------------------

@@ -286,6 +286,15 @@ class MuonOptimizerParams(BaseModel):
                      "about 6 x exchange_bucket_mb / W MiB when a bucket has at least W matrices, up to about "
                      "3 x exchange_bucket_mb MiB when it has few large ones. Source: ds_muon."))
 
+    # ---- faults ------------------------------------------------------------------------------
+    max_consecutive_skipped_steps: int = Field(
+        50, ge=0, le=1_000_000,
+        description=("Stop the run (RuntimeError naming the first parameter that holds a non-finite gradient) after "
+                     "this many consecutive optimizer steps skipped because the global gradient norm was NaN or Inf "
+                     "(unit: optimizer steps; 0: never stop). Every skipped step is logged and counted "
+                     "(skipped_step_count, the monitor's Train/ds_muon/skipped_steps). fp16's dynamic loss scaler "
+                     "skips a few steps while it finds its scale, which counts too. Source: ds_muon."))
+
     # ---- which parameters use Muon -----------------------------------------------------------
     muon_params: list[str] = Field(
         default_factory=list,

@@ -77,6 +77,10 @@ class OwnerExchange:
         self.device = device
         self.exchange_dtype = exchange_dtype
         self.compute_dtype = compute_dtype
+        # The owner rebuilds matrices in the compute dtype, unless its range is narrower than the wire's
+        # (fp16 compute, fp32 wire): a small matrix would flush to zero before Newton–Schulz normalizes it.
+        narrower = torch.finfo(compute_dtype).max < torch.finfo(exchange_dtype).max
+        self.assembly_dtype = exchange_dtype if narrower else compute_dtype
         self.pool = pool or BufferPool()
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
@@ -163,7 +167,7 @@ class OwnerExchange:
             k, c, numel = batch.count, batch.chunk, batch.numel
             nb, rows, cols = batch.ns_shape
             chunks = block[:, batch.start:batch.start + k * c].view(W, k, c).permute(1, 0, 2)
-            full = self.pool.get("matrix", k * W * c, self.compute_dtype, device).view(k, W * c)
+            full = self.pool.get("matrix", k * W * c, self.assembly_dtype, device).view(k, W * c)
             full.view(k, W, c).copy_(chunks)
             mats = full.as_strided((k, nb, rows, cols), (W * c, rows * cols, cols, 1))
             mats.copy_(fn(mats))

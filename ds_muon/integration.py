@@ -40,7 +40,7 @@ from deepspeed.utils import logger as ds_logger
 from .checkpoint import install_load_checks
 from .config import ConfigError, load_ds_config, validate_ds_config
 from .frameworks import ZERO_STAGE_FIX, detect_framework, for_framework
-from .param_groups import split_param_groups
+from .param_groups import check_zero3_parameters, split_param_groups
 from .schedulers import GroupRatioScheduler, broadcasts_one_lr
 from .selection import NO_MUON_WARNING, tag_model
 from .zero3 import MuonZeroOptimizer, ZeroMuonInner
@@ -79,6 +79,7 @@ def _set_optimizer_flags(config_class, model) -> None:
     if _auto and not _auto_notice_done and _is_rank0():
         ds_logger.warning(AUTO_NOTICE)
         _auto_notice_done = True
+    check_zero3_parameters(model)
     selection = tag_model(model, cfg.muon_params, cfg.adamw_params, log=False)
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     if _is_rank0():  # DeepSpeed's own logger, so the summary shows where DeepSpeed's start-up lines do

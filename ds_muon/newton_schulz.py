@@ -67,8 +67,9 @@ POLAR_EXPRESS_COEFFS: tuple[tuple[float, float, float], ...] = tuple(
     (a / _PE_SAFETY, b / _PE_SAFETY**3, c / _PE_SAFETY**5) for a, b, c in _POLAR_EXPRESS_RAW[:-1]
 ) + (_POLAR_EXPRESS_RAW[-1],)
 
-_NORM_EPS = 1e-7  # added to the (scaled) Frobenius norm: a zero matrix maps to zeros, not NaN
-# The paper normalizes Polar Express by ||X||_F * 1.01; the quintic by ||X||_F.
+# The paper normalizes Polar Express by ||X||_F * 1.01; the quintic by ||X||_F. No eps is added to the
+# norm: a fixed eps dominates a small matrix's norm and breaks Muon's scale invariance (a loss x 1e-6
+# changed the update by ~20%); ``_normalize`` is exact at any scale and maps a zero matrix to zeros.
 _NORM_SCALE = {"standard": 1.0, "gram": 1.0, "polar_express": _PE_SAFETY}
 
 # Gram NS restarts after iteration 2 (the blog's choice for 5 steps), then every 3 iterations.
@@ -201,7 +202,7 @@ def polar_express(x: torch.Tensor, steps: int) -> torch.Tensor:
 
     Args:
         x: ``(..., m, n)``, any float dtype (computed in ``x.dtype``), normalized as the paper
-            prescribes: ``X / (1.01 * ||X||_F + 1e-7)`` (``orthogonalize`` does this). Wide
+            prescribes: ``X / (1.01 * ||X||_F)`` (``orthogonalize`` does this). Wide
             orientation (``m <= n``) is cheapest.
         steps: number of iterations, >= 1.
 
@@ -354,9 +355,11 @@ def orthogonalize(
 ) -> torch.Tensor:
     """Approximate polar factor ``U V^T`` of every matrix in ``x`` (``x = U S V^T``, reduced SVD).
 
-    Steps: Frobenius norm of each matrix in fp32 (fp64 for fp64 input); ``X = x / (k ||x||_F + 1e-7)``
-    with ``k = 1.01`` for polar_express (the paper's normalization) and 1 otherwise, cast to the
-    compute dtype (a zero matrix stays zero: zeros out, never NaN); transpose to wide orientation when
+    Steps: ``X = x / (k ||x||_F)`` per matrix in fp32 (fp64 for fp64 input), with ``k = 1.01`` for
+    polar_express (the paper's normalization) and 1 otherwise, computed scale-safely (``_normalize``:
+    the same result for any rescaling of ``x`` whose entries stay normal numbers, so Muon's update does not
+    depend on the loss scale), cast to the compute dtype (a zero matrix stays zero: zeros out, never
+    NaN); transpose to wide orientation when
     ``m > n``; run the kernel; transpose back. Methods:
 
     * ``"standard"``: ``newton_schulz_quintic`` (https://kellerjordan.github.io/posts/muon/).
@@ -387,9 +390,7 @@ def orthogonalize(
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
 
-    norm_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=norm_dtype)
-    X = (x / (norm * _NORM_SCALE[method] + _NORM_EPS)).to(dtype)
+    X = _normalize(x, _NORM_SCALE[method]).to(dtype)
 
     m, n = x.shape[-2], x.shape[-1]
     tall = m > n
@@ -403,6 +404,23 @@ def orthogonalize(
     else:
         out = polar_express(X, steps)
     return out.mT if tall else out
+
+
+def _normalize(x: torch.Tensor, k: float) -> torch.Tensor:
+    """``x / (k ||x||_F)`` per matrix, in fp32 (fp64 for fp64 input), at any scale; zeros stay zeros.
+
+    Scale-safe: each matrix is first multiplied by ``1 / max|x|`` (its largest magnitude becomes 1), so
+    the Frobenius norm is taken of entries in ``[-1, 1]`` and neither underflows (squares of entries
+    below ~1e-19 are 0 in fp32) nor overflows. For a power-of-two rescaling of ``x`` whose entries stay
+    normal numbers the result is bit-identical; otherwise equal to fp32 rounding. ``max|x|`` is clamped
+    to the smallest normal number so ``1 / max|x|`` stays finite for an all-subnormal matrix.
+    """
+    norm_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    tiny = torch.finfo(norm_dtype).tiny
+    amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=(-2, -1), keepdim=True, dtype=norm_dtype)
+    y = x.to(norm_dtype) * amax.clamp_min(tiny).reciprocal()
+    norm = torch.linalg.vector_norm(y, dim=(-2, -1), keepdim=True)
+    return y.div_(norm.clamp_min(tiny).mul_(k))  # a zero matrix: 0 / tiny = 0
 
 
 #: Graphs ds_muon's compiled Newton–Schulz may hold per (method, steps, dtype) before torch.compile

@@ -79,3 +79,29 @@ def split_param_groups(params: Any, muon_defaults: dict, adamw_defaults: dict,
                 out.append(dict(extra, params=half, use_muon=flag, **_half_settings(defaults, overrides, keys,
                                                                                       renames)))
     return out
+
+
+def check_zero3_parameters(model: nn.Module) -> None:
+    """Refuse trainable parameters DeepSpeed ZeRO-3 (0.19.8) cannot partition, before it allocates anything.
+
+    * a 0-D parameter (``nn.Parameter(torch.tensor(1.0))``, e.g. a learnable temperature): DeepSpeed fails
+      in ``_broadcast_model`` with ``self.dim() cannot be 0 to view Float as Byte``;
+    * a parameter with zero elements (``nn.Linear(16, 0)``): DeepSpeed fails with a bare AssertionError
+      at the first forward.
+
+    Raises:
+        ValueError: naming every such parameter, its shape and the fix.
+    """
+    problems = []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        shape = param_shape(p)
+        if len(shape) == 0:
+            problems.append(f"parameter '{name}' is 0-D (shape ()): DeepSpeed ZeRO-3 cannot partition it; store it "
+                            f"with shape (1,) (e.g. nn.Parameter(value.reshape(1))) and it trains with AdamW")
+        elif 0 in shape:
+            problems.append(f"parameter '{name}' has no elements (shape {tuple(shape)}): DeepSpeed ZeRO-3 fails on it "
+                            "at the first forward; remove the empty layer, or freeze it (requires_grad=False)")
+    if problems:
+        raise ValueError("ds_muon: trainable parameters that ZeRO-3 cannot hold:\n  " + "\n  ".join(problems))

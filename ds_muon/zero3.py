@@ -12,7 +12,10 @@ DeepSpeedCPUAdam when offloaded).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+import shutil
 import time
 
 from typing import Callable, Optional
@@ -40,6 +43,31 @@ def cast_momentum_(state: dict, group: dict) -> None:
     dtype = getattr(torch, group.get("momentum_dtype", "float32"))
     if momentum is not None and momentum.dtype != dtype:
         state[MOMENTUM_KEY] = momentum.to(dtype)
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed, most likely because a peer rank died; the message names the collective.
+
+    Raised from the backend's own error (chained as ``__cause__``): gloo reports a dead peer at once
+    ("Connection closed by peer"); NCCL reports it when its watchdog times out. A peer that hangs
+    instead of dying is bounded by the process-group timeout: ``deepspeed.init_distributed(timeout=
+    datetime.timedelta(minutes=N))`` (DeepSpeed's default: 30 minutes). See docs/troubleshooting.md.
+    """
+
+
+@contextlib.contextmanager
+def _named_collective(what: str):
+    """Re-raise a backend error from inside the block as a :class:`CollectiveError` naming ``what``."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as err:  # gloo: RuntimeError; NCCL: torch.distributed.DistBackendError (a subclass)
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        raise CollectiveError(
+            f"ds_muon: {what} failed on rank {rank}: {err}\nA peer rank probably exited or lost its connection: "
+            "check the other ranks' logs for the first error. A rank that hangs instead is bounded by the "
+            "process-group timeout (deepspeed.init_distributed(timeout=...), 30 minutes by default)") from err
 
 
 class ZeroMuonInner(torch.optim.Optimizer):
@@ -128,6 +156,10 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     Attributes:
         muon_plans: ``{sub_group_id: BucketedPlan}`` for the Muon sub-groups.
         muon_step_count: optimizer steps that ran the Muon update (overflow-skipped ones excluded).
+        skipped_step_count: optimizer steps skipped because the global gradient norm was NaN/Inf (this process).
+        consecutive_skipped_steps: skipped steps since the last applied one; ``optimizer.params.
+            max_consecutive_skipped_steps`` of them in a row stop the run (RuntimeError).
+        last_non_finite_param: name of the first parameter with a non-finite gradient in the last skipped step.
     """
 
     def __init__(self, *args, **kwargs) -> None:
@@ -136,6 +168,9 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             raise TypeError("MuonZeroOptimizer needs a ds_muon ZeroMuonInner optimizer; "
                             "build the engine through ds_muon.initialize or ds_muon.enable()")
         self.muon_step_count = 0
+        self.skipped_step_count = 0
+        self.consecutive_skipped_steps = 0
+        self.last_non_finite_param: Optional[str] = None
         self._stepping = False
         self._offloaded_grad_ids: set[int] = set()  # ds_ids whose gradient DeepSpeed offloaded this window
         # zero_optimization.save_muon_momentum_buffer_in_memory: keep Muon momentum out of the NVMe swap.
@@ -147,6 +182,7 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self._muon_pool = BufferPool()
         self._muon_exchanges: dict[int, OwnerExchange] = {}
         self._build_muon_plans()
+        self._check_trainable_set()  # records the trainable set
 
     # ---- setup ---------------------------------------------------------------------------
     def initialize_optimizer_states(self) -> None:
@@ -157,6 +193,7 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         """
         if self.swap_optimizer:
             self._check_swap_buffer_count()
+            self._check_swap_space()
         super().initialize_optimizer_states()
 
     def swap_buffers_needed(self) -> int:
@@ -196,6 +233,36 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                 f"{how}, each needing one pinned buffer per swapped tensor (fp32 weights, gradient, and "
                 f"exp_avg + exp_avg_sq for AdamW or the Muon momentum); set buffer_count to at least {needed}")
 
+    def swap_bytes_needed(self) -> int:
+        """Bytes of NVMe swap files this rank writes: per swapped sub-group, its fp32 partition, gradient and
+        optimizer state (AdamW: 4 fp32 tensors of the partition's size; Muon: 3, or 2 with
+        ``save_muon_momentum_buffer_in_memory``). DeepSpeed's block alignment adds at most a few KiB per file."""
+        in_memory = bool(self.save_muon_momentum_buffer_in_memory)
+        total = 0
+        for i in range(len(self.fp16_groups)):
+            if self._swappable_optimizer_subgroup(i):
+                muon = self.optimizer.param_groups[self.sub_group_to_group_id[i]]["use_muon"]
+                tensors = (2 if in_memory else 3) if muon else 4
+                total += tensors * 4 * int(self.fp16_partitioned_groups_flat_numel[i])
+        return total
+
+    def _check_swap_space(self) -> None:
+        """Refuse to start when the NVMe swap directory's filesystem cannot hold the swap files of this node's
+        ranks (``LOCAL_WORLD_SIZE`` of them, which share it), before the first swap writes anything.
+
+        Raises:
+            ConfigError: naming ``nvme_path``, the bytes needed and the bytes free.
+        """
+        folder = self.optimizer_swapper.swap_folder
+        need = self.swap_bytes_needed()
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        free = shutil.disk_usage(folder).free
+        if free < need * local:
+            raise ConfigError(
+                f"zero_optimization.offload_optimizer.nvme_path: the filesystem of {folder} has {free} bytes free, "
+                f"but the optimizer swap files need {need} bytes per rank ({need * local} for the {local} rank(s) of "
+                "this node); free space there or point nvme_path at a larger drive")
+
     def _muon_group(self, sub_group_id: int) -> dict:
         return self.optimizer.param_groups[self.sub_group_to_group_id[sub_group_id]]
 
@@ -232,6 +299,8 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         (bytes this rank sends in the owner all_to_all, from the plan), ``Train/ds_muon/owner_imbalance`` (max/mean Newton–Schulz FLOPs over ranks),
         and ``Train/ds_muon/muon_lr`` / ``Train/ds_muon/adam_lr`` (the lr this step used in the first Muon / AdamW
         param group; DeepSpeed's own ``Train/Samples/lr`` shows only the first group's).
+        After each step skipped for a non-finite gradient norm: ``Train/ds_muon/skipped_steps`` (skipped steps
+        so far in this process, a count).
         """
         self._monitor, self._monitor_step = monitor, step_fn
 
@@ -265,9 +334,12 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         oracle's semantics.
         """
         self._muon_seconds = 0.0
+        self._check_trainable_set()
         self._stepping = True
         try:
-            super().step(closure)
+            with _named_collective("a collective of DeepSpeed's ZeRO-3 optimizer step (overflow/gradient-norm "
+                                   "all_reduce, parameter all_gather)"):
+                super().step(closure)
         finally:
             self._stepping = False
             self._offloaded_grad_ids.clear()
@@ -275,8 +347,111 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             self._muon_pool.clear()
         if not self.overflow:
             self.muon_step_count += 1
+            self.consecutive_skipped_steps = 0
             if self._monitor is not None:
                 self._report()
+        else:
+            self._count_skipped_step()
+
+    def _check_trainable_set(self) -> None:
+        """Raise if a parameter's ``requires_grad`` changed since the engine was built.
+
+        ZeRO-3 fixes the trainable set at initialize: a weight frozen later keeps being stepped (Muon's
+        momentum keeps it moving at full step size), and one unfrozen later is never stepped. The
+        check is local (no collective); switch ``requires_grad`` on every rank alike.
+
+        Raises:
+            RuntimeError: naming each parameter whose ``requires_grad`` changed, and the fix.
+        """
+        if not hasattr(self, "_trainable_at_init"):
+            self._trainable_at_init = {p: p.requires_grad for p in self.module.parameters()}
+            return
+        changed = [(self.param_names.get(p, f"ds_id={getattr(p, 'ds_id', '?')}"), was)
+                   for p, was in self._trainable_at_init.items() if p.requires_grad != was]
+        if changed:
+            lines = [f"'{name}' was {'trainable' if was else 'frozen'} at initialize and is now "
+                     f"{'frozen' if was else 'trainable'}" for name, was in changed]
+            raise RuntimeError(
+                "ds_muon: requires_grad changed after the engine was built, which ZeRO-3 does not follow (a frozen "
+                "weight would keep moving, an unfrozen one would never train):\n  " + "\n  ".join(lines)
+                + "\nSet requires_grad before ds_muon.initialize (save a checkpoint and build a new engine to "
+                "change it mid-run), or keep the parameter trainable with lr 0 in its own param group")
+
+    # ---- skipped steps (non-finite gradients) ----------------------------------------------
+    def _loss_scale_update_and_overflow_cleanup(self):
+        """DeepSpeed's; on a skipped step first finds the parameter to name (the gradients are
+        still there: DeepSpeed's clean-up drops them)."""
+        if self.overflow and self._stepping:
+            self.last_non_finite_param = self._first_non_finite_grad()
+        return super()._loss_scale_update_and_overflow_cleanup()
+
+    def _local_grad_partitions(self):
+        """Yield ``(param, local fp32/bf16/fp16 gradient partition or None)`` in sub-group order, wherever
+        DeepSpeed keeps it at the overflow check: ``averaged_gradients`` without offload, the fp32
+        partition's ``grad`` with CPU offload, swapped in (and released) under NVMe."""
+        for i, params in enumerate(self.fp16_groups):
+            swapped = self.offload_optimizer and self._swappable_optimizer_subgroup(i)
+            if swapped:
+                self._optimizer_states_and_gradient_swap_in(i)
+            try:
+                flat = self.fp32_partitioned_groups_flat[i].grad if self.offload_optimizer else None
+                grads = None if self.offload_optimizer else (self.averaged_gradients or {}).get(i)
+                for j, param in enumerate(params):
+                    if grads is not None:
+                        yield param, grads[j]
+                    elif flat is not None and (not swapped or param.ds_id in self._offloaded_grad_ids):
+                        _, offset, numel = self.grad_position[self.get_param_id(param)]
+                        yield param, flat.narrow(0, offset, numel)
+                    else:
+                        yield param, None
+            finally:
+                if swapped:
+                    self._release_swap_buffers(i)
+
+    def _first_non_finite_grad(self) -> Optional[str]:
+        """Name of the first parameter (sub-group order, over all ranks of the data-parallel group) whose
+        gradient holds a NaN or Inf, or None if none does (e.g. only the norm overflowed). Collective: one
+        all_reduce(MIN) of one int64."""
+        import torch.distributed as dist
+        params = [p for group in self.fp16_groups for p in group]
+        first = len(params)
+        for k, (param, grad) in enumerate(self._local_grad_partitions()):
+            if first == len(params) and grad is not None and grad.numel() and not torch.isfinite(grad).all():
+                first = k
+        found = torch.tensor([first], dtype=torch.int64, device=get_accelerator().current_device_name())
+        dist.all_reduce(found, op=dist.ReduceOp.MIN, group=self.dp_process_group)
+        k = int(found.item())
+        if k == len(params):
+            return None
+        return self.param_names.get(params[k], f"ds_id={params[k].ds_id}")
+
+    def _count_skipped_step(self) -> None:
+        """Count, log and report a step skipped for a non-finite gradient norm; stop the run after
+        ``max_consecutive_skipped_steps`` in a row (design.md §3: the step leaves state untouched).
+
+        Raises:
+            RuntimeError: on every rank (the overflow flag is global), naming the first parameter with a
+                non-finite gradient and the config key.
+        """
+        self.skipped_step_count += 1
+        self.consecutive_skipped_steps += 1
+        limit = self.optimizer.config.max_consecutive_skipped_steps
+        where = (f"first parameter with a non-finite gradient: {self.last_non_finite_param}"
+                 if self.last_non_finite_param else "no gradient element is non-finite; the norm overflowed")
+        if self.dp_process_group is None or torch.distributed.get_rank(group=self.dp_process_group) == 0:
+            logger.warning("ds_muon: optimizer step skipped, the global gradient norm is not finite (%s); "
+                           "%d consecutive, %d skipped in all, loss scale %s", where, self.consecutive_skipped_steps,
+                           self.skipped_step_count, self.loss_scale)
+        if self._monitor is not None:
+            step = self._monitor_step()
+            if step is not None:
+                self._monitor.write_events([("Train/ds_muon/skipped_steps", self.skipped_step_count, step)])
+        if limit and self.consecutive_skipped_steps >= limit:
+            raise RuntimeError(
+                f"ds_muon: {self.consecutive_skipped_steps} consecutive optimizer steps skipped because the gradient "
+                f"norm was NaN or Inf ({where}); stopping. Check the data and the loss for NaN/Inf, lower the "
+                "learning rate or enable gradient_clipping, or raise optimizer.params.max_consecutive_skipped_steps "
+                "(0 never stops)")
 
     def _zero_grad_partitions(self) -> None:
         if getattr(self, "grad_partitions_flat_buffer", None) is not None:
@@ -285,6 +460,16 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             for i, fp32 in enumerate(self.fp32_partitioned_groups_flat):
                 if fp32.grad is not None and not self._swappable_optimizer_subgroup(i):
                     fp32.grad.zero_()
+
+    def reduce_ready_partitions_and_remove_grads(self, param):
+        """DeepSpeed's (the gradient hook); a failed gradient reduce-scatter names itself."""
+        with _named_collective("DeepSpeed's gradient reduce-scatter (ZeRO-3, in backward)"):
+            return super().reduce_ready_partitions_and_remove_grads(param)
+
+    def independent_gradient_partition_epilogue(self):
+        """DeepSpeed's (reduces the last gradient bucket after backward); a failure names the collective."""
+        with _named_collective("DeepSpeed's gradient reduce-scatter (ZeRO-3, end of backward)"):
+            return super().independent_gradient_partition_epilogue()
 
     def _offload_grad_partition_at_boundary(self, param, *args, **kwargs):
         """DeepSpeed's; also records that ``param``'s gradient was offloaded in this window."""
@@ -357,7 +542,8 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             rows, cols = mats.shape[-2:]
             return ns(mats).mul_(update_scale(rows, cols, mode))
 
-        with record_function("ds_muon/exchange_and_newton_schulz"):
+        with record_function("ds_muon/exchange_and_newton_schulz"), \
+                _named_collective(f"the Muon owner exchange (all_to_all) of ZeRO sub-group {i}"):
             exchange.run(plan, update, grad, owner_update)
         with record_function("ds_muon/apply_update"):
             fp32.mul_(1 - group["lr"] * group["weight_decay"])
