@@ -17,6 +17,10 @@ from .newton_schulz import orthogonalize, resolve_ns_dtype
 from .param_groups import split_param_groups
 from .selection import param_shape
 
+# The state key of a Muon parameter's fp32 momentum, in the oracle and in the ZeRO-3 optimizer
+# (one key, so checkpoints and the NVMe swapper see the same name everywhere).
+MOMENTUM_KEY = "momentum_buffer"
+
 
 class MuonAdamW(torch.optim.Optimizer):
     r"""Muon with an auxiliary AdamW, on one device.
@@ -103,9 +107,9 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _muon(self, p: torch.Tensor, group: dict) -> None:
         state = self.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p, dtype=getattr(torch, group["momentum_dtype"]))
-        m = state["momentum_buffer"]
+        if MOMENTUM_KEY not in state:
+            state[MOMENTUM_KEY] = torch.zeros_like(p, dtype=getattr(torch, group["momentum_dtype"]))
+        m = state[MOMENTUM_KEY]
         g = p.grad.to(torch.float32, copy=True).view(-1)  # a copy: the update is written into it
         u = momentum_update_(m.view(-1), g, group["momentum"], group["nesterov"])
         b, rows, cols = ns_view_shape(param_shape(p))

@@ -24,14 +24,15 @@ from torch.profiler import record_function
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.utils import logger
 
+from .checkpoint import (CheckpointError, add_metadata, check_zero_state_dict, load_universal_state,
+                         restore_step_count, rigid_load_arguments)
 from .config import ConfigError, resolve_exchange_dtype
 from .exchange import BufferPool, OwnerExchange
 from .matrix import update_scale
 from .momentum import momentum_update_
 from .newton_schulz import compiled_orthogonalize, orthogonalize, resolve_ns_dtype
 from .ownership import BucketedPlan, ParamInfo, build_bucketed_plan
-
-MOMENTUM_KEY = "momentum_buffer"
+from .reference import MOMENTUM_KEY
 
 
 def cast_momentum_(state: dict, group: dict) -> None:
@@ -482,7 +483,6 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         """DeepSpeed's ZeRO-3 optimizer state dict plus ds_muon's metadata under ``"ds_muon"``
         (:func:`ds_muon.checkpoint.zero_metadata`: parameter names, shapes, Muon/AdamW flags, sub-group
         layout, world size, ``muon_step_count``)."""
-        from .checkpoint import add_metadata
         return add_metadata(self, super().state_dict())
 
     def load_state_dict(self, *args, **kwargs):
@@ -490,7 +490,6 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         ds_muon's fit checks run first (``CheckpointError`` on every rank before anything is
         restored) and ``muon_step_count`` is restored after; universal checkpoints go to
         :meth:`_load_universal_checkpoint`."""
-        from .checkpoint import check_zero_state_dict, restore_step_count, rigid_load_arguments
         state_dict, load_optimizer_states = rigid_load_arguments(self, super().load_state_dict, args, kwargs)
         if state_dict is not None:
             check_zero_state_dict(self, state_dict, load_optimizer_states)
@@ -502,7 +501,6 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         """Universal checkpoint (``"checkpoint": {"load_universal": true}``): ds_muon's loader, which
         knows Muon's ``momentum_buffer`` (:func:`ds_muon.checkpoint.load_universal_state`); weights
         only (``load_optimizer_states=False``): DeepSpeed's, after ds_muon's checks."""
-        from .checkpoint import CheckpointError, load_universal_state
         if self.swap_optimizer and not load_optimizer_states:
             raise CheckpointError("loading only the weights of a universal checkpoint (load_module_only / "
                                   "load_optimizer_states=False) is not supported with NVMe optimizer offload: "
