@@ -18,12 +18,14 @@ import time
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, LOSS_SCALER, OPTIMIZER_STATE_DICT
 from torch.profiler import record_function
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.utils import logger
 
+from .blocks import PADDING, BlockMap, build_block_map
 from .checkpoint import (CheckpointError, add_metadata, check_zero_state_dict, load_universal_state,
                          restore_step_count, rigid_load_arguments)
 from .config import ConfigError, resolve_exchange_dtype
@@ -147,6 +149,8 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self.muon_plans: dict[int, BucketedPlan] = {}
         self._muon_pool = BufferPool()
         self._muon_exchanges: dict[int, OwnerExchange] = {}
+        self._muon_block_maps: dict[int, BlockMap] = {}
+        self._block_index: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._build_muon_plans()
 
     # ---- setup ---------------------------------------------------------------------------
@@ -218,6 +222,8 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                                    f"elements but its owner plan covers {plan.shard_numel}; this DeepSpeed "
                                    "version lays out ZeRO-3 partitions differently than ds_muon expects")
             self.muon_plans[i] = plan
+            self._muon_block_maps[i] = build_block_map(plan.slots, self._get_sub_group_partition_rank(i),
+                                                       plan.shard_numel)
             self._muon_exchanges[i] = OwnerExchange(self._get_sub_group_process_group(i), wire, compute, device,
                                                     self._muon_pool)
             if self._get_sub_group_partition_rank(i) == 0:
@@ -345,6 +351,14 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             momentum = state[MOMENTUM_KEY] = torch.zeros_like(fp32, dtype=getattr(torch, group["momentum_dtype"]))
             if self._momentum_in_memory:
                 momentum.swappable = False  # the swapper leaves tensors marked so in memory
+        with record_function("ds_muon/blocks_with_gradient"):
+            had = self._blocks_with_gradient(i, grad)
+        kept = None
+        if not bool(had.all()):  # every rank holds the same flags, so all take the same branch
+            if not bool(had.any()):
+                return  # no gradient anywhere in the sub-group: no exchange, nothing changes
+            ranges = self._muon_block_maps[i].local_ranges(torch.nonzero(~had).flatten().tolist())
+            kept = [(o, n, momentum.narrow(0, o, n).clone(), fp32.narrow(0, o, n).clone()) for o, n in ranges]
         with record_function("ds_muon/momentum"):
             update = momentum_update_(momentum, grad, group["momentum"], group["nesterov"])
         method, steps, mode = group["ns_method"], group["ns_steps"], group["update_scale"]
@@ -363,6 +377,36 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         with record_function("ds_muon/apply_update"):
             fp32.mul_(1 - group["lr"] * group["weight_decay"])
             fp32.add_(grad, alpha=-group["lr"])
+            for offset, n, m_old, w_old in kept or ():  # blocks with no gradient: as they were
+                momentum.narrow(0, offset, n).copy_(m_old)
+                fp32.narrow(0, offset, n).copy_(w_old)
+
+    def _blocks_with_gradient(self, i: int, grad: torch.Tensor) -> torch.Tensor:
+        """Which Newton–Schulz blocks of Muon sub-group ``i`` had a gradient this step, on any rank.
+
+        A block (one matrix of a parameter's view, e.g. one expert) has none when its gradient is
+        exactly zero in every element on every rank; DeepSpeed leaves zeros where no gradient
+        arrived. One ``segment_reduce`` over the local shard ``grad`` (``(shard numel,)`` fp32) and
+        an all_reduce(MAX) of one byte per block over the sub-group's partition group.
+
+        Returns:
+            ``(n_blocks,)`` bool on the CPU, the same on every rank of the group.
+        """
+        bm = self._muon_block_maps[i]
+        index = self._block_index.get(i)
+        if index is None or index[0].device != grad.device:
+            real = [k for k, b in enumerate(bm.block_of_segment) if b != PADDING]
+            index = self._block_index[i] = (
+                torch.tensor(bm.lengths, dtype=torch.int64, device=grad.device),
+                torch.tensor(real, dtype=torch.int64, device=grad.device),
+                torch.tensor([bm.block_of_segment[k] for k in real], dtype=torch.int64, device=grad.device))
+        lengths, real, ids = index
+        largest = torch.segment_reduce(grad.abs(), "max", lengths=lengths, unsafe=True, initial=0)
+        flags = torch.zeros(bm.n_blocks, dtype=torch.uint8, device=grad.device)
+        flags.scatter_reduce_(0, ids, largest[real].ne(0).to(torch.uint8), "amax")
+        flags = flags.to(self._muon_exchanges[i].device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._get_sub_group_process_group(i))
+        return flags.bool().cpu()
 
     # ---- checkpoints of NVMe-swapped sub-groups ---------------------------------------------
     # DeepSpeed 0.19.8 saves a swapped sub-group's fp32 partition and optimizer state as the empty
