@@ -63,13 +63,38 @@ def _set_optimizer_flags(config_class, model) -> None:
             ds_logger.warning(NO_MUON_WARNING)
 
 
+def _check_moe_layers(engine: DeepSpeedEngine) -> None:
+    """Refuse DeepSpeed's native MoE layers (``deepspeed.moe.layer.MoE``) with the reason.
+
+    DeepSpeed itself refuses them under ZeRO stage 3 (deepspeed 0.19.8,
+    ``DeepSpeedEngine._validate_zero3_moe_compatibility``: "Native DeepSpeed MoE is not supported
+    with ZeRO Stage 3. Use AutoEP or choose ZeRO stage 1/2."), and ds_muon serves only stage 3, so
+    there is no configuration in which they could train with ds_muon. Raised here, before DeepSpeed
+    builds anything, so the message says what to use instead. AutoEP layers pass: their expert
+    parameters are ZeRO-3 partitioned over the expert-data-parallel group, which is each expert
+    sub-group's partition group, and the owner exchange runs in that group.
+
+    Raises:
+        ConfigError: the model holds a ``deepspeed.moe.layer.MoE``, naming the first one.
+    """
+    if not engine.has_moe_layers:
+        return
+    from deepspeed.moe.layer import MoE
+    native = [name for name, m in engine.module.named_modules() if isinstance(m, MoE)]
+    if native:
+        raise ConfigError(
+            f"the model holds DeepSpeed's native MoE layers ({native[0]!r}{', ...' if len(native) > 1 else ''}), "
+            "which DeepSpeed 0.19.8 does not support with ZeRO stage 3 (\"Native DeepSpeed MoE is not supported "
+            "with ZeRO Stage 3. Use AutoEP or choose ZeRO stage 1/2.\"), and ds_muon serves only stage 3. "
+            "Use stacked expert weights (e.g. a Hugging Face MoE model: each expert is a Muon matrix), or "
+            "DeepSpeed's AutoEP (\"expert_parallel\": {\"enabled\": true, ...}) for expert parallelism")
+
+
 def _configure_basic_optimizer(self: DeepSpeedEngine, model_parameters):
     cfg = validate_ds_config(self._config._param_dict)
     if cfg is None:
         return _originals["_configure_basic_optimizer"](self, model_parameters)
-    if self.has_moe_layers:
-        raise ConfigError("ds_muon does not support DeepSpeed MoE layers yet; tag stacked expert weights "
-                          "(a 3-D parameter per layer) instead, which Muon treats as a batch of matrices")
+    _check_moe_layers(self)
     groups = split_param_groups(model_parameters, cfg.muon_group_defaults(), cfg.adamw_group_defaults())
     # DeepSpeed's own choice of AdamW class: torch.optim.AdamW (torch_adam, foreach), else FusedAdam, or
     # DeepSpeedCPUAdam under optimizer offload.
