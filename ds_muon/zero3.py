@@ -121,6 +121,11 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
        rank, Newton–Schulz batched by shape there, scale, all_to_all back.
     3. ``p <- p*(1 - lr*wd) - lr*o`` on the shard (decoupled weight decay).
 
+    No gradient, no step (as the oracle :class:`ds_muon.MuonAdamW`): a matrix of a parameter's
+    Newton–Schulz view (one expert of a stacked parameter) whose gradient is zero on every rank keeps
+    its momentum and weights (:meth:`_blocks_with_gradient`: one byte per matrix, all_reduce MAX over
+    the sub-group's partition group); a sub-group with no gradient at all skips the exchange.
+
     The owner plan (:func:`ds_muon.ownership.build_bucketed_plan`: LPT by Newton–Schulz FLOPs, cut
     into ``exchange_bucket_mb`` buckets that are pipelined so the all_to_all of one bucket overlaps
     Newton–Schulz on another) is built once per sub-group at construction, identically on every rank.
