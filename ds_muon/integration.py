@@ -72,7 +72,8 @@ def _check_moe_layers(engine: DeepSpeedEngine) -> None:
     there is no configuration in which they could train with ds_muon. Raised here, before DeepSpeed
     builds anything, so the message says what to use instead. AutoEP layers pass: their expert
     parameters are ZeRO-3 partitioned over the expert-data-parallel group, which is each expert
-    sub-group's partition group, and the owner exchange runs in that group.
+    sub-group's partition group, and the owner exchange runs in that group (it ran at W=4 with
+    ``autoep_size`` 2 on CPU; not parity-tested yet).
 
     Raises:
         ConfigError: the model holds a ``deepspeed.moe.layer.MoE``, naming the first one.
@@ -86,8 +87,9 @@ def _check_moe_layers(engine: DeepSpeedEngine) -> None:
             f"the model holds DeepSpeed's native MoE layers ({native[0]!r}{', ...' if len(native) > 1 else ''}), "
             "which DeepSpeed 0.19.8 does not support with ZeRO stage 3 (\"Native DeepSpeed MoE is not supported "
             "with ZeRO Stage 3. Use AutoEP or choose ZeRO stage 1/2.\"), and ds_muon serves only stage 3. "
-            "Use stacked expert weights (e.g. a Hugging Face MoE model: each expert is a Muon matrix), or "
-            "DeepSpeed's AutoEP (\"expert_parallel\": {\"enabled\": true, ...}) for expert parallelism")
+            "Use stacked expert weights (e.g. a Hugging Face MoE model: each expert is a Muon matrix); for expert "
+            "parallelism DeepSpeed's ZeRO-3 route is AutoEP (\"expert_parallel\": {\"enabled\": true, ...}), which "
+            "ds_muon lets through but has not parity-tested yet")
 
 
 def _configure_basic_optimizer(self: DeepSpeedEngine, model_parameters):

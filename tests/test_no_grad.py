@@ -105,6 +105,25 @@ def test_oracle_skips_blocks_and_params_without_gradient():
     assert torch.equal(w.detach(), before) and torch.equal(opt.state[w]["momentum_buffer"], state)
 
 
+def test_oracle_skips_idle_expert_with_bf16_momentum():
+    """The same rule with ``momentum_dtype: bfloat16`` (momentum stored rounded, update in fp32)."""
+    torch.manual_seed(0)
+    stack = nn.Parameter(torch.randn(3, 6, 5))
+    stack.use_muon = True
+    opt = MuonAdamW([stack], **MUON_PARAMS, momentum_dtype="bfloat16")
+    stack.grad = torch.randn(3, 6, 5)
+    opt.step()
+    m = opt.state[stack]["momentum_buffer"]
+    assert m.dtype == torch.bfloat16
+    before_w, before_m = stack.detach().clone(), m.clone()
+    g = torch.randn(3, 6, 5)
+    g[2] = 0
+    stack.grad = g
+    opt.step()
+    assert torch.equal(stack.detach()[2], before_w[2]) and torch.equal(m[2], before_m[2])
+    assert not torch.equal(stack.detach()[0], before_w[0]) and not torch.equal(m[1], before_m[1])
+
+
 def test_block_map_tiles_every_block_exactly_once():
     """Over all ranks, each block's segments cover its elements once; padding is marked."""
     infos = [ParamInfo("a", (3, 7, 5), 105), ParamInfo("b", (11, 2), 22), ParamInfo("c", (2, 3, 1), 6)]
