@@ -7,6 +7,8 @@ DeepSpeed accepts native MoE under ZeRO-3, the first check fails and says to rev
 """
 from __future__ import annotations
 
+import pytest
+
 from tests.dist_util import run_distributed
 
 
@@ -60,4 +62,17 @@ def test_native_moe_is_refused_by_deepspeed_and_by_ds_muon_with_the_reason():
     assert "Native DeepSpeed MoE is not supported with ZeRO Stage 3" in res["deepspeed"], res
     msg = res["ds_muon"]
     assert "native MoE layers ('moe'" in msg and "ZeRO stage 3" in msg and "0.19.8" in msg, msg
-    assert "AutoEP" in msg and "stacked expert weights" in msg, msg
+    assert "stacked expert weights" in msg, msg
+
+
+def test_autoep_layers_are_refused_naming_the_key():
+    """AutoEP (DeepSpeed's ZeRO-3 expert parallelism) is refused until it is parity-tested."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from ds_muon.config import ConfigError
+    from ds_muon.integration import _check_moe_layers
+    _check_moe_layers(SimpleNamespace(has_moe_layers=False, module=nn.Linear(2, 2)))  # no MoE: passes
+    with pytest.raises(ConfigError, match=r'AutoEP MoE layers \("expert_parallel"\).*not parity-tested.*stacked'):
+        _check_moe_layers(SimpleNamespace(has_moe_layers=True, module=nn.Linear(2, 2)))
