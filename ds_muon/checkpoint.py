@@ -67,7 +67,7 @@ from deepspeed.checkpoint.constants import (FP32_FLAT_GROUPS, OPTIMIZER_STATE_DI
                                             PARTITION_COUNT)
 from deepspeed.utils import logger
 
-from .zero3 import MOMENTUM_KEY
+from .reference import MOMENTUM_KEY
 
 __all__ = ["CheckpointError", "CONVERT_COMMAND", "DS_MUON_KEY", "zero_metadata", "add_metadata", "restore_step_count",
            "rigid_load_arguments", "check_zero_state_dict", "saved_world_size", "check_before_load", "install_load_checks",

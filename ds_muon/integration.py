@@ -107,13 +107,40 @@ def log_info(message: str) -> None:
         handler.handle(record)
 
 
+def _check_moe_layers(engine: DeepSpeedEngine) -> None:
+    """Refuse DeepSpeed's MoE layers (native ``deepspeed.moe.layer.MoE`` and AutoEP) with the reason.
+
+    Native layers: DeepSpeed itself refuses them under ZeRO stage 3 (deepspeed 0.19.8,
+    ``DeepSpeedEngine._validate_zero3_moe_compatibility``: "Native DeepSpeed MoE is not supported
+    with ZeRO Stage 3. Use AutoEP or choose ZeRO stage 1/2."), and ds_muon serves only stage 3, so
+    there is no configuration in which they could train with ds_muon. AutoEP layers (DeepSpeed's
+    ZeRO-3 route to expert parallelism): their expert parameters are partitioned over the
+    expert-data-parallel group, each expert sub-group's partition group, in which ds_muon's owner
+    exchange runs; a CPU probe trained with them (W=4, ``autoep_size`` 2), but without a parity test
+    they stay refused. Raised before DeepSpeed builds the optimizer, so the message says what to use.
+
+    Raises:
+        ConfigError: the model holds DeepSpeed MoE layers, naming the first native one.
+    """
+    if not engine.has_moe_layers:
+        return
+    from deepspeed.moe.layer import MoE
+    native = [name for name, m in engine.module.named_modules() if isinstance(m, MoE)]
+    use_instead = "Use stacked expert weights instead (e.g. a Hugging Face MoE model: each expert is a Muon matrix)"
+    if native:
+        raise ConfigError(
+            f"the model holds DeepSpeed's native MoE layers ({native[0]!r}{', ...' if len(native) > 1 else ''}), "
+            "which DeepSpeed 0.19.8 does not support with ZeRO stage 3 (\"Native DeepSpeed MoE is not supported "
+            f"with ZeRO Stage 3. Use AutoEP or choose ZeRO stage 1/2.\"), and ds_muon serves only stage 3. {use_instead}")
+    raise ConfigError("ds_muon does not support DeepSpeed's AutoEP MoE layers (\"expert_parallel\") yet: expert "
+                      f"parallelism with ds_muon is not parity-tested. {use_instead}, or turn expert_parallel off")
+
+
 def _configure_basic_optimizer(self: DeepSpeedEngine, model_parameters):
     cfg = validate_ds_config(self._config._param_dict)
     if cfg is None:
         return _originals["_configure_basic_optimizer"](self, model_parameters)
-    if self.has_moe_layers:
-        raise ConfigError("ds_muon does not support DeepSpeed MoE layers yet; tag stacked expert weights "
-                          "(a 3-D parameter per layer) instead, which Muon treats as a batch of matrices")
+    _check_moe_layers(self)
     groups = split_param_groups(model_parameters, cfg.muon_group_defaults(), cfg.adamw_group_defaults())
     # DeepSpeed's own choice of AdamW class: torch.optim.AdamW (torch_adam, foreach), else FusedAdam, or
     # DeepSpeedCPUAdam under optimizer offload.

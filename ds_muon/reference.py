@@ -17,6 +17,10 @@ from .newton_schulz import orthogonalize, resolve_ns_dtype
 from .param_groups import split_param_groups
 from .selection import param_shape
 
+# The state key of a Muon parameter's fp32 momentum, in the oracle and in the ZeRO-3 optimizer
+# (one key, so checkpoints and the NVMe swapper see the same name everywhere).
+MOMENTUM_KEY = "momentum_buffer"
+
 
 class MuonAdamW(torch.optim.Optimizer):
     r"""Muon with an auxiliary AdamW, on one device.
@@ -41,7 +45,15 @@ class MuonAdamW(torch.optim.Optimizer):
         m &\leftarrow \beta_1 m + (1-\beta_1) g, \quad v \leftarrow \beta_2 v + (1-\beta_2) g^2 \\
         W &\leftarrow W (1 - \eta\lambda) - \eta \frac{m / (1-\beta_1^t)}{\sqrt{v / (1-\beta_2^t)} + \epsilon}
 
-    A parameter whose ``.grad`` is ``None`` is skipped (its state is untouched).
+    **No gradient, no step.** A parameter whose ``.grad`` is ``None`` is skipped (its state is
+    untouched), as in ``torch.optim``. A Muon parameter is also skipped block by block: each of the
+    ``b`` matrices of its Newton–Schulz view (:func:`ds_muon.matrix.ns_view_shape`, e.g. one expert
+    of a stacked ``(E, m, n)`` parameter) whose gradient is exactly zero in every element (an expert
+    no token was routed to, a branch not taken) keeps its momentum and weights as they are: no
+    momentum decay, no update from the old momentum (Newton–Schulz would normalize it back to a
+    full-size step) and no weight decay. The ZeRO-3 optimizer applies the same rule, where a missing
+    gradient reads as zeros. An AdamW parameter with a zero (not ``None``) gradient is stepped, as in
+    ``torch.optim.AdamW``.
 
     Args:
         params: an ``nn.Module`` (parameters selected by :func:`ds_muon.selection.tag_model`),
@@ -103,17 +115,41 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _muon(self, p: torch.Tensor, group: dict) -> None:
         state = self.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p, dtype=getattr(torch, group["momentum_dtype"]))
-        m = state["momentum_buffer"]
-        g = p.grad.to(torch.float32, copy=True).view(-1)  # a copy: the update is written into it
-        u = momentum_update_(m.view(-1), g, group["momentum"], group["nesterov"])
+        if MOMENTUM_KEY not in state:
+            state[MOMENTUM_KEY] = torch.zeros_like(p, dtype=getattr(torch, group["momentum_dtype"]))
+        m = state[MOMENTUM_KEY]
+        g = p.grad.to(torch.float32, copy=True)  # a copy: the update is written into it
         b, rows, cols = ns_view_shape(param_shape(p))
+        active = g.reshape(b, -1).ne(0).any(dim=1)  # (b,) bool: blocks with a gradient this step
+        if not bool(active.all()):
+            self._muon_blocks(p, group, g, active, (b, rows, cols))
+            return
+        u = momentum_update_(m.view(-1), g.view(-1), group["momentum"], group["nesterov"])
         ns_dtype = resolve_ns_dtype(group["ns_dtype"], group["ns_method"], p.device)
         o = orthogonalize(u.reshape(b, rows, cols), group["ns_method"], group["ns_steps"], ns_dtype)
         o = o.float().mul_(update_scale(rows, cols, group["update_scale"]))
         p.mul_(1 - group["lr"] * group["weight_decay"])
         p.add_(o.view(p.shape).to(p.dtype), alpha=-group["lr"])
+
+    def _muon_blocks(self, p: torch.Tensor, group: dict, g: torch.Tensor, active: torch.Tensor,
+                     view: tuple[int, int, int]) -> None:
+        """The Muon step on the blocks ``active`` (``(b,)`` bool) of ``p``'s ``(b, rows, cols)`` view only."""
+        idx = active.nonzero().squeeze(1)
+        if idx.numel() == 0:
+            return
+        b, rows, cols = view
+        m3 = self.state[p][MOMENTUM_KEY].view(b, rows, cols)
+        p3 = p.data.view(b, rows, cols)
+        gk, mk = g.reshape(b, rows, cols)[idx], m3[idx]  # copies (advanced indexing)
+        u = momentum_update_(mk.view(-1), gk.view(-1), group["momentum"], group["nesterov"]).view(-1, rows, cols)
+        m3[idx] = mk
+        ns_dtype = resolve_ns_dtype(group["ns_dtype"], group["ns_method"], p.device)
+        o = orthogonalize(u, group["ns_method"], group["ns_steps"], ns_dtype)
+        o = o.float().mul_(update_scale(rows, cols, group["update_scale"]))
+        pk = p3[idx]
+        pk.mul_(1 - group["lr"] * group["weight_decay"])
+        pk.add_(o.to(p.dtype), alpha=-group["lr"])
+        p3[idx] = pk
 
     def _adamw(self, p: torch.Tensor, group: dict) -> None:
         state = self.state[p]

@@ -21,20 +21,23 @@ import time
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, LOSS_SCALER, OPTIMIZER_STATE_DICT
 from torch.profiler import record_function
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.utils import logger
 
+from .blocks import PADDING, BlockMap, build_block_map
+from .checkpoint import (CheckpointError, add_metadata, check_zero_state_dict, load_universal_state,
+                         restore_step_count, rigid_load_arguments)
 from .config import ConfigError, resolve_exchange_dtype
 from .exchange import BufferPool, OwnerExchange
 from .matrix import update_scale
 from .momentum import momentum_update_
 from .newton_schulz import compiled_orthogonalize, orthogonalize, resolve_ns_dtype
 from .ownership import BucketedPlan, ParamInfo, build_bucketed_plan
-
-MOMENTUM_KEY = "momentum_buffer"
+from .reference import MOMENTUM_KEY
 
 
 def cast_momentum_(state: dict, group: dict) -> None:
@@ -146,6 +149,11 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
        rank, Newton–Schulz batched by shape there, scale, all_to_all back.
     3. ``p <- p*(1 - lr*wd) - lr*o`` on the shard (decoupled weight decay).
 
+    No gradient, no step (as the oracle :class:`ds_muon.MuonAdamW`): a matrix of a parameter's
+    Newton–Schulz view (one expert of a stacked parameter) whose gradient is zero on every rank keeps
+    its momentum and weights (:meth:`_blocks_with_gradient`: one byte per matrix, all_reduce MAX over
+    the sub-group's partition group); a sub-group with no gradient at all skips the exchange.
+
     The owner plan (:func:`ds_muon.ownership.build_bucketed_plan`: LPT by Newton–Schulz FLOPs, cut
     into ``exchange_bucket_mb`` buckets that are pipelined so the all_to_all of one bucket overlaps
     Newton–Schulz on another) is built once per sub-group at construction, identically on every rank.
@@ -181,6 +189,8 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self.muon_plans: dict[int, BucketedPlan] = {}
         self._muon_pool = BufferPool()
         self._muon_exchanges: dict[int, OwnerExchange] = {}
+        self._muon_block_maps: dict[int, BlockMap] = {}
+        self._block_index: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._build_muon_plans()
         self._check_trainable_set()  # records the trainable set
 
@@ -284,6 +294,8 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                                    f"elements but its owner plan covers {plan.shard_numel}; this DeepSpeed "
                                    "version lays out ZeRO-3 partitions differently than ds_muon expects")
             self.muon_plans[i] = plan
+            self._muon_block_maps[i] = build_block_map(plan.slots, self._get_sub_group_partition_rank(i),
+                                                       plan.shard_numel)
             self._muon_exchanges[i] = OwnerExchange(self._get_sub_group_process_group(i), wire, compute, device,
                                                     self._muon_pool)
             if self._get_sub_group_partition_rank(i) == 0:
@@ -529,6 +541,14 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             momentum = state[MOMENTUM_KEY] = torch.zeros_like(fp32, dtype=getattr(torch, group["momentum_dtype"]))
             if self._momentum_in_memory:
                 momentum.swappable = False  # the swapper leaves tensors marked so in memory
+        with record_function("ds_muon/blocks_with_gradient"):
+            had = self._blocks_with_gradient(i, grad)
+        kept = None
+        if not bool(had.all()):  # every rank holds the same flags, so all take the same branch
+            if not bool(had.any()):
+                return  # no gradient anywhere in the sub-group: no exchange, nothing changes
+            ranges = self._muon_block_maps[i].local_ranges(torch.nonzero(~had).flatten().tolist())
+            kept = [(o, n, momentum.narrow(0, o, n).clone(), fp32.narrow(0, o, n).clone()) for o, n in ranges]
         with record_function("ds_muon/momentum"):
             update = momentum_update_(momentum, grad, group["momentum"], group["nesterov"])
         method, steps, mode = group["ns_method"], group["ns_steps"], group["update_scale"]
@@ -548,6 +568,36 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         with record_function("ds_muon/apply_update"):
             fp32.mul_(1 - group["lr"] * group["weight_decay"])
             fp32.add_(grad, alpha=-group["lr"])
+            for offset, n, m_old, w_old in kept or ():  # blocks with no gradient: as they were
+                momentum.narrow(0, offset, n).copy_(m_old)
+                fp32.narrow(0, offset, n).copy_(w_old)
+
+    def _blocks_with_gradient(self, i: int, grad: torch.Tensor) -> torch.Tensor:
+        """Which Newton–Schulz blocks of Muon sub-group ``i`` had a gradient this step, on any rank.
+
+        A block (one matrix of a parameter's view, e.g. one expert) has none when its gradient is
+        exactly zero in every element on every rank; DeepSpeed leaves zeros where no gradient
+        arrived. One ``segment_reduce`` over the local shard ``grad`` (``(shard numel,)`` fp32) and
+        an all_reduce(MAX) of one byte per block over the sub-group's partition group.
+
+        Returns:
+            ``(n_blocks,)`` bool on the CPU, the same on every rank of the group.
+        """
+        bm = self._muon_block_maps[i]
+        index = self._block_index.get(i)
+        if index is None or index[0].device != grad.device:
+            real = [k for k, b in enumerate(bm.block_of_segment) if b != PADDING]
+            index = self._block_index[i] = (
+                torch.tensor(bm.lengths, dtype=torch.int64, device=grad.device),
+                torch.tensor(real, dtype=torch.int64, device=grad.device),
+                torch.tensor([bm.block_of_segment[k] for k in real], dtype=torch.int64, device=grad.device))
+        lengths, real, ids = index
+        largest = torch.segment_reduce(grad.abs(), "max", lengths=lengths, unsafe=True, initial=0)
+        flags = torch.zeros(bm.n_blocks, dtype=torch.uint8, device=grad.device)
+        flags.scatter_reduce_(0, ids, largest[real].ne(0).to(torch.uint8), "amax")
+        flags = flags.to(self._muon_exchanges[i].device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._get_sub_group_process_group(i))
+        return flags.bool().cpu()
 
     # ---- checkpoints of NVMe-swapped sub-groups ---------------------------------------------
     # DeepSpeed 0.19.8 saves a swapped sub-group's fp32 partition and optimizer state as the empty
@@ -668,7 +718,6 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         """DeepSpeed's ZeRO-3 optimizer state dict plus ds_muon's metadata under ``"ds_muon"``
         (:func:`ds_muon.checkpoint.zero_metadata`: parameter names, shapes, Muon/AdamW flags, sub-group
         layout, world size, ``muon_step_count``)."""
-        from .checkpoint import add_metadata
         return add_metadata(self, super().state_dict())
 
     def load_state_dict(self, *args, **kwargs):
@@ -676,7 +725,6 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         ds_muon's fit checks run first (``CheckpointError`` on every rank before anything is
         restored) and ``muon_step_count`` is restored after; universal checkpoints go to
         :meth:`_load_universal_checkpoint`."""
-        from .checkpoint import check_zero_state_dict, restore_step_count, rigid_load_arguments
         state_dict, load_optimizer_states = rigid_load_arguments(self, super().load_state_dict, args, kwargs)
         if state_dict is not None:
             check_zero_state_dict(self, state_dict, load_optimizer_states)
@@ -688,7 +736,6 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         """Universal checkpoint (``"checkpoint": {"load_universal": true}``): ds_muon's loader, which
         knows Muon's ``momentum_buffer`` (:func:`ds_muon.checkpoint.load_universal_state`); weights
         only (``load_optimizer_states=False``): DeepSpeed's, after ds_muon's checks."""
-        from .checkpoint import CheckpointError, load_universal_state
         if self.swap_optimizer and not load_optimizer_states:
             raise CheckpointError("loading only the weights of a universal checkpoint (load_module_only / "
                                   "load_optimizer_states=False) is not supported with NVMe optimizer offload: "

@@ -422,3 +422,163 @@ def test_user_change_after_tag_model_counts_as_explicit():
     dense.use_muon = False  # the user overrides the rule's decision after tagging
     sel = tag_model(model, log=False)
     assert dense.use_muon is False and sel.reasons["encoder.layer.0.dense.weight"] == selection.EXPLICIT
+
+
+# ------------------------------------------------------------------------------------------------
+# output heads of real Hugging Face models and of wrappers around them (transformers from a config)
+# ------------------------------------------------------------------------------------------------
+def _llama_config(**kw):
+    transformers = pytest.importorskip("transformers")
+    # intermediate_size == vocab_size: gate/up map to a vocabulary-sized width inside the layers, but
+    # down_proj consumes it, so they stay hidden matrices
+    args = dict(vocab_size=96, hidden_size=32, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)
+    args.update(kw)
+    return transformers.LlamaConfig(**args)
+
+
+def _llama_hidden(prefix: str, layers: int = 2) -> set[str]:
+    return {f"{prefix}layers.{i}.{m}.weight" for i in range(layers) for m in PROJ}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_hf_llama_causal_lm_head_is_adamw(tied):
+    from transformers import LlamaForCausalLM as HFLlama
+    model = HFLlama(_llama_config(tie_word_embeddings=tied))
+    sel = select_muon_params(model)
+    muon, adamw = split(sel)
+    assert muon == _llama_hidden("model.")
+    if tied:
+        assert "lm_head.weight" not in sel.use_muon and sel.reasons["model.embed_tokens.weight"] == selection.EMBEDDING
+    else:
+        assert sel.reasons["lm_head.weight"] == selection.OUTPUT_HEAD
+    assert not sel.notes, sel.notes
+
+
+def test_hf_sequence_classification_score_is_adamw():
+    from transformers import LlamaForSequenceClassification
+    model = LlamaForSequenceClassification(_llama_config(num_labels=5))
+    assert model.get_output_embeddings() is None  # nothing declared: found from num_labels
+    sel = select_muon_params(model)
+    assert split(sel)[0] == _llama_hidden("model.")
+    assert sel.use_muon["score.weight"] is False and sel.reasons["score.weight"] == selection.OUTPUT_HEAD
+    assert not sel.notes, sel.notes
+
+
+class ValueHead(nn.Module):
+    """TRL's AutoModelForCausalLMWithValueHead's head: dropout, then Linear(hidden, 1)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.dropout = nn.Dropout(0.1)
+        self.summary = nn.Linear(d, 1)
+
+
+def test_ppo_value_head_wrapper_both_heads_adamw():
+    """A TRL-style wrapper with no get_output_embeddings of its own: the inner model declares lm_head,
+    and the value head maps the hidden size to one value."""
+    from transformers import LlamaForCausalLM as HFLlama
+
+    class WithValueHead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pretrained_model = HFLlama(_llama_config())
+            self.v_head = ValueHead(32)
+
+    sel = select_muon_params(WithValueHead())
+    muon, adamw = split(sel)
+    assert muon == _llama_hidden("pretrained_model.model.")
+    for head in ("pretrained_model.lm_head.weight", "v_head.summary.weight"):
+        assert sel.reasons[head] == selection.OUTPUT_HEAD, head
+    assert not sel.notes, sel.notes
+
+
+def test_untied_lm_head_then_value_head_without_declaration_or_config():
+    """The case the old 'last linear is the head' rule got wrong: lm_head went to Muon."""
+
+    class PolicyAndValue(nn.Module):
+        def __init__(self, vocab: int = 50, d: int = 16) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(vocab, d)
+            self.blocks = nn.ModuleList(LlamaLayer(d, 8, 24) for _ in range(2))
+            self.lm_head = nn.Linear(d, vocab, bias=False)
+            self.value_head = nn.Linear(d, 1)
+
+    sel = select_muon_params(PolicyAndValue())
+    assert sel.reasons["lm_head.weight"] == selection.OUTPUT_HEAD
+    assert sel.reasons["value_head.weight"] == selection.OUTPUT_HEAD
+    assert split(sel)[0] == {f"blocks.{i}.{m}.weight" for i in range(2) for m in PROJ}
+    assert not sel.notes, sel.notes
+
+
+def test_mtp_head_and_parallel_heads_adamw_with_declared_lm_head():
+    """A model declaring get_output_embeddings() (lm_head) with a multi-token-prediction module
+    (its own projection and decoder layer, hidden, and its own Linear(D, V) head) and Medusa-style
+    parallel heads: every vocabulary-sized head is AdamW, the MTP's hidden matrices Muon."""
+    from transformers import LlamaModel
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    cfg = _llama_config()
+
+    class MTP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+            self.block = LlamaDecoderLayer(cfg, layer_idx=cfg.num_hidden_layers)
+            self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    class WithMTP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = cfg
+            self.model = LlamaModel(cfg)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.mtp = MTP()
+            self.medusa = nn.ModuleList(nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) for _ in range(3))
+
+        def get_output_embeddings(self) -> nn.Module:
+            return self.lm_head
+
+    sel = select_muon_params(WithMTP())
+    muon, adamw = split(sel)
+    assert muon == (_llama_hidden("model.") | {"mtp.proj.weight"}
+                    | {f"mtp.block.{m}.weight" for m in PROJ})
+    for head in ["lm_head.weight", "mtp.head.weight"] + [f"medusa.{i}.weight" for i in range(3)]:
+        assert sel.reasons[head] == selection.OUTPUT_HEAD, head
+    assert not sel.notes, sel.notes
+
+
+def test_summary_says_when_the_head_was_guessed_or_unclear():
+    class MLP(nn.Module):  # no config, no embedding: nothing tells the output width
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1 = nn.Linear(20, 32)
+            self.fc2 = nn.Linear(32, 10)
+
+    sel = select_muon_params(MLP())
+    assert sel.use_muon == {"fc1.weight": True, "fc1.bias": False, "fc2.weight": False, "fc2.bias": False}
+    assert "took the last matrix" in sel.summary() and "['fc2']" in sel.summary()
+
+    class TwoOutputs(nn.Module):  # lm_head found; aux maps the hidden size to 10: a head or not?
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(50, 16)
+            self.mid = nn.Linear(16, 16)
+            self.lm_head = nn.Linear(16, 50)
+            self.aux = nn.Linear(16, 10)
+
+    sel = select_muon_params(TwoOutputs())
+    assert sel.reasons["lm_head.weight"] == selection.OUTPUT_HEAD and sel.use_muon["aux.weight"] is True
+    assert "could not tell" in sel.summary() and "'aux'" in sel.summary()
+
+
+def test_hf_gpt2_fused_qkv_with_vocabulary_width_is_hidden():
+    """Inside the repeated layers nothing is a head: a tiny GPT-2 whose c_attn (D -> 3D) happens to
+    be vocabulary-wide (vocab_size = 3D) still trains c_attn with Muon."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=96,
+                                                                 bos_token_id=0, eos_token_id=0))
+    sel = select_muon_params(model)
+    assert split(sel)[0] == {f"transformer.h.{i}.{m}.weight" for i in range(2)
+                             for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+    assert "lm_head.weight" not in sel.use_muon  # tied to wte
+    assert not sel.notes, sel.notes
