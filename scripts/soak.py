@@ -9,10 +9,19 @@ every world size) runs ``--steps`` optimizer steps twice:
   one at another W converts it with ``ds_muon.checkpoint.convert_to_universal`` and loads it with
   ``"checkpoint": {"load_universal": true}``.
 
-It checks that the per-step loss of the segmented run matches the uninterrupted one within
-``--loss-rtol`` (relative; the W change reorders fp32 reductions, so the runs drift apart by rounding
-only), and that each segment's resident memory does not grow from step to step (``--rss-growth-mib``
-between the first logged step after warm-up and the segment's last step, per rank).
+It checks three things:
+
+* the first segment (same W, same processes' arithmetic as the uninterrupted run) matches it within
+  ``--loss-rtol`` per step (measured: exactly);
+* after that, the loss curves agree as curves: the mean loss over each window of ``--window`` steps
+  within ``--window-rtol`` (relative). Per-step losses are not held to a rounding-level tolerance past
+  the first resume, on purpose: a resume at another W reorders fp32 reductions, and even a same-W
+  resume changes DeepSpeed's CPU Adam bias correction by one ulp (it recomputes ``beta^t`` with
+  ``pow`` after a restart, docs/checkpointing.md); training amplifies any such 1-ulp difference, so
+  two correct runs of 2,000 steps differ per step by several percent (measured: 10.9% worst step,
+  and 5.8e-4 already at step 400 in a W=2-only control whose resumes are otherwise exact);
+* each segment's resident memory does not grow from step to step (``--rss-growth-mib`` between the
+  first logged step after warm-up and the segment's last step, per rank).
 
     python scripts/soak.py --steps 2000 --segment 500            # the full soak (CPU, minutes)
     python scripts/soak.py --steps 24 --segment 8 --every 4      # the CI version (tests/test_faults.py)
@@ -77,7 +86,7 @@ def segment(rank: int, world_size: int, start: int, stop: int, load: dict | None
     return {"losses": losses, "rss": rss}
 
 
-def soak(steps: int, seg: int, every: int, work: str, worlds: tuple[int, ...] = (2, 1)) -> dict:
+def soak(steps: int, seg: int, every: int, work: str, worlds: tuple[int, ...] = (2, 1), window: int = 100) -> dict:
     from ds_muon.checkpoint import convert_to_universal
     timeout = max(600.0, 2.0 * steps)  # a shared 2-core machine runs ~0.3 s per step
     ref = run_distributed(segment, 2, 0, steps, None, "", every, timeout=timeout)[0]
@@ -103,7 +112,12 @@ def soak(steps: int, seg: int, every: int, work: str, worlds: tuple[int, ...] = 
         last = (world, ckpt, f"step{stop}")
     diffs = [abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"])]
     worst = max(diffs)
+    window = min(window, steps)
+    windows = [abs(sum(losses[i:i + window]) - sum(ref["losses"][i:i + window])) / abs(sum(ref["losses"][i:i + window]))
+               for i in range(0, len(losses) - window + 1, window)]
     return {"steps": steps, "segment": seg, "worlds": list(worlds), "worst_loss_rel_diff": worst,
+            "first_segment_worst_rel_diff": max(diffs[:seg]), "window": window,
+            "worst_window_mean_rel_diff": max(windows, default=0.0),
             "worst_step": diffs.index(worst), "rel_diff_at_segment_ends": [diffs[min(steps, e) - 1] for e in
                                                                           range(seg, steps + seg, seg)],
             "max_rss_growth_mib": max(rss_growth, default=0.0), "first_loss": ref["losses"][0],
@@ -116,12 +130,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--segment", type=int, default=500, help="steps between save + exit + resume")
     parser.add_argument("--every", type=int, default=50, help="log RSS every this many steps")
     parser.add_argument("--worlds", default="2,1", help="world sizes of the segments, in turn (2,2: no W change)")
-    parser.add_argument("--loss-rtol", type=float, default=1e-4)
+    parser.add_argument("--loss-rtol", type=float, default=1e-6, help="per step, first segment")
+    parser.add_argument("--window", type=int, default=100, help="steps per window of the curve comparison")
+    parser.add_argument("--window-rtol", type=float, default=2e-2, help="mean loss per window, relative")
     parser.add_argument("--rss-growth-mib", type=float, default=32.0)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as work:
-        result = soak(args.steps, args.segment, args.every, work, tuple(int(w) for w in args.worlds.split(",")))
-    result["ok"] = (result["worst_loss_rel_diff"] <= args.loss_rtol
+        result = soak(args.steps, args.segment, args.every, work, tuple(int(w) for w in args.worlds.split(",")),
+                      args.window)
+    result["ok"] = (result["first_segment_worst_rel_diff"] <= args.loss_rtol
+                    and result["worst_window_mean_rel_diff"] <= args.window_rtol
                     and result["max_rss_growth_mib"] <= args.rss_growth_mib
                     and result["n_compared"] == args.steps)
     print(json.dumps(result))

@@ -576,4 +576,5 @@ def test_soak_short():
         out = soak(24, 8, 4, work)
     assert out["n_compared"] == 24, out
     assert out["worst_loss_rel_diff"] <= 1e-4, out
+    assert out["first_segment_worst_rel_diff"] <= 1e-6, out  # before any resume: the same run
     assert out["max_rss_growth_mib"] <= 32.0, out
