@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .config import parse_muon_params
-from .matrix import ns_view_shape, update_scale
+from .matrix import SPLIT_ATTR, matrix_view, orthogonalize_blocks_, update_scale
 from .momentum import momentum_update_
 from .newton_schulz import orthogonalize, resolve_ns_dtype
 from .param_groups import split_param_groups
@@ -31,6 +31,10 @@ class MuonAdamW(torch.optim.Optimizer):
         O &\leftarrow \mathrm{NS}_k(U) \cdot s(m, n)                 && \text{Newton–Schulz, } k=\text{ns\_steps}\\
         W &\leftarrow W (1 - \eta \lambda) - \eta O                  && \text{decoupled weight decay}
 
+    where ``NS`` and the scale ``s`` apply to each block of the parameter's matrix view
+    (:func:`ds_muon.matrix.matrix_view`: one matrix, one per stacked expert, gate and up apart,
+    Q/K/V or heads apart, or a declared split; recorded on the parameter by
+    :func:`ds_muon.selection.tag_model` as ``param.ds_muon_split``), ``(m, n)`` being the block's shape,
     with ``s = sqrt(max(1, m/n))`` (``update_scale="shape"``, Keller Jordan,
     https://kellerjordan.github.io/posts/muon/) or ``s = 0.2 sqrt(max(m, n))``
     (``"rms_match"``, Moonlight, arXiv 2502.16982). ``NS`` is selected by ``ns_method``
@@ -108,10 +112,15 @@ class MuonAdamW(torch.optim.Optimizer):
         m = state["momentum_buffer"]
         g = p.grad.to(torch.float32, copy=True).view(-1)  # a copy: the update is written into it
         u = momentum_update_(m.view(-1), g, group["momentum"], group["nesterov"])
-        b, rows, cols = ns_view_shape(param_shape(p))
+        view = matrix_view(param_shape(p), getattr(p, SPLIT_ATTR, None))
         ns_dtype = resolve_ns_dtype(group["ns_dtype"], group["ns_method"], p.device)
-        o = orthogonalize(u.reshape(b, rows, cols), group["ns_method"], group["ns_steps"], ns_dtype)
-        o = o.float().mul_(update_scale(rows, cols, group["update_scale"]))
+
+        def scaled_ns(blocks: torch.Tensor) -> torch.Tensor:  # (1, *batch, rows, cols), one shape
+            o = orthogonalize(blocks, group["ns_method"], group["ns_steps"], ns_dtype).float()
+            return o.mul_(update_scale(blocks.shape[-2], blocks.shape[-1], group["update_scale"]))
+
+        o = u.reshape(1, -1).clone()  # each block of the view in place; u may be the momentum itself
+        orthogonalize_blocks_(o, view, scaled_ns)
         p.mul_(1 - group["lr"] * group["weight_decay"])
         p.add_(o.view(p.shape).to(p.dtype), alpha=-group["lr"])
 
