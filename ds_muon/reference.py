@@ -69,7 +69,7 @@ class MuonAdamW(torch.optim.Optimizer):
     def __init__(self, params: Any, **hyperparameters: Any) -> None:
         cfg = parse_muon_params(hyperparameters, path="MuonAdamW")
         groups = split_param_groups(params, cfg.muon_group_defaults(), cfg.adamw_group_defaults(),
-                                    cfg.muon_params, cfg.adamw_params)
+                                    cfg.muon_params, cfg.adamw_params, cfg.per_head_muon, cfg.declared_splits())
         super().__init__(groups, {})
         self.config = cfg
 
