@@ -443,7 +443,9 @@ def _declared_split(name: str, p: torch.Tensor, splits: dict[str, dict], used: s
     for pattern, spec in splits.items():
         if fnmatch.fnmatchcase(name, pattern):
             used.add(pattern)
-            return as_split({k: v for k, v in spec.items() if v is not None}, f"muon_splits[{pattern!r}]")
+            if isinstance(spec, dict):  # the config model's form: both keys, None where not cut
+                spec = {k: v for k, v in spec.items() if v is not None}
+            return as_split(spec, f"muon_splits[{pattern!r}]")
     return None
 
 
