@@ -149,7 +149,7 @@ class Selection:
             lines.append(f"        {kind}: {len(ns)} params -> {blocks} blocks; {ns[0]} {self.shapes[ns[0]]}: "
                          f"{self.view(ns[0]).describe()}  [{example}]")
         if any(r in (EXPERTS, ROUTER) for r in self.reasons.values()):
-            lines.append(f"  MoE rule: {MOE_RULE}")
+            lines.append("  MoE rule: " + MOE_RULE.replace("\n", "\n            "))
         return lines
 
 
@@ -303,11 +303,11 @@ _QUERY_LEAVES = ("q_proj", "query", "wq")
 _KV_LEAVES = ("k_proj", "key", "wk", "v_proj", "value", "wv")
 _MLA_LEAVES = ("q_b_proj", "kv_b_proj")
 
-MOE_RULE = ("experts: a module whose >=2-D parameters are all 3-D with one leading size E equal to the model "
-            "config's expert count (num_experts/num_local_experts/n_routed_experts/moe_num_experts) or to its own "
-            "num_experts -> Muon, one matrix per expert, a fused gate_up (E, 2I, H) as gate and up apart; "
-            "router/gate: a matrix next to the experts (same parent module) with E or 1 output rows -> AdamW; "
-            "shared experts: ordinary hidden linear layers -> Muon")
+MOE_RULE = ("experts = a module whose >=2-D parameters are all 3-D with one leading size E, E = the model config's "
+            "expert count (num_experts, num_local_experts, n_routed_experts, moe_num_experts) or the module's "
+            "num_experts: Muon, one matrix per expert, a fused gate_up (E, 2I, H) as gate and up\n"
+            "router/gate = a matrix next to the experts (same parent module) with E or 1 output rows: AdamW\n"
+            "shared experts = ordinary hidden linear layers: Muon")
 
 
 def _text_config(model: nn.Module):

@@ -141,7 +141,7 @@ CASES = {
              expect={"self_attn.qkv_proj.weight": "q/k/v", "mlp.gate_up_proj.weight": "gate/up"}),
         dict(name="llama-declared", model="llama", declare=True,
              params={"muon_splits": {"model.layers.1.self_attn.o_proj.weight": [8, 24]}},
-             expect={"self_attn.o_proj.weight": "declared", "mlp.down_proj.weight": "declared"})],
+             expect={"layers.1.self_attn.o_proj.weight": "declared", "layers.0.mlp.down_proj.weight": "declared"})],
 }
 
 
