@@ -13,6 +13,16 @@ Order of precedence, first match wins:
    no head at all therefore sends its last hidden matrix to AdamW), norms, biases, 0-D/1-D parameters, and >=2-D
    parameters of modules the rule does not recognise (tag those yourself; AdamW is never wrong,
    only possibly slower to train).
+   MoE (:data:`MOE_RULE`): the 3-D parameters of an expert container (a module whose >=2-D
+   parameters are all ``(E, ., .)`` with E the config's expert count or the module's
+   ``num_experts``) are Muon; a router/gate next to it (E or 1 output rows) is AdamW.
+
+Each Muon parameter also gets its matrix view (design.md §7b, :mod:`ds_muon.matrix`): the blocks
+Newton–Schulz orthogonalizes separately. First match: ``param.muon_split``, the config's
+``muon_splits`` patterns, a fused gate_up (gate and up apart: dense ``(2I, H)`` next to a down Linear
+with I inputs, or per expert ``(E, 2I, H)`` next to ``(E, H, I)``), a fused QKV (``qkv_proj``/``c_attn``:
+Q, K, V apart) and, with ``per_head_muon``, Q/K/V projections per head (geometry from
+``model.config``). Otherwise one matrix (E for a stacked parameter). docs/selection.md has the rules.
 
 Shapes come from ``ds_shape`` when the model was built under ``deepspeed.zero.Init`` (there
 ``param.shape`` is a flat placeholder).
@@ -377,6 +387,17 @@ def _head_geometry(cfg) -> Optional[tuple[int, int, int]]:
     return (nh, nkv, hd) if hd else None
 
 
+def _module_head_geometry(module: Optional[nn.Module]) -> Optional[tuple[int, int, int]]:
+    """Head geometry an attention module states itself (``n_heads``/``num_heads``, ``n_kv_heads``/
+    ``num_key_value_heads``, ``head_dim``), for models without a transformers config."""
+    first = lambda *names: next((v for v in (_positive_int(getattr(module, n, None)) for n in names) if v), None)  # noqa: E731
+    nh = first("num_attention_heads", "num_heads", "n_heads", "n_head")
+    hd = first("head_dim", "head_size")
+    if module is None or nh is None or hd is None:
+        return None
+    return nh, first("num_key_value_heads", "num_kv_heads", "n_kv_heads") or nh, hd
+
+
 def _gate_up_split(leaf_param: str, shape: tuple, siblings: list[tuple], notes: list[str], name: str) -> Optional[Split]:
     """gate and up apart for a fused gate_up: (2I, H) or (E, 2I, H) next to a down (H', I) / (E, H, I)."""
     if "gate_up" not in leaf_param.lower() or len(shape) not in (2, 3):
@@ -392,7 +413,7 @@ def _gate_up_split(leaf_param: str, shape: tuple, siblings: list[tuple], notes: 
 
 
 def _attention_split(leaf: str, module: nn.Module, shape: tuple, cfg, per_head: bool,
-                     notes: list[str], examined: dict[str, str]) -> Optional[Split]:
+                     parent: Optional[nn.Module], examined: dict[str, str]) -> Optional[Split]:
     """Q/K/V apart for fused QKV, and per head with ``per_head``; None for anything else."""
     leaf = leaf.lower()
     fused_contiguous = any(leaf.startswith(k) for k in _FUSED_QKV_CONTIGUOUS)
@@ -401,9 +422,10 @@ def _attention_split(leaf: str, module: nn.Module, shape: tuple, cfg, per_head: 
     mla = any(leaf.startswith(k) for k in _MLA_LEAVES)
     if len(shape) != 2 or not (fused_contiguous or fused_interleaved or ((query or kv or mla) and per_head)):
         return None
-    geometry = _head_geometry(cfg)
+    geometry = _head_geometry(cfg) or _module_head_geometry(parent)
     if geometry is None:
-        examined[leaf] = "no head geometry (model.config with num_attention_heads)"
+        examined[leaf] = ("no head geometry (model.config with num_attention_heads, or n_heads and head_dim on "
+                          "the attention module)")
         return None
     nh, nkv, hd = geometry
     on_cols = type(module).__name__ in _MATRIX_CLASS_NAMES  # GPT-2 Conv1D: weight (in, out)
@@ -459,12 +481,12 @@ def _assign_views(model: nn.Module, sel: "Selection", per_head: bool, splits: di
     for name, p in params.items():
         module_name, _, leaf_param = name.rpartition(".")
         module = modules.get(module_name, model)
-        declared = _declared_split(name, p, splits, used)
         if not sel.use_muon[name]:
-            if declared is not None and getattr(p, USER_SPLIT_ATTR, None) is not None:
+            if getattr(p, USER_SPLIT_ATTR, None) is not None:
                 raise ValueError(f"parameter {name!r} declares {USER_SPLIT_ATTR} but goes to AdamW "
                                  f"({sel.reasons[name]}); remove the split or set use_muon=True on it")
             continue
+        declared = _declared_split(name, p, splits, used)
         shape = param_shape(p)
         split = declared
         if split is None and len(shape) == 3:  # per expert gate_up: (E, 2I, H) next to down (E, H, I)
@@ -477,7 +499,8 @@ def _assign_views(model: nn.Module, sel: "Selection", per_head: bool, splits: di
                         and isinstance(c, nn.Linear)]
             split = _gate_up_split(module_name.rpartition(".")[2], shape, siblings, sel.notes, name)
         if split is None and _is_matrix_module(module):
-            split = _attention_split(module_name.rpartition(".")[2], module, shape, cfg, per_head, sel.notes, examined)
+            parent = modules.get(module_name.rpartition(".")[0], model) if module_name else None
+            split = _attention_split(module_name.rpartition(".")[2], module, shape, cfg, per_head, parent, examined)
         if split is not None:
             try:
                 matrix_view(shape, split)
@@ -486,8 +509,8 @@ def _assign_views(model: nn.Module, sel: "Selection", per_head: bool, splits: di
             sel.splits[name] = split
     unused = sorted(set(splits) - used)
     if unused:
-        raise ValueError(f"optimizer.params.muon_splits: pattern(s) {unused} match no parameter; fix the pattern "
-                         "(fnmatch over model.named_parameters() names)")
+        raise ValueError(f"optimizer.params.muon_splits: pattern(s) {unused} match no Muon parameter; fix the "
+                         "pattern (fnmatch over model.named_parameters() names)")
     if per_head:
         if not any(s.label == "per head" for s in sel.splits.values()):
             raise ValueError("per_head_muon is enabled but no attention projection could be split per head, so "
@@ -496,6 +519,6 @@ def _assign_views(model: nn.Module, sel: "Selection", per_head: bool, splits: di
                              "query_key_value, ...) and model.config with num_attention_heads (num_key_value_heads, "
                              "head_dim). Remove per_head_muon, or declare the blocks with muon_splits. Examined: "
                              f"{dict(sorted(examined.items())) or 'none'}")
-        mismatched = {k: v for k, v in examined.items() if v not in ("per head",)}
-        if mismatched:
-            sel.notes.append(f"per_head_muon: {dict(sorted(mismatched.items()))} stay whole")
+    mismatched = {k: v for k, v in examined.items() if v not in ("per head", "q/k/v")}
+    if mismatched:  # attention projections by name whose geometry or layout did not allow a split
+        sel.notes.append(f"attention projections left whole: {dict(sorted(mismatched.items()))}")

@@ -280,7 +280,7 @@ def test_declared_splits_attribute_and_pattern():
         attr.muon_split = [20, 20]
         select_muon_params(model)
     del attr.muon_split
-    with pytest.raises(ValueError, match="match no parameter"):
+    with pytest.raises(ValueError, match="match no Muon parameter"):
         select_muon_params(model, muon_splits={"*.nothing": [1]})
     attr = model.model.norm.weight
     attr.muon_split = [16, 16]
