@@ -21,6 +21,9 @@ from ds_muon.ownership import ParamInfo, build_bucketed_plan, build_plan
 from ds_muon.selection import select_muon_params, tag_model
 
 transformers = pytest.importorskip("transformers")
+# transformers 5 stores MoE experts stacked ((E, 2I, H) gate_up_proj); 4.x kept one Linear per expert.
+stacked_experts = pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5,
+                                     reason="stacked expert containers need transformers >= 5")
 
 
 def scaled_ns(blocks: torch.Tensor) -> torch.Tensor:
@@ -156,6 +159,7 @@ def mixtral():
                                                        num_experts_per_tok=2, intermediate_size=24))
 
 
+@stacked_experts
 @pytest.mark.parametrize("build,inter", [(qwen3_moe, 16), (mixtral, 24)])
 def test_hf_moe_experts_on_muon_per_expert_gate_up_apart(build, inter):
     model = build()
@@ -173,6 +177,7 @@ def test_hf_moe_experts_on_muon_per_expert_gate_up_apart(build, inter):
     assert "MoE rule:" in text and "stacked, gate/up" in text and "8 blocks of" in text
 
 
+@stacked_experts
 def test_qwen2_moe_shared_expert_muon_and_its_gate_adamw():
     model = transformers.Qwen2MoeForCausalLM(tiny_config(
         transformers.Qwen2MoeConfig, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,

@@ -148,6 +148,8 @@ CASES = {
 @pytest.mark.parametrize("world_size", sorted(CASES))
 def test_moe_and_split_views_match_oracle(world_size: int) -> None:
     cases = CASES[world_size]
+    if int(transformers.__version__.split(".")[0]) < 5:  # 4.x keeps one Linear per expert (no stacked container)
+        cases = [c for c in cases if c["model"] not in ("qwen3_moe", "mixtral")]
     results = run_distributed(moe_worker, world_size, cases)
     for k, case in enumerate(cases):
         res, name = results[0][k], case["name"]
