@@ -145,10 +145,20 @@ _ONLY_TRUE_REASONS = {
 _BlockSize = Annotated[int, Field(ge=1)]
 
 
+def _split_schema(schema: dict[str, Any]) -> None:
+    """JSON Schema of a split: the object form, or a bare list (row block sizes), as the model accepts."""
+    obj = dict(schema, minProperties=1)
+    schema.clear()
+    schema.update(title=obj.pop("title"), description=obj.pop("description"), anyOf=[
+        {"type": "array", "items": {"type": "integer", "minimum": 1}, "minItems": 1,
+         "description": "Row block sizes in order (the same as {\"rows\": [...]})."}, obj])
+
+
 class MuonSplit(BaseModel):
     """A declared split of each matrix of a parameter: contiguous row and/or column block sizes."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, title="ds_muon matrix split")
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, title="ds_muon matrix split",
+                              json_schema_extra=_split_schema)
 
     rows: Optional[list[_BlockSize]] = Field(
         None, min_length=1,

@@ -305,6 +305,18 @@ def test_config_accepts_per_head_and_validates_splits():
         parse_muon_params({"muon_splits": {"a": {}}})
     with pytest.raises(ConfigError, match="per_head_muon"):
         parse_muon_params({"per_head_muon": "yes"})
+    # the committed JSON Schema accepts and refuses the same forms
+    import json
+    import os
+
+    import jsonschema
+    path = os.path.join(os.path.dirname(__file__), "..", "ds_config_schemas", "muon_optimizer_params.schema.json")
+    with open(path) as f:
+        schema = json.load(f)
+    jsonschema.validate({"per_head_muon": True, "muon_splits": {"a": [4, 2], "b": {"cols": [3, 3]}}}, schema)
+    for bad in ({"a": [0]}, {"a": {}}, {"a": {"row": [1]}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({"muon_splits": bad}, schema)
 
 
 def _copy_unfused(phi: nn.Module, lla: nn.Module) -> None:
