@@ -2,6 +2,7 @@
 Muon vs. AdamW (FusedAdam), ZeRO-3, same model, data and GPUs, in one invocation.
 
     python benchmarks/step_time.py --nproc 2 [--model 934m] [--steps 20] [--out results.json]
+    python benchmarks/step_time.py --nproc 2 --model moe-1.5b   # MoE flavour: 8 stacked experts per layer, top 2
 
 The driver launches one ``torchrun`` worker group per optimizer (a fresh process each, so peak
 memory is per optimizer), then prints a table and the ratios against AdamW and the built-in.
@@ -264,7 +265,7 @@ def main() -> None:
     ap.add_argument("--optimizer", choices=OPTIMIZERS)
     ap.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--model", default="934m")
+    ap.add_argument("--model", default="934m", help="an examples/model.py preset (934m, 2.9b, moe-1.5b, ...)")
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--warmup", type=int, default=5)

@@ -9,13 +9,13 @@ ds_muon reads two places of an ordinary DeepSpeed config (``ds_config.json``):
     :class:`MuonOptimizerParams` (pydantic v2, ``extra="forbid"``): every key has a type, bounds,
     a default, and a description stating its unit and its source. DeepSpeed does not validate
     ``optimizer.params`` at all, so ds_muon validates it strictly: an unknown key is an error with
-    a "did you mean" hint, a key that only DeepSpeed's built-in Muon understands (``per_head_muon``)
-    is an error that says so, and a value of the wrong type is not coerced
+    a "did you mean" hint, a key DeepSpeed's built-in Muon rejects too (``max_grad_norm``) is an error
+    that says so, and a value of the wrong type is not coerced
     (``"nesterov": "yes"`` is an error, not ``True``).
 
     The keys DeepSpeed's built-in Muon accepts keep its meaning, so an existing config works
     unchanged: ``lr``, ``momentum``, ``weight_decay``, ``muon_lr``, ``adam_lr``, ``betas``, ``eps``,
-    ``ns_method``, ``adam_w_mode``, ``torch_adam``, ``foreach``, ``fp32_optimizer_states`` (see
+    ``ns_method``, ``adam_w_mode``, ``torch_adam``, ``foreach``, ``fp32_optimizer_states``, ``per_head_muon`` (see
     ``DeepSpeedEngine._configure_basic_optimizer``, ``get_optimizer_configuration`` and
     ``_muon_param_groups`` in deepspeed 0.18.9-0.19.8: ``lr``/``weight_decay`` are shared by both
     halves, ``muon_lr``/``adam_lr`` override ``lr`` per half, ``betas``/``eps`` go to the AdamW
@@ -24,7 +24,7 @@ ds_muon reads two places of an ordinary DeepSpeed config (``ds_config.json``):
     accept ``true``, what ds_muon does). The one visible difference is the default
     ``ns_method``: DeepSpeed's is ``"gram"``, ours is ``"standard"`` until measurement picks one.
     ds_muon adds ``nesterov``, ``ns_steps``, ``ns_dtype``, ``update_scale``,
-    ``adam_weight_decay``, ``exchange_dtype``, ``muon_params`` and ``adamw_params``, and accepts
+    ``adam_weight_decay``, ``exchange_dtype``, ``muon_params``, ``adamw_params`` and ``muon_splits``, and accepts
     ``adam_betas``/``adam_eps`` as aliases of ``betas``/``eps`` (design.md section 1 uses them).
 
 ``zero_optimization`` -- DeepSpeed's own pydantic model (``extra="forbid"``) validates it, so
@@ -77,14 +77,11 @@ OPTIMIZER_PARAMS_PATH = "optimizer.params"
 MUON_TYPE = "muon"
 
 # Keys DeepSpeed's built-in Muon path reads from optimizer.params that ds_muon does not support,
-# with the reason and the fix. (DeepSpeed 0.18.9-0.19.8: deepspeed/__init__.py reads
-# per_head_muon; _configure_basic_optimizer rejects max_grad_norm. The other keys it reads --
-# lr, muon_lr, adam_lr, momentum, weight_decay, ns_method, betas, eps, adam_w_mode, and the ones
-# get_optimizer_configuration pops: torch_adam, foreach, fp32_optimizer_states -- are fields.)
+# with the reason and the fix. (DeepSpeed 0.18.9-0.19.8: _configure_basic_optimizer rejects max_grad_norm.
+# The other keys it reads -- lr, muon_lr, adam_lr, momentum, weight_decay, ns_method, betas, eps,
+# adam_w_mode, per_head_muon (deepspeed/__init__.py), and the ones get_optimizer_configuration pops:
+# torch_adam, foreach, fp32_optimizer_states -- are fields.)
 UNSUPPORTED_BUILTIN_KEYS: dict[str, str] = {
-    "per_head_muon": ("is an option of DeepSpeed's built-in Muon (Newton-Schulz per attention head) that ds_muon "
-                      "does not support: ds_muon orthogonalizes each weight matrix as a whole; remove the key, "
-                      "or use DeepSpeed's built-in Muon"),
     "max_grad_norm": ("is not an optimizer parameter (DeepSpeed rejects it too); set the top-level "
                       "'gradient_clipping' of the DeepSpeed config instead"),
 }
@@ -143,6 +140,44 @@ _ONLY_TRUE_REASONS = {
                               "only sets DeepSpeedCPUAdam's moment dtype), and lower-precision Adam moments are not "
                               "supported; for bf16 Muon momentum set momentum_dtype 'bfloat16' instead"),
 }
+
+
+_BlockSize = Annotated[int, Field(ge=1)]
+
+
+def _split_schema(schema: dict[str, Any]) -> None:
+    """JSON Schema of a split: the object form, or a bare list (row block sizes), as the model accepts."""
+    obj = dict(schema, minProperties=1)
+    schema.clear()
+    schema.update(title=obj.pop("title"), description=obj.pop("description"), anyOf=[
+        {"type": "array", "items": {"type": "integer", "minimum": 1}, "minItems": 1,
+         "description": "Row block sizes in order (the same as {\"rows\": [...]})."}, obj])
+
+
+class MuonSplit(BaseModel):
+    """A declared split of each matrix of a parameter: contiguous row and/or column block sizes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, title="ds_muon matrix split",
+                              json_schema_extra=_split_schema)
+
+    rows: Optional[list[_BlockSize]] = Field(
+        None, min_length=1,
+        description="Row block sizes in order (elements, each >= 1, summing to the matrix's rows); null: rows not cut.")
+    cols: Optional[list[_BlockSize]] = Field(
+        None, min_length=1,
+        description=("Column block sizes in order (elements, each >= 1, summing to the matrix's columns); null: "
+                     "columns not cut."))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _list_means_rows(cls, data: Any) -> Any:
+        return {"rows": data} if isinstance(data, list) else data
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> "MuonSplit":
+        if self.rows is None and self.cols is None:
+            raise _custom("a split needs 'rows' and/or 'cols'", allowed="{\"rows\": [...]} and/or {\"cols\": [...]}")
+        return self
 
 
 class MuonOptimizerParams(BaseModel):
@@ -307,6 +342,26 @@ class MuonOptimizerParams(BaseModel):
                      "parameter in the AdamW half; checked before muon_params, so a name matched by both goes to "
                      "AdamW. An explicit param.use_muon attribute still wins. Source: ds_muon."))
 
+    per_head_muon: bool = Field(
+        False,
+        description=("Orthogonalize attention projections one head at a time: the Q, K and V projections (separate "
+                     "q_proj/k_proj/v_proj, fused qkv_proj/c_attn/query_key_value, GQA included, and MLA's "
+                     "q_b_proj/kv_b_proj) are split into per-head blocks of head_dim rows, each orthogonalized and "
+                     "scaled on its own; the head geometry comes from the model's config (num_attention_heads, "
+                     "num_key_value_heads, head_dim). When no projection matches, start-up fails naming what was "
+                     "examined. Source: DeepSpeed built-in Muon 'per_head_muon', same meaning; ds_muon also splits "
+                     "fused QKV projections per head (the built-in leaves them whole)."))
+    muon_splits: dict[str, MuonSplit] = Field(
+        default_factory=dict,
+        description=("Declared matrix views: fnmatch-style glob pattern (over model.named_parameters() names) -> "
+                     "block sizes. A list [a, b, ...] cuts each matrix of a matching Muon parameter into row blocks "
+                     "of those sizes (elements; they must sum to its rows); {\"rows\": [...], \"cols\": [...]} cuts "
+                     "rows and/or columns. For a stacked (E, rows, cols) parameter the split applies to each of the E "
+                     "matrices. Each block is orthogonalized and scaled on its own. A param.muon_split attribute wins; "
+                     "a declared split replaces the automatic ones (experts' gate/up, fused QKV, per head); a pattern "
+                     "that matches no Muon parameter is an error. Source: ds_muon (Megatron's split_qkv, Dion's "
+                     "split sizes)."))
+
     # ---- validators --------------------------------------------------------------------------
     @model_validator(mode="before")
     @classmethod
@@ -334,6 +389,17 @@ class MuonOptimizerParams(BaseModel):
             if not pattern.strip():
                 raise _custom("a pattern is empty", allowed="non-empty fnmatch glob patterns such as '*.mlp.*.weight'")
         return value
+
+    @field_validator("muon_splits")
+    @classmethod
+    def _split_patterns_non_empty(cls, value: dict) -> dict:
+        if any(not pattern.strip() for pattern in value):
+            raise _custom("a pattern is empty", allowed="non-empty fnmatch glob patterns such as '*.attn.wqkv.weight'")
+        return value
+
+    def declared_splits(self) -> dict[str, dict]:
+        """``muon_splits`` as ``{pattern: {"rows": [...] or None, "cols": [...] or None}}``."""
+        return {k: v.model_dump() for k, v in self.muon_splits.items()}
 
     @model_validator(mode="after")
     def _patterns_disjoint(self) -> "MuonOptimizerParams":
@@ -404,6 +470,9 @@ def _allowed_for_field(name: str) -> str:
     """A human description of what field ``name`` accepts, derived from its annotation and bounds."""
     if name in ("betas",):
         return "a pair [beta1, beta2] of numbers, each in [0, 1)"
+    if name == "muon_splits":
+        return ("an object mapping glob patterns to a list of row block sizes (ints >= 1) or to "
+                "{\"rows\": [...], \"cols\": [...]}")
     field = MuonOptimizerParams.model_fields.get(name)
     if field is None:
         return "see the MuonOptimizerParams documentation"

@@ -12,13 +12,15 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from .matrix import matrix_view, orthogonalize_blocks_
 from .ownership import BucketedPlan, ExchangePlan
 
 # Buckets holding exchange buffers at once: one computing, one returning, one arriving.
 PIPELINE_DEPTH = 3
 
-# fn(batch) -> update: batch has shape (count, b, rows, cols) in the compute dtype; the result has
-# the same shape (any float dtype) and already includes the update scale.
+# fn(batch) -> update: batch has shape (count, *blocks, rows, cols) in the compute dtype (count
+# parameters with the same matrix view, the equal-shape blocks of one group of it); the result has
+# the same shape (any float dtype) and already includes the update scale of a rows x cols block.
 OrthogonalizeFn = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -159,17 +161,17 @@ class OwnerExchange:
 
     def _owner_compute(self, b: ExchangePlan, owner_side: torch.Tensor, fn: OrthogonalizeFn,
                        device: torch.device) -> None:
-        """In place on the owner's ``(W, split_sizes[rank])`` block: rebuild each owned matrix from its
-        W chunks, orthogonalize per shape batch, write the result back as chunks (padding zeroed)."""
+        """In place on the owner's ``(W, split_sizes[rank])`` block: rebuild each owned parameter from its
+        W chunks, orthogonalize the blocks of its matrix view (batched over the parameters with the
+        same view, one call per block group), write the result back as chunks (padding zeroed)."""
         W, mine = self.world_size, b.split_sizes[self.rank]
         block = owner_side.view(W, mine)
         for batch in b.batches[self.rank]:
             k, c, numel = batch.count, batch.chunk, batch.numel
-            nb, rows, cols = batch.ns_shape
             chunks = block[:, batch.start:batch.start + k * c].view(W, k, c).permute(1, 0, 2)
             full = self.pool.get("matrix", k * W * c, self.assembly_dtype, device).view(k, W * c)
             full.view(k, W, c).copy_(chunks)
-            mats = full.as_strided((k, nb, rows, cols), (W * c, rows * cols, cols, 1))
-            mats.copy_(fn(mats))
+            view = batch.view if batch.view is not None else matrix_view(batch.ns_shape)
+            orthogonalize_blocks_(full, view, fn)  # one batched call per block group of the view
             full[:, numel:].zero_()
             chunks.copy_(full.view(k, W, c))

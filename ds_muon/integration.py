@@ -80,7 +80,8 @@ def _set_optimizer_flags(config_class, model) -> None:
         ds_logger.warning(AUTO_NOTICE)
         _auto_notice_done = True
     check_zero3_parameters(model)
-    selection = tag_model(model, cfg.muon_params, cfg.adamw_params, log=False)
+    selection = tag_model(model, cfg.muon_params, cfg.adamw_params, log=False, per_head_muon=cfg.per_head_muon,
+                          muon_splits=cfg.declared_splits())
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     if _is_rank0():  # DeepSpeed's own logger, so the summary shows where DeepSpeed's start-up lines do
         log_info(selection.summary(frozen))

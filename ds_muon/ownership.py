@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
-from .matrix import ns_view_shape
-from .newton_schulz import ns_flops
+from .matrix import MatrixView, Split, matrix_view
 
 
 @dataclass(frozen=True)
@@ -41,7 +40,8 @@ class MatrixSlot:
         shard_offset: element offset of this parameter's chunk in the local flat shard.
         owner: rank that runs Newton–Schulz on it.
         owner_offset: column offset of its chunk inside the owner's ``(W, split_sizes[owner])`` block.
-        cost: Newton–Schulz matmul FLOPs for it.
+        cost: Newton–Schulz matmul FLOPs for it (summed over the blocks of its view).
+        view: its :class:`~ds_muon.matrix.MatrixView` (the blocks Newton–Schulz orthogonalizes).
     """
 
     index: int
@@ -54,11 +54,13 @@ class MatrixSlot:
     owner: int
     owner_offset: int
     cost: int
+    view: Optional[MatrixView] = None
 
 
 @dataclass(frozen=True)
 class ShapeBatch:
-    """Same-shape matrices one owner orthogonalizes in a single batched call.
+    """Parameters with the same matrix view, which one owner orthogonalizes together: one batched
+    Newton–Schulz call per block group of the view (:func:`ds_muon.matrix.orthogonalize_blocks_`).
 
     Their chunks are adjacent in the owner's block: columns ``[start, start + count * chunk)``.
     """
@@ -68,6 +70,7 @@ class ShapeBatch:
     chunk: int
     start: int
     count: int
+    view: Optional[MatrixView] = None
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,7 @@ class ParamInfo:
     name: str
     shape: tuple[int, ...]
     numel: int
+    split: Optional[Split] = None
 
 
 def chunk_size(numel: int, world_size: int) -> int:
@@ -136,7 +140,7 @@ def _assign_owners(infos: list, world_size: int, policy: str) -> dict[int, int]:
         return {t[0]: t[0] % world_size for t in infos}
     loads = [0] * world_size
     owners: dict[int, int] = {}
-    for i, _, _, chunk, _, cost in sorted(infos, key=lambda t: (-t[5], -t[3], t[0])):
+    for i, _, _, chunk, _, cost, _ in sorted(infos, key=lambda t: (-t[5], -t[3], t[0])):
         r = min(range(world_size), key=lambda k: (loads[k], k))
         owners[i] = r
         loads[r] += cost
@@ -145,30 +149,30 @@ def _assign_owners(infos: list, world_size: int, policy: str) -> dict[int, int]:
 
 def _layout(infos: list, owners: dict[int, int], world_size: int, shard_numel: int) -> ExchangePlan:
     """Exchange layout of the given matrices: by owner, then shape, then index."""
-    order = sorted(infos, key=lambda t: (owners[t[0]], t[2], t[0]))
+    order = sorted(infos, key=lambda t: (owners[t[0]], t[6].sort_key(), t[0]))
     split = [0] * world_size
     slots = []
-    for i, p, ns_shape, chunk, off, cost in order:
+    for i, p, ns_shape, chunk, off, cost, view in order:
         r = owners[i]
-        slots.append(MatrixSlot(i, p.name, tuple(p.shape), ns_shape, p.numel, chunk, off, r, split[r], cost))
+        slots.append(MatrixSlot(i, p.name, tuple(p.shape), ns_shape, p.numel, chunk, off, r, split[r], cost, view))
         split[r] += chunk
     batches: list[list[ShapeBatch]] = [[] for _ in range(world_size)]
     for s in slots:
         rank_batches = batches[s.owner]
         last = rank_batches[-1] if rank_batches else None
-        if last is not None and last.ns_shape == s.ns_shape and last.start + last.count * last.chunk == s.owner_offset:
-            rank_batches[-1] = ShapeBatch(last.ns_shape, last.numel, last.chunk, last.start, last.count + 1)
+        if last is not None and last.view.sort_key() == s.view.sort_key() and last.start + last.count * last.chunk == s.owner_offset:
+            rank_batches[-1] = ShapeBatch(last.ns_shape, last.numel, last.chunk, last.start, last.count + 1, last.view)
         else:
-            rank_batches.append(ShapeBatch(s.ns_shape, s.numel, s.chunk, s.owner_offset, 1))
+            rank_batches.append(ShapeBatch(s.ns_shape, s.numel, s.chunk, s.owner_offset, 1, s.view))
     return ExchangePlan(world_size, tuple(slots), tuple(split), tuple(tuple(b) for b in batches), shard_numel)
 
 
 def _infos(params: Sequence[ParamInfo], world_size: int, ns_steps: int, ns_method: str) -> tuple[list, int]:
     infos, offset = [], 0
     for i, p in enumerate(params):
-        b, m, n = ns_view_shape(p.shape)
+        view = matrix_view(p.shape, p.split)
         chunk = chunk_size(p.numel, world_size)
-        infos.append((i, p, (b, m, n), chunk, offset, ns_flops(m, n, ns_steps, ns_method, batch=b)))
+        infos.append((i, p, view.ns_shape, chunk, offset, view.cost(ns_steps, ns_method), view))
         offset += chunk
     return infos, offset
 

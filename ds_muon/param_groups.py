@@ -6,7 +6,7 @@ sub-group is all-Muon or all-AdamW (design.md §2).
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import torch
 from torch import nn
@@ -32,7 +32,8 @@ def _half_settings(defaults: dict, overrides: dict, keys: tuple[str, ...], renam
 
 
 def split_param_groups(params: Any, muon_defaults: dict, adamw_defaults: dict,
-                       muon_patterns: Iterable[str] = (), adamw_patterns: Iterable[str] = ()) -> list[dict]:
+                       muon_patterns: Iterable[str] = (), adamw_patterns: Iterable[str] = (),
+                       per_head_muon: bool = False, muon_splits: Optional[dict] = None) -> list[dict]:
     """Turn ``params`` into param groups each flagged ``use_muon`` True or False.
 
     Args:
@@ -41,6 +42,8 @@ def split_param_groups(params: Any, muon_defaults: dict, adamw_defaults: dict,
             ``use_muon`` unless a module is given; untagged ones go through the shape rule
             (>= 2-D -> Muon), which cannot recognise embeddings or heads, so pass the module.
         muon_defaults / adamw_defaults: hyperparameters of each half (see ``MUON_KEYS``/``ADAMW_KEYS``).
+        muon_patterns, adamw_patterns, per_head_muon, muon_splits: passed to ``tag_model`` when
+            ``params`` is a module (the parameters' matrix views are recorded there).
 
     Returns:
         A list of group dicts ``{"params": [...], "use_muon": bool, <hyperparameters>}``, Muon half
@@ -51,7 +54,7 @@ def split_param_groups(params: Any, muon_defaults: dict, adamw_defaults: dict,
         ValueError: a Muon parameter with fewer than 2 dims (names its shape).
     """
     if isinstance(params, nn.Module):
-        tag_model(params, muon_patterns, adamw_patterns)
+        tag_model(params, muon_patterns, adamw_patterns, per_head_muon=per_head_muon, muon_splits=muon_splits)
         params = list(params.parameters())
     params = list(params)
     if not params:

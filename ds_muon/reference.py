@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .config import parse_muon_params
-from .matrix import ns_view_shape, update_scale
+from .matrix import SPLIT_ATTR, matrix_view, ns_view_shape, orthogonalize_blocks_, update_scale
 from .momentum import momentum_update_
 from .newton_schulz import orthogonalize, resolve_ns_dtype
 from .param_groups import split_param_groups
@@ -35,6 +35,10 @@ class MuonAdamW(torch.optim.Optimizer):
         O &\leftarrow \mathrm{NS}_k(U) \cdot s(m, n)                 && \text{Newton–Schulz, } k=\text{ns\_steps}\\
         W &\leftarrow W (1 - \eta \lambda) - \eta O                  && \text{decoupled weight decay}
 
+    where ``NS`` and the scale ``s`` apply to each block of the parameter's matrix view
+    (:func:`ds_muon.matrix.matrix_view`: one matrix, one per stacked expert, gate and up apart,
+    Q/K/V or heads apart, or a declared split; recorded on the parameter by
+    :func:`ds_muon.selection.tag_model` as ``param.ds_muon_split``), ``(m, n)`` being the block's shape,
     with ``s = sqrt(max(1, m/n))`` (``update_scale="shape"``, Keller Jordan,
     https://kellerjordan.github.io/posts/muon/) or ``s = 0.2 sqrt(max(m, n))``
     (``"rms_match"``, Moonlight, arXiv 2502.16982). ``NS`` is selected by ``ns_method``
@@ -77,7 +81,7 @@ class MuonAdamW(torch.optim.Optimizer):
     def __init__(self, params: Any, **hyperparameters: Any) -> None:
         cfg = parse_muon_params(hyperparameters, path="MuonAdamW")
         groups = split_param_groups(params, cfg.muon_group_defaults(), cfg.adamw_group_defaults(),
-                                    cfg.muon_params, cfg.adamw_params)
+                                    cfg.muon_params, cfg.adamw_params, cfg.per_head_muon, cfg.declared_splits())
         super().__init__(groups, {})
         self.config = cfg
 
@@ -118,38 +122,30 @@ class MuonAdamW(torch.optim.Optimizer):
         if MOMENTUM_KEY not in state:
             state[MOMENTUM_KEY] = torch.zeros_like(p, dtype=getattr(torch, group["momentum_dtype"]))
         m = state[MOMENTUM_KEY]
-        g = p.grad.to(torch.float32, copy=True)  # a copy: the update is written into it
-        b, rows, cols = ns_view_shape(param_shape(p))
-        active = g.reshape(b, -1).ne(0).any(dim=1)  # (b,) bool: blocks with a gradient this step
-        if not bool(active.all()):
-            self._muon_blocks(p, group, g, active, (b, rows, cols))
+        g = p.grad.to(torch.float32, copy=True).view(-1)  # a copy: the update is written into it
+        # No gradient, no step (per matrix of the (b, rows, cols) view: one expert of a stack): a block
+        # whose gradient is exactly zero keeps its momentum and weights. Every block of the matrix view
+        # lies inside one of these b matrices, so the others' update is unaffected.
+        b = ns_view_shape(param_shape(p))[0]
+        idle = g.view(b, -1).eq(0).all(dim=1)  # (b,) bool
+        if bool(idle.all()):
             return
-        u = momentum_update_(m.view(-1), g.view(-1), group["momentum"], group["nesterov"])
+        kept = (m.view(b, -1)[idle].clone(), p.data.view(b, -1)[idle].clone()) if bool(idle.any()) else None
+        u = momentum_update_(m.view(-1), g, group["momentum"], group["nesterov"])
+        view = matrix_view(param_shape(p), getattr(p, SPLIT_ATTR, None))
         ns_dtype = resolve_ns_dtype(group["ns_dtype"], group["ns_method"], p.device)
-        o = orthogonalize(u.reshape(b, rows, cols), group["ns_method"], group["ns_steps"], ns_dtype)
-        o = o.float().mul_(update_scale(rows, cols, group["update_scale"]))
+
+        def scaled_ns(blocks: torch.Tensor) -> torch.Tensor:  # (1, *batch, rows, cols), one shape
+            o = orthogonalize(blocks, group["ns_method"], group["ns_steps"], ns_dtype).float()
+            return o.mul_(update_scale(blocks.shape[-2], blocks.shape[-1], group["update_scale"]))
+
+        o = u.reshape(1, -1).clone()  # each block of the view in place; u may be the momentum itself
+        orthogonalize_blocks_(o, view, scaled_ns)
         p.mul_(1 - group["lr"] * group["weight_decay"])
         p.add_(o.view(p.shape).to(p.dtype), alpha=-group["lr"])
-
-    def _muon_blocks(self, p: torch.Tensor, group: dict, g: torch.Tensor, active: torch.Tensor,
-                     view: tuple[int, int, int]) -> None:
-        """The Muon step on the blocks ``active`` (``(b,)`` bool) of ``p``'s ``(b, rows, cols)`` view only."""
-        idx = active.nonzero().squeeze(1)
-        if idx.numel() == 0:
-            return
-        b, rows, cols = view
-        m3 = self.state[p][MOMENTUM_KEY].view(b, rows, cols)
-        p3 = p.data.view(b, rows, cols)
-        gk, mk = g.reshape(b, rows, cols)[idx], m3[idx]  # copies (advanced indexing)
-        u = momentum_update_(mk.view(-1), gk.view(-1), group["momentum"], group["nesterov"]).view(-1, rows, cols)
-        m3[idx] = mk
-        ns_dtype = resolve_ns_dtype(group["ns_dtype"], group["ns_method"], p.device)
-        o = orthogonalize(u, group["ns_method"], group["ns_steps"], ns_dtype)
-        o = o.float().mul_(update_scale(rows, cols, group["update_scale"]))
-        pk = p3[idx]
-        pk.mul_(1 - group["lr"] * group["weight_decay"])
-        pk.add_(o.to(p.dtype), alpha=-group["lr"])
-        p3[idx] = pk
+        if kept is not None:  # idle blocks: momentum and weights as they were
+            m.view(b, -1)[idle] = kept[0]
+            p.data.view(b, -1)[idle] = kept[1]
 
     def _adamw(self, p: torch.Tensor, group: dict) -> None:
         state = self.state[p]

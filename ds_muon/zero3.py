@@ -33,7 +33,7 @@ from .checkpoint import (CheckpointError, add_metadata, check_zero_state_dict, l
                          restore_step_count, rigid_load_arguments)
 from .config import ConfigError, resolve_exchange_dtype
 from .exchange import BufferPool, OwnerExchange
-from .matrix import update_scale
+from .matrix import SPLIT_ATTR, update_scale
 from .momentum import momentum_update_
 from .newton_schulz import compiled_orthogonalize, orthogonalize, resolve_ns_dtype
 from .ownership import BucketedPlan, ParamInfo, build_bucketed_plan
@@ -282,8 +282,8 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             group = self._muon_group(i)
             if not group["use_muon"]:
                 continue
-            infos = [ParamInfo(self.param_names.get(p, f"ds_id={p.ds_id}"), tuple(p.ds_shape), int(p.ds_numel))
-                     for p in params]
+            infos = [ParamInfo(self.param_names.get(p, f"ds_id={p.ds_id}"), tuple(p.ds_shape), int(p.ds_numel),
+                               getattr(p, SPLIT_ATTR, None)) for p in params]
             compute = resolve_ns_dtype(group["ns_dtype"], group["ns_method"], device)
             wire = getattr(torch, resolve_exchange_dtype(group["exchange_dtype"], compute))
             bucket_elements = max(1, int(self.optimizer.config.exchange_bucket_mb * 2**20) // wire.itemsize)

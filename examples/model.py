@@ -9,11 +9,17 @@ Architecture (pre-norm decoder):
   ``(d_model, d_model)`` while ``k_proj``/``v_proj`` are ``(n_kv_heads * head_dim, d_model)``;
 * MLP: SwiGLU, ``down(silu(gate(x)) * up(x))``;
 * ``lm_head`` can be tied to the token embedding (``tie_embeddings=True``).
+* MoE (``n_experts > 0``): the MLP is a top-k routed mixture of SwiGLU experts, stored as transformers'
+  MoE models store them (Mixtral, Qwen3-MoE): a router ``nn.Linear(d_model, n_experts)`` and an
+  ``Experts`` module with ``gate_up_proj`` ``(E, 2I, d_model)`` (gate rows, then up rows) and
+  ``down_proj`` ``(E, d_model, I)``. ds_muon trains the experts with Muon, one matrix per expert and
+  gate/up apart, and the router with AdamW (docs/selection.md).
 
 ``get_output_embeddings()`` returns ``lm_head`` (ds_muon uses it to route the output head to AdamW).
 
 Presets (``ModelConfig.preset(name)``): ``tiny`` (CPU default), ``small``, ``934m`` (the benchmark model),
-``2.9b`` (the larger benchmark flavour).
+``2.9b`` (the larger benchmark flavour), ``moe`` (a small MoE for CPU: 8 experts, top 2) and ``moe-1.5b``
+(the MoE benchmark flavour: 8 experts, top 2).
 """
 from __future__ import annotations
 
@@ -38,6 +44,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    n_experts: int = 0             # 0: dense SwiGLU MLP; > 0: a routed mixture of that many experts
+    top_k: int = 2                 # experts per token (MoE)
+    expert_hidden: int = 0         # SwiGLU hidden width of one expert (MoE)
 
     def __post_init__(self):
         if self.d_model % self.n_heads:
@@ -46,6 +55,9 @@ class ModelConfig:
             raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
         if (self.d_model // self.n_heads) % 2:
             raise ValueError("head_dim must be even for RoPE")
+        if self.n_experts and not (1 <= self.top_k <= self.n_experts and self.expert_hidden >= 1):
+            raise ValueError(f"MoE needs 1 <= top_k <= n_experts and expert_hidden >= 1, got top_k={self.top_k}, "
+                             f"n_experts={self.n_experts}, expert_hidden={self.expert_hidden}")
 
     @property
     def head_dim(self) -> int:
@@ -70,6 +82,12 @@ PRESETS = {
     # The larger benchmark flavour: ~2.9B params (d=3072, 24 layers, 24 heads, SwiGLU 8192, vocab 32000).
     "2.9b": ModelConfig(vocab_size=32000, d_model=3072, n_layers=24, n_heads=24, n_kv_heads=24,
                         ffn_hidden=8192, max_seq_len=1024),
+    # ~1.7M params: the tiny model with 8 routed experts (top 2) in every MLP; CPU.
+    "moe": ModelConfig(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=128,
+                       n_experts=8, top_k=2, expert_hidden=128),
+    # The MoE benchmark flavour: ~1.5B params (1.1B in experts), d=2048, 16 layers, 8 experts of SwiGLU 1408, top 2.
+    "moe-1.5b": ModelConfig(vocab_size=32000, d_model=2048, n_layers=16, n_heads=16, n_kv_heads=16,
+                            max_seq_len=1024, n_experts=8, top_k=2, expert_hidden=1408),
 }
 
 
@@ -139,6 +157,48 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class Experts(nn.Module):
+    """``num_experts`` SwiGLU experts stored stacked, as transformers' MoE models store them.
+
+    ``gate_up_proj``: ``(E, 2I, D)``, expert ``e``'s gate rows ``[0, I)`` then up rows ``[I, 2I)``;
+    ``down_proj``: ``(E, D, I)``. ``forward(x: (N, D), idx: (N, k) int64, w: (N, k)) -> (N, D)``:
+    ``sum_j w[n, j] * down_e(silu(gate_e(x_n)) * up_e(x_n))`` over the ``k`` experts ``e = idx[n, j]``.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_experts = cfg.n_experts
+        self.gate_up_proj = nn.Parameter(torch.randn(cfg.n_experts, 2 * cfg.expert_hidden, cfg.d_model) * 0.02)
+        self.down_proj = nn.Parameter(torch.randn(cfg.n_experts, cfg.d_model, cfg.expert_hidden) * 0.02)
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            tok, slot = torch.where(idx == e)             # tokens routed to expert e (none: a zero gradient)
+            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * w[tok, slot, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    """Top-k routed mixture of experts (Mixtral-style: softmax over the router logits, top k,
+    renormalized). (B, T, D) -> (B, T, D). No auxiliary load-balancing loss."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
+        self.experts = Experts(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.size(-1))                                  # (N, D)
+        probs = F.softmax(self.router(flat).float(), dim=-1)              # (N, E)
+        w, idx = probs.topk(self.top_k, dim=-1)                           # (N, k)
+        w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
+        return self.experts(flat, idx, w).view_as(x)
+
+
 class Block(nn.Module):
     """Pre-norm decoder block. (B, T, D) -> (B, T, D)."""
 
@@ -147,7 +207,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = MoE(cfg) if cfg.n_experts else SwiGLU(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -170,7 +230,7 @@ class CausalLM(nn.Module):
         self.apply(self._init_weights)
         # GPT-2 style: scale down the residual-branch output projections by depth.
         for name, p in self.named_parameters():
-            if name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
+            if name.endswith("o_proj.weight") or name.endswith("down_proj.weight") or name.endswith("down_proj"):
                 with torch.no_grad():
                     p.mul_(1.0 / math.sqrt(2 * cfg.n_layers))
 

@@ -2,6 +2,7 @@
 
 CPU (2 processes, gloo; DeepSpeed picks its CPU accelerator by itself when there is no GPU):
     deepspeed --num_gpus 2 examples/train.py                        # tiny model, examples/ds_config_cpu.json
+    deepspeed --num_gpus 2 examples/train.py --model moe            # small MoE: 8 stacked experts per layer, router
 GPUs:
     deepspeed --num_gpus 8 examples/train.py --model small --deepspeed_config examples/ds_config_gpu_bf16.json
 Or simply ``scripts/train.sh [args...]`` (creates .venv, installs, launches with NPROC=2 processes).
@@ -36,6 +37,8 @@ from model import PRESETS, CausalLM, ModelConfig, count_params  # noqa: E402
 
 import ds_muon  # noqa: E402
 from ds_muon.checkpoint import LATEST, convert_to_universal, saved_world_size  # noqa: E402
+from ds_muon.config import parse_muon_params  # noqa: E402
+from ds_muon.selection import select_muon_params  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CONFIG = os.path.join(HERE, "ds_config_cpu.json")
@@ -166,6 +169,10 @@ def main() -> None:
         log(f"--resume: no checkpoint in {args.resume or args.save_dir} yet; starting from step 1")
     save = (lambda step: engine.save_checkpoint(args.save_dir, client_state={"args": vars(args), "step": step}))
 
+    if config["optimizer"]["type"].lower() == "muon":  # which parameters Muon trains, and as which matrices
+        opt = parse_muon_params(config["optimizer"].get("params"))
+        log(select_muon_params(model, opt.muon_params, opt.adamw_params, opt.per_head_muon,
+                               opt.declared_splits()).summary())
     muon = [p for p in model.parameters() if getattr(p, "use_muon", False)]
     other = [p for p in model.parameters() if not getattr(p, "use_muon", False)]
     log(f"model {args.model}: {count_params(model.parameters()):,} params | world {world} | device {engine.device}")

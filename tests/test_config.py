@@ -132,11 +132,11 @@ def test_adam_w_mode_false_is_explained():
     assert parse_muon_params({"adam_w_mode": True}).adam_w_mode is True
 
 
-def test_per_head_muon_gets_a_specific_message():
-    msg = params_error({"per_head_muon": True})
-    assert "optimizer.params.per_head_muon" in msg
-    assert "DeepSpeed's built-in Muon" in msg
-    assert "did you mean" not in msg
+def test_per_head_muon_is_accepted_and_strict():
+    assert parse_muon_params({"per_head_muon": True}).per_head_muon is True
+    assert parse_muon_params({}).per_head_muon is False
+    msg = params_error({"per_head_muon": 1})
+    assert "optimizer.params.per_head_muon" in msg and "true or false" in msg
 
 
 def test_max_grad_norm_points_to_gradient_clipping():
