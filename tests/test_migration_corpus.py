@@ -174,7 +174,7 @@ def _trainer_case(rank: int, world_size: int, name: str, tmp: str) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     import ds_muon
-    from examples.hf_trainer import RandomTokens
+    from examples.hf_trainer import CountingTokens
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -184,7 +184,7 @@ def _trainer_case(rank: int, world_size: int, name: str, tmp: str) -> dict:
         args = TrainingArguments(output_dir=tmp, per_device_train_batch_size=2, learning_rate=0.02,
                                  max_steps=TRAINER_STEPS, warmup_steps=2, weight_decay=0.01, logging_steps=1, deepspeed=_load(name),
                                  use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True)
-        trainer = Trainer(model=model, args=args, train_dataset=RandomTokens(n=16, seq=16))
+        trainer = Trainer(model=model, args=args, train_dataset=CountingTokens(n=16, seq=16))
 
         class StepLrs(TrainerCallback):  # every param group's (use_muon, lr) before each step
             def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
