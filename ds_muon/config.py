@@ -626,6 +626,44 @@ def _async_io_available() -> bool:
     return bool(AsyncIOBuilder().is_compatible(verbose=False))
 
 
+#: A JIT build lock of DeepSpeed's async_io op is taken for stale when nothing in its build directory
+#: changed for this long (s). A live build writes an object file every few minutes even on 2 cores.
+AIO_BUILD_STALE_S = 1800
+
+
+def _async_io_build_lock_problem() -> Optional[str]:
+    """A stale JIT build lock of DeepSpeed's async_io op, which would make NVMe offload hang.
+
+    Unless async_io is prebuilt, DeepSpeed loads it through ``torch.utils.cpp_extension.load``, which
+    takes a ``FileBaton`` (the file ``<TORCH_EXTENSIONS_DIR>/async_io/lock``) even when the op is
+    already built, and waits without a deadline while that file exists. A build killed mid-way (a
+    timed-out test, Ctrl-C, OOM) leaves the file behind, and every later NVMe run then hangs inside
+    ``deepspeed.initialize``. Returns the problem when the lock exists and nothing in the build
+    directory changed for :data:`AIO_BUILD_STALE_S` seconds, else None (a fresh lock is a build in
+    progress, e.g. by another rank, which DeepSpeed waits for)."""
+    import time
+    try:
+        from deepspeed.git_version_info import installed_ops
+        if installed_ops.get("async_io"):
+            return None
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+        from torch.utils.cpp_extension import _get_build_directory
+        build_dir = _get_build_directory(AsyncIOBuilder.NAME, verbose=False)
+        lock = os.path.join(build_dir, "lock")
+        if not os.path.exists(lock):
+            return None
+        idle = time.time() - max(os.stat(os.path.join(build_dir, f)).st_mtime for f in os.listdir(build_dir))
+    except Exception:  # noqa: BLE001 - an unusual DeepSpeed/torch layout: nothing to check
+        return None
+    if idle < AIO_BUILD_STALE_S:
+        return None
+    return (f"zero_optimization.offload_optimizer.device: 'nvme' needs DeepSpeed's async_io op, whose JIT build "
+            f"lock {lock} exists although nothing in {build_dir} changed for {idle / 60:.0f} min: a build that was "
+            f"killed leaves it, and DeepSpeed {_deepspeed_version()} (torch.utils.cpp_extension.load's FileBaton) "
+            f"then waits for it forever. If no process is building async_io, delete {lock}; or prebuild the op "
+            f"(DS_BUILD_AIO=1 pip install deepspeed), or point TORCH_EXTENSIONS_DIR at another directory")
+
+
 def _deepspeed_version() -> str:
     """The installed DeepSpeed's version, for messages that name one of its limits (read from the
     package metadata: importing deepspeed here would be slow)."""
@@ -685,7 +723,9 @@ def validate_ds_config(ds_config: dict) -> Optional[MuonOptimizerParams]:
     * ``optimizer.params`` as in :func:`parse_muon_params`;
     * ``zero_optimization.stage`` must be 3;
     * an NVMe ``offload_optimizer`` needs a ``nvme_path`` that exists, is writable and supports
-      O_DIRECT, and libaio for DeepSpeed's async_io op; ``offload_param`` to NVMe is refused;
+      O_DIRECT, libaio for DeepSpeed's async_io op, and no stale JIT build lock of that op
+      (:func:`_async_io_build_lock_problem`: DeepSpeed would wait for it forever); ``offload_param``
+      to NVMe is refused;
     * ``gradient_clipping`` must be a number >= 0 (0 disables clipping).
 
     ``zero_optimization.save_muon_momentum_buffer_in_memory: true`` without an optimizer offload
@@ -743,6 +783,10 @@ def validate_ds_config(ds_config: dict) -> Optional[MuonOptimizerParams]:
         problems.append("zero_optimization.offload_optimizer.device: 'nvme' needs DeepSpeed's async_io op, which "
                         "cannot be built here: libaio is missing; install it (Debian/Ubuntu: apt-get install "
                         "libaio-dev; RHEL: yum install libaio-devel), or use device 'cpu'")
+    if device == "nvme":
+        lock_problem = _async_io_build_lock_problem()
+        if lock_problem is not None:
+            problems.append(lock_problem)
 
     if isinstance(offload, dict) and _is_number(offload.get("ratio")) and offload["ratio"] != 1.0:
         problems.append(f"zero_optimization.offload_optimizer.ratio: {offload['ratio']!r} is invalid: DeepSpeed "

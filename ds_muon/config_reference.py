@@ -31,7 +31,8 @@ published as JSON Schema in `ds_config_schemas/`.
 Besides these keys, ds_muon checks the parts of the DeepSpeed config that matter to Muon:
 `zero_optimization.stage` must be 3; an NVMe optimizer offload needs an existing, writable
 `nvme_path` on a filesystem with O_DIRECT, and libaio (its `buffer_count` is checked against the
-model's sub-groups when the engine is built, see Offload); parameter offload to NVMe, partial offload and
+model's sub-groups when the engine is built, see Offload), and no stale JIT build lock of DeepSpeed's
+async_io op (a killed build leaves one, and DeepSpeed would wait for it forever); parameter offload to NVMe, partial offload and
 SuperOffload (DeepSpeed cannot run either with a Muon optimizer), AutoTP/model parallelism and ZenFlow
 are refused with a message naming the fix; `torch_autocast` works; DeepSpeed's lr schedulers all work (one that writes one
 absolute lr into every group sets the Muon lr, and each group keeps its ratio to it: see Migration);
