@@ -94,25 +94,6 @@ def _peer_kernels(steps: int) -> dict:
     return peers
 
 
-def _plain_matmul_quintic(x, steps: int):
-    """ds_muon's normalization and quintic, written as ``X <- ((c A + b I) A + a I) X`` (bf16)."""
-    import torch
-    from ds_muon.newton_schulz import QUINTIC_COEFFS
-    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.float32)
-    X = (x / (norm + 1e-7)).to(torch.bfloat16)
-    tall = X.shape[-2] > X.shape[-1]
-    X = X.mT if tall else X
-    a, b, c = QUINTIC_COEFFS
-    for _ in range(steps):
-        A = X @ X.mT
-        B = A * c
-        B.diagonal(dim1=-2, dim2=-1).add_(b)
-        B = B @ A
-        B.diagonal(dim1=-2, dim2=-1).add_(a)
-        X = B @ X
-    return X.mT if tall else X
-
-
 def orthogonality_error(out, x) -> float:
     """``||O - U V^T||_F / ||U V^T||_F`` on the first matrix of the batch (``x = U S V^T``, fp32 SVD)."""
     import torch
@@ -146,10 +127,6 @@ def ns_microbenchmark(out_path: str, steps: int = 5) -> None:
                                ns_flops(m, n, steps, method, batch=b)))
             candidates.append((method, "compiled", compiled_orthogonalize(method, steps, dtype),
                                ns_flops(m, n, steps, method, batch=b)))
-        # experiment: the same quintic with the scalars folded into the small (m, m) side, so that
-        # no matmul carries an alpha/beta epilogue (heavyball's formulation); adopted if faster
-        candidates.append(("standard_plain_mm", "eager", lambda t: _plain_matmul_quintic(t, steps),
-                           ns_flops(m, n, steps, "standard", batch=b)))
         for peer, fn in _peer_kernels(steps).items():
             candidates.append((peer, "peer", fn, ns_flops(m, n, steps, "standard", batch=b)))
         for method, label, fn, flops in candidates:
