@@ -33,7 +33,7 @@ refreshes the model's partitions with DeepSpeed's ``_reassign_or_swap_out_partit
 Universal layout written by :func:`convert_to_universal` (``OUT_DIR/<tag>/``)::
 
     zero/<param name>/fp32.pt             {"param": fp32 tensor of the parameter's shape}
-    zero/<param name>/momentum_buffer.pt  Muon parameters: fp32 momentum, the parameter's shape
+    zero/<param name>/momentum_buffer.pt  Muon parameters: momentum (its saved dtype: fp32, or bf16), the parameter's shape
     zero/<param name>/exp_avg.pt          AdamW parameters (and exp_avg_sq.pt): fp32, the parameter's shape
     zero/optimizer_state.pt               DeepSpeed's global optimizer state (loss scaler, param groups,
                                           AdamW step) plus ds_muon's metadata under "ds_muon"
@@ -727,7 +727,7 @@ def load_universal_state(opt, folder: str, load_optimizer_states: bool = True) -
     # Under NVMe each sub-group's loaded fp32 partition and state go through one swap-in and swap-out.
     opt._install_partitions(load, replace_state=True)
     for group, saved_group in zip(opt.optimizer.param_groups, header[PARAM_GROUPS]):
-        group.update({k: v for k, v in saved_group.items() if k in group and k != "params"})
+        group.update({k: v for k, v in saved_group.items() if k in group and k not in ("params", "momentum_dtype")})
     opt.muon_step_count = int(meta["muon_step_count"])
 
 

@@ -215,8 +215,8 @@ class MuonOptimizerParams(BaseModel):
     # ---- Muon -------------------------------------------------------------------------------
     momentum: float = Field(
         0.95, ge=0, lt=1, allow_inf_nan=False,
-        description=("Muon momentum coefficient beta (dimensionless): m <- beta*m + (1-beta)*g, kept in fp32 "
-                     "on the rank that holds the shard. Source: DeepSpeed built-in Muon 'momentum', same meaning; "
+        description=("Muon momentum coefficient beta (dimensionless): m <- beta*m + (1-beta)*g, kept (in "
+                     "momentum_dtype) on the rank that holds the shard. Source: DeepSpeed built-in Muon 'momentum', same meaning; "
                      "default 0.95 as in Keller Jordan's Muon."))
     momentum_dtype: Literal["float32", "bfloat16"] = Field(
         "float32",

@@ -467,8 +467,11 @@ def compiled_orthogonalize(method: str = "standard", steps: int = 5, dtype: torc
     compiled = torch.compile(functools.partial(orthogonalize, method=method, steps=steps, dtype=dtype),
                              dynamic=True, backend=backend)
 
+    # torch < 2.7 calls the limit cache_size_limit
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+
     def fn(x: torch.Tensor) -> torch.Tensor:
-        with torch._dynamo.config.patch(recompile_limit=COMPILE_GRAPH_LIMIT):
+        with torch._dynamo.config.patch(**{limit: COMPILE_GRAPH_LIMIT}):
             return compiled(x)
 
     return fn

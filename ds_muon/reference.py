@@ -30,7 +30,7 @@ class MuonAdamW(torch.optim.Optimizer):
     all optimizer math is fp32):
 
     .. math::
-        M &\leftarrow \beta M + (1-\beta) G                         && \text{momentum, fp32}\\
+        M &\leftarrow \beta M + (1-\beta) G                         && \text{momentum (computed in fp32, stored in momentum\_dtype)}\\
         U &\leftarrow \text{nesterov} \; ? \; (1-\beta) G + \beta M : M \\
         O &\leftarrow \mathrm{NS}_k(U) \cdot s(m, n)                 && \text{Newton–Schulz, } k=\text{ns\_steps}\\
         W &\leftarrow W (1 - \eta \lambda) - \eta O                  && \text{decoupled weight decay}

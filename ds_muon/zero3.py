@@ -63,8 +63,8 @@ def _named_collective(what: str):
     """Re-raise a backend error from inside the block as a :class:`CollectiveError` naming ``what``."""
     try:
         yield
-    except CollectiveError:
-        raise
+    except (CollectiveError, torch.OutOfMemoryError, torch._dynamo.exc.TorchDynamoException):
+        raise  # out of memory or a compile error inside Newton-Schulz is not a dead peer
     except RuntimeError as err:  # gloo: RuntimeError; NCCL: torch.distributed.DistBackendError (a subclass)
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         raise CollectiveError(
@@ -112,10 +112,15 @@ class ZeroMuonInner(torch.optim.Optimizer):
         self.adamw.state = self.state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load as ``torch.optim.Optimizer`` does (which casts state to the fp32 partitions' dtype), put
-        each Muon momentum back in its group's ``momentum_dtype``, then re-share groups and state with
-        the AdamW."""
+        """Load as ``torch.optim.Optimizer`` does (which casts state to the fp32 partitions' dtype and
+        takes the saved groups' hyperparameters), keep this run's ``momentum_dtype`` (the config's, not
+        the checkpoint's: a bf16 momentum must not reach an NVMe swapper the config checks assumed
+        fp32 for), put each Muon momentum in it, then re-share groups and state with the AdamW."""
+        live = [group.get("momentum_dtype") for group in self.param_groups]
         super().load_state_dict(state_dict)
+        for group, dtype in zip(self.param_groups, live):
+            if dtype is not None:
+                group["momentum_dtype"] = dtype
         for group in self.param_groups:
             if group["use_muon"]:
                 for p in group["params"]:
@@ -144,7 +149,7 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     Per Muon sub-group and optimizer step (design.md §3), on the local fp32 shard ``(n,)``:
 
     1. ``m <- beta*m + (1-beta)*g`` and ``u <- lerp(g, m, beta)`` (Nesterov) or ``u <- m``,
-       element-wise; the fp32 momentum ``m`` never leaves its rank.
+       element-wise; the momentum ``m`` (fp32, or bf16 with ``momentum_dtype``) never leaves its rank.
     2. :class:`~ds_muon.exchange.OwnerExchange`: all_to_all ``u``'s chunks to each matrix's owner
        rank, Newton–Schulz batched by shape there, scale, all_to_all back.
     3. ``p <- p*(1 - lr*wd) - lr*o`` on the shard (decoupled weight decay).

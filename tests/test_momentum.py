@@ -70,3 +70,21 @@ def test_zero_inner_load_casts_momentum_back() -> None:
     assert state[MOMENTUM_KEY].dtype == torch.bfloat16 and state["step"] == 3
     cast_momentum_(state, {"momentum_dtype": "float32"})
     assert state[MOMENTUM_KEY].dtype == torch.float32
+
+
+def test_zero_inner_load_keeps_the_running_momentum_dtype() -> None:
+    # A checkpoint saved with bf16 momentum, loaded by a run configured for fp32 (and the reverse):
+    # the running config's momentum_dtype wins (an NVMe swapper may only take fp32 state).
+    from ds_muon.config import parse_muon_params
+    from ds_muon.zero3 import MOMENTUM_KEY, ZeroMuonInner
+    for saved, running in (("bfloat16", "float32"), ("float32", "bfloat16")):
+        p_saved, p_run = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))
+        src = ZeroMuonInner([{"params": [p_saved], "use_muon": True, "momentum_dtype": saved}], None,
+                            parse_muon_params({"momentum_dtype": saved}))
+        src.state[p_saved][MOMENTUM_KEY] = torch.arange(4.0).to(getattr(torch, saved))
+        dst = ZeroMuonInner([{"params": [p_run], "use_muon": True, "momentum_dtype": running}], None,
+                            parse_muon_params({"momentum_dtype": running}))
+        dst.load_state_dict(src.state_dict())
+        assert dst.param_groups[0]["momentum_dtype"] == running
+        assert dst.state[p_run][MOMENTUM_KEY].dtype == getattr(torch, running)
+        assert torch.equal(dst.state[p_run][MOMENTUM_KEY].float(), torch.arange(4.0))
