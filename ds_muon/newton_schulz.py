@@ -145,18 +145,13 @@ def resolve_ns_dtype(ns_dtype: str, method: str, device: torch.device | str) -> 
 # kernels: expect the normalized matrix (spectral norm <= 1), best in wide orientation (m <= n)
 # ----------------------------------------------------------------------------------------------
 def _quintic_iterations(x: torch.Tensor, coeffs: list[tuple[float, float, float]]) -> torch.Tensor:
-    # X <- (a I + b A + c A^2) X = ((c A + b I) A + a I) X with A = X X^T: 3 plain matmuls per
-    # iteration, the scalars on the small (m, m) side. Measured on H200 (bf16, docs/benchmarks.md):
-    # 80% of the matmul rate against 67-73% for the same polynomial as baddbmm with alpha/beta
-    # epilogues (X <- baddbmm(X, baddbmm(A, A, A), X)), at the same orthogonality error.
+    # X <- a X + (b A + c A^2) X with A = X X^T: 3 matmuls per iteration. (The plain-matmul form
+    # ((c A + b I) A + a I) X ran 9-16% faster on H200 but is not adopted yet: docs/benchmarks.md.)
     X = _as_batch(x)
     for a, b, c in coeffs:
         A = torch.bmm(X, X.mT)
-        B = A * c
-        B.diagonal(dim1=-2, dim2=-1).add_(b)
-        B = torch.bmm(B, A)
-        B.diagonal(dim1=-2, dim2=-1).add_(a)
-        X = torch.bmm(B, X)
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        X = torch.baddbmm(X, B, X, beta=a)
     return X.reshape(x.shape)
 
 
@@ -381,8 +376,9 @@ def orthogonalize(
         dtype: compute dtype (see ``resolve_ns_dtype``); default ``x.dtype``.
 
     Returns:
-        ``(..., m, n)`` in the compute dtype. For tall input (``m > n``) it is a transposed view
-        (not contiguous).
+        ``(..., m, n)`` in the compute dtype, also inside a ``torch.autocast`` region (autocast is
+        turned off for the iteration). For tall input (``m > n``) it is a transposed view (not
+        contiguous).
 
     Raises:
         ValueError: bad ``method`` or ``steps`` (names the allowed values), ``x`` not floating or
@@ -403,12 +399,15 @@ def orthogonalize(
     if tall:
         X = X.mT
     s, l = min(m, n), max(m, n)
-    if method == "standard" or (method == "gram" and not _use_gram(s, l, steps)):
-        out = newton_schulz_quintic(X, steps)
-    elif method == "gram":
-        out = gram_newton_schulz(X, steps)
-    else:
-        out = polar_express(X, steps)
+    # An enclosing torch.autocast region (an optimizer step called inside the user's autocast) would
+    # otherwise run the matmuls in its own dtype, not in ``dtype``.
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        if method == "standard" or (method == "gram" and not _use_gram(s, l, steps)):
+            out = newton_schulz_quintic(X, steps)
+        elif method == "gram":
+            out = gram_newton_schulz(X, steps)
+        else:
+            out = polar_express(X, steps)
     return out.mT if tall else out
 
 

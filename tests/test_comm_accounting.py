@@ -76,6 +76,7 @@ def comm_worker(rank: int, world_size: int) -> dict:
             out["plan_slots"] = [[(s.owner, s.chunk, s.cost) for s in p.slots] for p in plans]  # per sub-group
             out["plan_matrices"] = sum(len(p.slots) for p in plans)
             out["n_buckets"] = sum(len(p.buckets) for p in plans)
+            out["block_counts"] = sorted(bm.n_blocks for bm in engine.optimizer._muon_block_maps.values())
             out["muon_elements"] = sum(param_numel(p) for p in model.parameters()
                                         if p.requires_grad and getattr(p, "use_muon", False))
         engine.destroy()
@@ -129,10 +130,14 @@ def test_exchange_bytes(world_size: int, capsys) -> None:
             assert not stray, f"rank {rank} {label}: unexpected traffic {stray}"
         # (1) reduce_scatter: true -> gradients are reduce-scattered, never all-reduced
         assert any(op == "reduce_scatter_tensor" for op, _, _ in ours)
-        big = [r for r in ours if r[0] == "all_reduce" and r[1] > SCALAR_MAX]
+        big = [r for r in ours if r[0] == "all_reduce" and r[1] > SCALAR_MAX and r[2] != r[1]]  # uint8: flags
         assert not big, f"rank {rank}: gradient-sized all_reduce {big}"
-        # (2) everything but the owner exchange is exactly AdamW ZeRO-3's traffic: no momentum moves
-        rest = Counter((op, n) for op, n, _ in ours if op != "all_to_all_single")
+        # (2) everything but the owner exchange and the no-gradient flags is exactly AdamW ZeRO-3's
+        # traffic: no momentum moves. The flags: one all_reduce(MAX) per Muon sub-group of one byte
+        # (uint8) per Newton-Schulz block (ds_muon.blocks: "had a gradient this step").
+        flags = sorted(n for op, n, b in ours if op == "all_reduce" and b == n)
+        assert flags == res["block_counts"], f"rank {rank}: no-gradient flags {flags} != {res['block_counts']}"
+        rest = Counter((op, n) for op, n, b in ours if op != "all_to_all_single" and not (op == "all_reduce" and b == n))
         assert rest == Counter((op, n) for op, n, _ in res["adamw"]), f"rank {rank}: traffic beyond the exchange"
         # (3) the exchange is the plan's: two all_to_all per exchange bucket, fp32 (4 bytes) here ...
         assert len(a2a) == 2 * res["n_buckets"]

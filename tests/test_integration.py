@@ -278,7 +278,7 @@ def test_deepspeed_moe_layers_are_refused() -> None:
     """DeepSpeed MoE layers (``deepspeed.moe.layer.MoE``) are refused today with a clear error that
     names the alternative (stacked expert weights). If MoE layers become supported, replace this test."""
     msg = run_distributed(_moe_worker, 1, timeout=300)[0]
-    assert "does not support DeepSpeed MoE layers" in msg and "stacked expert weights" in msg, msg
+    assert "native MoE layers" in msg and "does not support with ZeRO stage 3" in msg and "stacked expert weights" in msg, msg
 
 
 def _rank_dependent_graph_worker(rank: int, world_size: int) -> None:
