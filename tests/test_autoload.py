@@ -155,13 +155,18 @@ def test_normal_install_ships_hook_and_activates_on_deepspeed_import(tmp_path) -
     assert cheap.stdout.split("PROBE ", 1)[1].split() == ["False", "False", "True"]
 
 
+def _python_prints_ok(code: str) -> None:
+    """Run ``code`` in a fresh interpreter with this checkout importable and DS_MUON=1; it must print OK."""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(REPO), DS_MUON="1"))
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
 def test_explicit_enable_nests_on_top_of_auto() -> None:
     code = ("import deepspeed, ds_muon; from ds_muon import integration as i, _autoload as a; a.install(); "
             "assert i.is_enabled(); ds_muon.enable(); ds_muon.disable(); assert i.is_enabled(); "
             "a.install(); i.disable(); assert not i.is_enabled(); print('OK')")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=str(REPO), DS_MUON="1"))
-    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+    _python_prints_ok(code)
 
 
 def test_hook_survives_find_spec_before_import() -> None:
@@ -170,9 +175,7 @@ def test_hook_survives_find_spec_before_import() -> None:
             "assert importlib.util.find_spec('deepspeed') is not None; assert 'deepspeed' not in sys.modules; "
             "import deepspeed; from ds_muon import integration as i; assert i.is_enabled(), 'not enabled'; "
             "assert not any(isinstance(f, a._DeepSpeedFinder) for f in sys.meta_path); print('OK')")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=str(REPO), DS_MUON="1"))
-    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+    _python_prints_ok(code)
 
 
 def test_error_under_auto_activation_names_the_way_out() -> None:
