@@ -26,6 +26,7 @@ _LAZY = {
     "MuonOptimizerParams": "ds_muon.config",
     "ConfigError": "ds_muon.config",
     "orthogonalize": "ds_muon.newton_schulz",
+    "record_max_logits": "ds_muon.max_logits",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
