@@ -76,7 +76,7 @@ def _set_optimizer_flags(config_class, model) -> None:
         raise
     if cfg is None:
         return _originals["set_optimizer_flags"](config_class, model)
-    if _auto and not _auto_notice_done and _is_rank0():
+    if _auto and _depth == 1 and not _auto_notice_done and _is_rank0():  # not when the script enabled it
         ds_logger.warning(AUTO_NOTICE)
         _auto_notice_done = True
     check_zero3_parameters(model)

@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from typing import Optional
 
 import deepspeed
@@ -42,6 +43,8 @@ from ds_muon.selection import select_muon_params  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CONFIG = os.path.join(HERE, "ds_config_cpu.json")
+# torch 2.13 deprecates the collective names DeepSpeed 0.19.8 calls; the notice is DeepSpeed's to act on, not the user's
+warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
 
 
 def parse_args() -> argparse.Namespace:
@@ -54,7 +57,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--data", default=None, help="a text file; default: the Python stdlib's .py sources")
     p.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES, help="corpus size cap in bytes")
     p.add_argument("--eval-every", type=int, default=100, help="validate every N steps (0: only at start/end)")
-    p.add_argument("--eval-batches", type=int, default=8, help="micro-batches per rank per validation")
+    p.add_argument("--eval-batches", type=int, default=8, help="micro-batches per rank per validation (so the validation set grows with the number of processes)")
     p.add_argument("--save-dir", default="checkpoints/", help="DeepSpeed checkpoint directory ('' to skip)")
     p.add_argument("--save-every", type=int, default=0, help="also save a checkpoint every N steps (0: at the end)")
     p.add_argument("--resume", nargs="?", const="", default=None, metavar="DIR",

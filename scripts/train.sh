@@ -44,5 +44,9 @@ if [[ ! -f "$stamp" || pyproject.toml -nt "$stamp" ]] || ! python -c "import ds_
     touch "$stamp"
 fi
 
+if [[ ! -d "$TORCH_EXTENSIONS_DIR/fused_adam" ]]; then
+    echo ">> first run: DeepSpeed JIT-builds its CPU ops (shared-memory comm, FusedAdam) before training starts;"
+    echo "   this takes a few minutes with little output (later runs reuse $TORCH_EXTENSIONS_DIR)"
+fi
 echo ">> deepspeed --num_gpus $NPROC examples/train.py $*"
 exec deepspeed --num_gpus "$NPROC" examples/train.py "$@"

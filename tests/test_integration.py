@@ -309,3 +309,23 @@ def test_rank_dependent_gradients_fail_fast_in_deepspeed_not_in_the_exchange(mon
     assert "Detected mismatch between collectives" in report and "REDUCE_SCATTER" in report, report[-3000:]
     assert "in backward" in report, report[-3000:]
     assert "ds_muon/exchange.py" not in report and "_muon_sub_group_step" not in report, report[-3000:]
+
+
+@pytest.mark.parametrize("depth, notice", [(1, True), (2, False)])
+def test_auto_activation_notice_only_when_the_hook_alone_enabled_ds_muon(depth: int, notice: bool, monkeypatch) -> None:
+    """The start-up hook's "activated automatically" line is logged only when nothing but the hook enabled
+    ds_muon (depth 1); a script that calls ds_muon.initialize / enable() itself (depth 2) chose ds_muon."""
+    import types
+
+    import torch
+    from ds_muon import integration
+    warnings: list[str] = []
+    monkeypatch.setattr(integration, "_auto", True)
+    monkeypatch.setattr(integration, "_depth", depth)
+    monkeypatch.setattr(integration, "_auto_notice_done", False)
+    monkeypatch.setattr(integration, "_is_rank0", lambda: True)
+    monkeypatch.setattr(integration, "log_info", lambda message: None)
+    monkeypatch.setattr(integration.ds_logger, "warning", lambda message, *a, **k: warnings.append(str(message)))
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 16))
+    integration._set_optimizer_flags(types.SimpleNamespace(_param_dict=ds_config()), model)
+    assert (integration.AUTO_NOTICE in warnings) is notice, warnings
