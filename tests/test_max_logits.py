@@ -130,3 +130,32 @@ def test_recorder_running_max_and_autograd_off():
         record_max_logits(m, torch.tensor([9.0, 9.0]))                    # evaluation: ignored
     assert torch.equal(RECORDER.take(m), torch.tensor([3.0, 5.0]))
     assert RECORDER.take(m) is None
+
+
+def test_example_model_records_its_attention_max_logits(monkeypatch):
+    from examples.model import CausalLM, ModelConfig
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48,
+                                 max_seq_len=16))
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):  # the example repeats its kv heads before SDPA: k has n_heads heads here
+        seen.append((q.detach(), k.detach(), kw))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    RECORDER.clear()
+    model(ids, ids).backward()
+    assert len(seen) == 2 and all(kw == {"is_causal": True} for _, _, kw in seen)
+    for layer, (q, k, _) in zip(model.layers, seen):
+        torch.testing.assert_close(RECORDER.take(layer.attn), brute_force(q, k, 8 ** -0.5, causal(16, 16)),
+                                   rtol=1e-6, atol=0)
+    model.eval()
+    model(ids, ids)
+    model.train()
+    for layer in model.layers:
+        layer.attn.record_max_logits = False
+    model(ids, ids)
+    assert all(RECORDER.take(layer.attn) is None for layer in model.layers)
