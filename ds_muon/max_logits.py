@@ -17,7 +17,7 @@ Interface (shared by the attention side and the clip side):
   so only training forwards count; a recompute under activation checkpointing records the same value
   again, which a max absorbs.
 * :data:`RECORDER` ``.take(module)``: the running max of ``module`` since the last take, or ``None``
-  if it recorded nothing; taking resets it.
+  if it recorded nothing; taking resets it. ``.peek(module)`` reads it without resetting (logging).
 
 Computing the values: :func:`max_logits_per_head` takes the query and key an attention layer hands to
 its softmax (after RoPE and any q/k norm) and returns the exact per-head max, query chunk by query
@@ -67,6 +67,10 @@ class MaxLogitRecorder:
     def take(self, module: nn.Module) -> Optional[torch.Tensor]:
         """``module``'s running max since the last take (and reset it), or ``None`` if it recorded nothing."""
         return self._max.pop(module, None)
+
+    def peek(self, module: nn.Module) -> Optional[torch.Tensor]:
+        """``module``'s running max since the last take, without resetting it (for logging), or ``None``."""
+        return self._max.get(module)
 
     def clear(self) -> None:
         """Forget every record."""
@@ -122,7 +126,7 @@ def max_logits_per_head(query: torch.Tensor, key: torch.Tensor, scaling: float,
         is_causal: SDPA's ``is_causal`` (no mask then): query ``i`` sees keys ``j <= i``, aligned to
             the upper left as SDPA does when ``Sq != Sk``.
         chunk_size: query positions per chunk; default: as many as keep ``B * H * chunk * Sk``
-            within :data:`CHUNK_ELEMENTS`.
+            within :data:`CHUNK_ELEMENTS`, and with ``is_causal`` at most ``max(64, ceil(Sq / 4))``.
 
     Returns:
         ``(H,)`` fp32 on the query's device; ``-inf`` for a head that saw no allowed position.
@@ -146,6 +150,8 @@ def max_logits_per_head(query: torch.Tensor, key: torch.Tensor, scaling: float,
     G = H // Hkv
     if chunk_size is None:
         chunk_size = max(1, CHUNK_ELEMENTS // max(1, B * H * Sk))
+        if is_causal:  # a few chunks at least, so that most of the skipped upper triangle is not computed
+            chunk_size = min(chunk_size, max(64, -(-Sq // 4)))
     if chunk_size < 1:
         raise ValueError(f"max_logits_per_head: chunk_size must be >= 1, got {chunk_size}")
     mask = None if attention_mask is None else _grouped_mask(attention_mask, B, H, Hkv, Sq, Sk)
