@@ -8,6 +8,8 @@ products, and each case asserts that the unmasked (or wrongly mapped) max differ
 """
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -159,3 +161,24 @@ def test_example_model_records_its_attention_max_logits(monkeypatch):
         layer.attn.record_max_logits = False
     model(ids, ids)
     assert all(RECORDER.take(layer.attn) is None for layer in model.layers)
+
+
+def test_plot_qk_clip_draws_from_metrics(tmp_path, monkeypatch):
+    """scripts/plot_qk_clip.py --reuse: reads train.py's --metrics lines (max_logit per step) and writes the PNG."""
+    import importlib.util
+    import json
+    spec = importlib.util.spec_from_file_location("plot_qk_clip", "scripts/plot_qk_clip.py")
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    for arm in range(2):
+        with open(tmp_path / f"arm{arm}.jsonl", "w") as f:
+            f.write(json.dumps({"step": 0, "val_loss": 5.6}) + "\n")
+            for step in range(1, 6):
+                f.write(json.dumps({"step": step, "loss": 5.0 - step / 10, "max_logit": 10.0 * step ** (2 - arm)}) + "\n")
+    out = tmp_path / "qk.png"
+    monkeypatch.setattr(sys, "argv", ["plot_qk_clip.py", "--reuse", "--workdir", str(tmp_path), "--out", str(out)])
+    plot.main()
+    assert out.stat().st_size > 10_000
+    (tmp_path / "arm1.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0, "max_logit": None}) + "\n")
+    with pytest.raises(SystemExit, match="no per-step max_logit"):
+        plot.main()
