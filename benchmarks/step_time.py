@@ -94,6 +94,40 @@ def _peer_kernels(steps: int) -> dict:
     return peers
 
 
+def _quintic_forms() -> dict:
+    """Other ways to write ds_muon's standard quintic (same normalization and orientation as
+    ``orthogonalize``, compiled the same way), for the microbenchmark: ``baddbmm`` is ds_muon's form
+    before 2026-12-01 (``X <- baddbmm(X, baddbmm(A, A, A), X)``: the sums in the matmuls' fp32
+    epilogues), ``hybrid`` computes ``bA + cA^2`` in one baddbmm on the small side and the long-side
+    product as a plain matmul (half the bf16 deviation of the plain form, tests/test_newton_schulz.py).
+    ds_muon itself runs the plain form (``standard`` rows)."""
+    import functools
+
+    import torch
+    from ds_muon.newton_schulz import QUINTIC_COEFFS, _normalize
+
+    def baddbmm(X, a, b, c):
+        A = torch.bmm(X, X.mT)
+        return torch.baddbmm(X, torch.baddbmm(A, A, A, beta=b, alpha=c), X, beta=a)
+
+    def hybrid(X, a, b, c):
+        A = torch.bmm(X, X.mT)
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        B.diagonal(dim1=-2, dim2=-1).add_(a)
+        return torch.bmm(B, X)
+
+    def run(x, step, steps=5):
+        X = _normalize(x, 1.0).to(torch.bfloat16)
+        tall = X.shape[-2] > X.shape[-1]
+        X = X.mT if tall else X
+        for _ in range(steps):
+            X = step(X, *QUINTIC_COEFFS)
+        return X.mT if tall else X
+
+    return {f"standard[{name}]": torch.compile(functools.partial(run, step=fn), dynamic=True)
+            for name, fn in (("baddbmm", baddbmm), ("hybrid", hybrid))}
+
+
 def orthogonality_error(out, x) -> float:
     """``||O - U V^T||_F / ||U V^T||_F`` on the first matrix of the batch (``x = U S V^T``, fp32 SVD)."""
     import torch
@@ -127,6 +161,8 @@ def ns_microbenchmark(out_path: str, steps: int = 5) -> None:
                                ns_flops(m, n, steps, method, batch=b)))
             candidates.append((method, "compiled", compiled_orthogonalize(method, steps, dtype),
                                ns_flops(m, n, steps, method, batch=b)))
+        for form, fn in _quintic_forms().items():
+            candidates.append((form, "compiled", fn, ns_flops(m, n, steps, "standard", batch=b)))
         for peer, fn in _peer_kernels(steps).items():
             candidates.append((peer, "peer", fn, ns_flops(m, n, steps, "standard", batch=b)))
         for method, label, fn, flops in candidates:

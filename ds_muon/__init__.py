@@ -27,6 +27,8 @@ _LAZY = {
     "ConfigError": "ds_muon.config",
     "orthogonalize": "ds_muon.newton_schulz",
     "record_max_logits": "ds_muon.max_logits",
+    "max_logits_per_head": "ds_muon.max_logits",
+    "register_attention": "ds_muon.attention",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

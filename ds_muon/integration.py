@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import sys
 import threading
 import weakref
 from typing import Any, Iterator
@@ -207,9 +208,15 @@ def enable() -> None:
     """From now on, ``deepspeed.initialize`` with optimizer ``"Muon"`` and ZeRO-3 uses ds_muon.
 
     For frameworks that call ``deepspeed.initialize`` themselves (HF Trainer, Accelerate). Other
-    configs are untouched. Calls nest: each ``enable()`` needs its ``disable()``.
+    configs are untouched. Calls nest: each ``enable()`` needs its ``disable()``. When transformers
+    is already imported, also registers ``attn_implementation="ds_muon_sdpa"``
+    (:func:`ds_muon.attention.register_attention`; not undone by :func:`disable`).
     """
     global _depth
+    if "transformers" in sys.modules:  # never import transformers here: `import deepspeed` runs this
+        with contextlib.suppress(ImportError):  # a transformers without AttentionInterface (< 4.48)
+            from .attention import register_attention
+            register_attention()
     with _lock:
         if _depth == 0:
             _originals["set_optimizer_flags"] = deepspeed.set_optimizer_flags

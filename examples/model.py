@@ -9,6 +9,9 @@ Architecture (pre-norm decoder):
   ``(d_model, d_model)`` while ``k_proj``/``v_proj`` are ``(n_kv_heads * head_dim, d_model)``;
 * MLP: SwiGLU, ``down(silu(gate(x)) * up(x))``;
 * ``lm_head`` can be tied to the token embedding (``tie_embeddings=True``).
+* MuonClip: in a training forward each ``Attention`` reports its per-head max pre-softmax logit (after
+  RoPE) through ``ds_muon.max_logits`` (``record_max_logits=True``, the default; measured cost in
+  docs/qk_clip.md); ``record_max_logits=False`` turns it off.
 * MoE (``n_experts > 0``): the MLP is a top-k routed mixture of SwiGLU experts, stored as transformers'
   MoE models store them (Mixtral, Qwen3-MoE): a router ``nn.Linear(d_model, n_experts)`` and an
   ``Experts`` module with ``gate_up_proj`` ``(E, 2I, d_model)`` (gate rows, then up rows) and
@@ -31,6 +34,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ds_muon.max_logits import max_logits_per_head, record_max_logits
+
 
 @dataclass
 class ModelConfig:
@@ -47,6 +52,7 @@ class ModelConfig:
     n_experts: int = 0             # 0: dense SwiGLU MLP; > 0: a routed mixture of that many experts
     top_k: int = 2                 # experts per token (MoE)
     expert_hidden: int = 0         # SwiGLU hidden width of one expert (MoE)
+    record_max_logits: bool = True  # attention reports per-head max logits for MuonClip (ds_muon.max_logits)
 
     def __post_init__(self):
         if self.d_model % self.n_heads:
@@ -120,11 +126,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Causal self-attention with RoPE and grouped-query attention. (B, T, D) -> (B, T, D)."""
+    """Causal self-attention with RoPE and grouped-query attention. (B, T, D) -> (B, T, D).
+
+    With ``record_max_logits`` (set from the config; an attribute, so it can be switched per module), a
+    training forward records its ``(n_heads,)`` max logits ``q·k / sqrt(head_dim)`` for MuonClip.
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.record_max_logits = cfg.record_max_logits
         self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
@@ -136,6 +147,8 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)   # (B, Hkv, T, hd)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)   # (B, Hkv, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.record_max_logits and self.training and torch.is_grad_enabled():
+            record_max_logits(self, max_logits_per_head(q, k, self.head_dim ** -0.5, is_causal=True))
         if self.n_kv_heads != self.n_heads:                       # GQA: share each kv head across a group
             rep = self.n_heads // self.n_kv_heads
             k = k.repeat_interleave(rep, dim=1)

@@ -15,7 +15,8 @@ Resuming: ``--resume`` continues from the latest checkpoint in ``--save-dir`` (`
 ``--steps`` in all: weights, optimizer state, lr schedule, step count and the data sampler's position. A
 checkpoint saved at another number of processes is first converted to a universal one (``DIR/universal/``,
 by ``ds_muon.checkpoint.convert_to_universal``) and loaded through it. ``--metrics FILE`` appends one JSON
-line per step (train loss, lrs, grad norm) and per validation, so a resumed run's curve continues the file.
+line per step (train loss, lrs, grad norm, the step's max attention logit) and per validation, so a resumed
+run's curve continues the file.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from model import PRESETS, CausalLM, ModelConfig, count_params  # noqa: E402
 import ds_muon  # noqa: E402
 from ds_muon.checkpoint import LATEST, convert_to_universal, saved_world_size  # noqa: E402
 from ds_muon.config import parse_muon_params  # noqa: E402
+from ds_muon.max_logits import RECORDER  # noqa: E402
 from ds_muon.selection import select_muon_params  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -64,7 +66,8 @@ def parse_args() -> argparse.Namespace:
                    help="continue from the latest checkpoint in DIR (default: --save-dir), at this or another "
                         "number of processes; --steps counts from the start of the first run")
     p.add_argument("--metrics", default=None, metavar="FILE",
-                   help="append per-step JSON lines (step, loss, lr, grad_norm; val_loss at validations) to FILE")
+                   help="append per-step JSON lines (step, loss, lr, grad_norm, max_logit; val_loss at validations) "
+                        "to FILE")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--adamw", action="store_true",
                    help="baseline: replace the config's optimizer by AdamW (lr = the config's adam_lr)")
@@ -120,6 +123,17 @@ def write_metrics(path: Optional[str], record: dict) -> None:
     if path:
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+def step_max_logit(attns: list, device: torch.device) -> float:
+    """The step's largest pre-softmax attention logit over layers, heads and ranks (all ranks call this).
+
+    Read (not taken) from ds_muon's max-logit recorder before the optimizer step, in which QK-clip takes it.
+    """
+    values = [v.max() for v in (RECORDER.peek(a) for a in attns) if v is not None]
+    top = torch.stack(values).max() if values else torch.tensor(float("-inf"), device=device)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    return top.item()
 
 
 @torch.no_grad()
@@ -189,6 +203,8 @@ def main() -> None:
     train_batches = corpus.batches("train", mbs, seq_len, seed=args.seed + rank, device=engine.device,
                                    skip=(start - 1) * gas)
     metrics = args.metrics if rank == 0 else None
+    attns = [layer.attn for layer in model.layers if layer.attn.record_max_logits]  # per-head max logits (MuonClip)
+    max_logit = None
 
     val_losses = [(start - 1, evaluate(engine, corpus, args, mbs, seq_len))]
     log(f"step {start - 1}: val loss {val_losses[-1][1]:.4f}")
@@ -199,12 +215,16 @@ def main() -> None:
     for step in bar:
         t0 = time.perf_counter()
         step_loss = torch.zeros((), device=engine.device)
-        for _ in range(gas):
+        for micro in range(gas):
             x, y = next(train_batches)
             loss = engine(x, y)
             engine.backward(loss)
+            if args.metrics and attns and micro == gas - 1:
+                max_logit = step_max_logit(attns, engine.device)
             engine.step()                            # optimizer steps at the accumulation boundary only
             step_loss += loss.detach().float() / gas
+        for a in attns:                              # the next step records afresh (QK-clip took them if enabled)
+            RECORDER.take(a)
         dist.all_reduce(step_loss)
         train_losses.append(step_loss.item() / world)
         if step > start:                             # leave out the first (warm-up) step
@@ -212,7 +232,7 @@ def main() -> None:
         grad_norm = engine.get_global_grad_norm()
         lrs = sorted(set(engine.get_lr()), reverse=True)
         write_metrics(metrics, {"step": step, "loss": train_losses[-1], "lr": lrs,
-                                "grad_norm": None if grad_norm is None else float(grad_norm)})
+                                "grad_norm": None if grad_norm is None else float(grad_norm), "max_logit": max_logit})
         bar.set_postfix({"loss": f"{train_losses[-1]:.3f}",           # a dict keeps this order
                          "tok/s": f"{tokens_per_step * (step - start) / train_time:,.0f}" if train_time else "-",
                          "gnorm": f"{float(grad_norm):.3f}" if grad_norm is not None else "-",

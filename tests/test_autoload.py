@@ -163,9 +163,10 @@ def _python_prints_ok(code: str) -> None:
 
 
 def test_explicit_enable_nests_on_top_of_auto() -> None:
-    code = ("import deepspeed, ds_muon; from ds_muon import integration as i, _autoload as a; a.install(); "
+    code = ("import sys, deepspeed, ds_muon; from ds_muon import integration as i, _autoload as a; a.install(); "
             "assert i.is_enabled(); ds_muon.enable(); ds_muon.disable(); assert i.is_enabled(); "
-            "a.install(); i.disable(); assert not i.is_enabled(); print('OK')")
+            "a.install(); i.disable(); assert not i.is_enabled(); ds_muon.max_logits_per_head; "
+            "assert 'transformers' not in sys.modules, 'enable() imported transformers'; print('OK')")
     _python_prints_ok(code)
 
 

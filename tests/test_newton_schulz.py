@@ -412,11 +412,16 @@ def test_kernels_on_their_own_match_orthogonalize():
 # half precision
 # ------------------------------------------------------------------------------------------------
 # Looser tolerances, ~2x the worst measured on these cases: relative Frobenius error against
-# U phi(S) V^T (measured: bf16 standard 0.018, PE 0.022, gram 0.041; fp16 <= 0.0045), and the band
-# widened by HALF_BAND_SLACK (measured excess: bf16 0.007, fp16 0.0002). bf16 has 8 mantissa bits,
-# fp16 11; the Gram kernel in bf16 is ~2x worse than standard (hence 'auto' picks fp16 for it).
-HALF_REL = {torch.bfloat16: 0.08, torch.float16: 0.01}
-HALF_BAND_SLACK = {torch.bfloat16: 0.015, torch.float16: 0.001}
+# U phi(S) V^T, the exact polynomial map (measured: bf16 standard 0.080, PE 0.053, gram 0.080 where
+# it falls back to the standard kernel on a square matrix, 0.041 otherwise; fp16 <= 0.0104), and the
+# band widened by HALF_BAND_SLACK (measured excess: bf16 0.0168, fp16 0.0003). bf16 has 8 mantissa
+# bits, fp16 11. The quintic is evaluated as X <- ((cA + bI)A + aI)X with plain matmuls, which rounds
+# the (m, m) polynomial matrix before it multiplies X; the earlier baddbmm form kept that sum in the
+# fp32 accumulator (bf16 standard 0.018, fp16 0.0023) but ran 9-16% slower on H200, at the same
+# orthogonality error against U V^T (0.596 on the benchmark's spectra; docs/benchmarks.md), which is
+# what Muon's update depends on. Keller Jordan's reference rounds after every op, more often still.
+HALF_REL = {torch.bfloat16: 0.16, torch.float16: 0.02}
+HALF_BAND_SLACK = {torch.bfloat16: 0.03, torch.float16: 0.001}
 
 
 @pytest.mark.parametrize("method", NS_METHODS)

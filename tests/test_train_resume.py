@@ -38,9 +38,9 @@ def _train(nproc: int, cwd: str, *args: str) -> None:
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
-def _losses(path: str) -> dict[int, float]:
+def _losses(path: str, key: str = "loss") -> dict[int, float]:
     with open(path) as f:
-        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+        return {r["step"]: r[key] for r in map(json.loads, f) if "loss" in r}
 
 
 def test_resume_continues_loss_curve(tmp_path):
@@ -55,6 +55,9 @@ def test_resume_continues_loss_curve(tmp_path):
     w2 = _losses(tmp_path / "w2.jsonl")
     assert sorted(w2) == [3, 4]
     assert w2[3] == full[3]
+    # the step's max attention logit (ds_muon.max_logits, all layers/heads/ranks): same weights and data, same value
+    logits_full, logits_w2 = _losses(tmp_path / "full.jsonl", "max_logit"), _losses(tmp_path / "w2.jsonl", "max_logit")
+    assert all(0 < v < 1e4 for v in logits_full.values()) and logits_w2[3] == logits_full[3]
     assert w2[4] == pytest.approx(full[4], rel=1e-5)
 
     _train(1, cwd, "--resume", "ck", "--save-dir", "ck_w1", "--metrics", "w1.jsonl")
