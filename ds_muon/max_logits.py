@@ -156,7 +156,7 @@ def max_logits_per_head(query: torch.Tensor, key: torch.Tensor, scaling: float,
         raise ValueError(f"max_logits_per_head: chunk_size must be >= 1, got {chunk_size}")
     mask = None if attention_mask is None else _grouped_mask(attention_mask, B, H, Hkv, Sq, Sk)
     with torch.no_grad():
-        q = query.detach().view(B, Hkv, G, Sq, D)                   # query head h = kv head h // G, member h % G
+        q = query.detach().reshape(B, Hkv, G, Sq, D)                # query head h = kv head h // G, member h % G
         kt = key.detach().transpose(-1, -2).unsqueeze(2)             # (Bk, Hkv, 1, D, Sk)
         best = torch.full((Hkv, G), float("-inf"), dtype=query.dtype, device=query.device)
         for i0 in range(0, Sq, chunk_size):
