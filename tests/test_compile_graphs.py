@@ -1,0 +1,84 @@
+"""Compile stability: how many graphs the compiled Newton–Schulz needs for a real model's owner calls.
+
+The owner step calls ``compiled_orthogonalize(method, steps, dtype)`` once per block group of each
+bucket's shape batches (:meth:`ds_muon.exchange.OwnerExchange._owner_compute`), with inputs of shape
+``(count, *blocks, rows, cols)``. Compiled with dynamic shapes, a graph is reused across sizes; torch
+still specializes on a size of 1 against more, on the orientation (``rows > cols``) and, for
+``"gram"``, on whether the Gram kernel pays. Here the exact calls of the benchmark models' plans
+(``examples/model.py``: 934M, 2.9B with per-head Q/K/V views, the 8-expert MoE) are replayed on
+meta tensors (no arithmetic) for every rank at W = 1, 2, 4, 8, and the graphs counted by a counting
+backend. They must stay within torch.compile's default ``recompile_limit`` (8), so even without
+ds_muon's per-call ``COMPILE_GRAPH_LIMIT`` nothing would fall back to eager (measured: at most 7, the
+per-head 2.9B plan with ``gram`` at W=4; 2-5 for the others).
+On GPU, ``benchmarks/step_time.py`` reports the graphs of a whole run.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+
+GRAPH_BUDGET = 8  # torch.compile's default recompile_limit
+
+
+def _owner_calls(preset: str, world_size: int, method: str, per_head: bool) -> list[tuple]:
+    """``(shape, stride, dtype)`` of every Newton–Schulz call the owners make in one step, all ranks."""
+    from model import CausalLM, ModelConfig
+
+    from ds_muon.exchange import OwnerExchange
+    from ds_muon.matrix import SPLIT_ATTR
+    from ds_muon.ownership import ParamInfo, build_bucketed_plan
+    from ds_muon.selection import param_numel, param_shape, tag_model
+    with torch.device("meta"):
+        model = CausalLM(ModelConfig.preset(preset))
+    tag_model(model, log=False, per_head_muon=per_head)
+    infos = [ParamInfo(n, param_shape(p), param_numel(p), getattr(p, SPLIT_ATTR, None))
+             for n, p in model.named_parameters() if getattr(p, "use_muon", False)]
+    plan = build_bucketed_plan(infos, world_size, 128 * 2**20, 5, method)  # exchange_bucket_mb 256, bf16
+    calls: list[tuple] = []
+    for rank in range(world_size):
+        exchange = OwnerExchange(None, torch.bfloat16, torch.bfloat16, torch.device("meta"))
+        exchange.world_size, exchange.rank = world_size, rank  # the plan's view of that rank, no process group
+        for bucket in plan.buckets:
+            owner_side = torch.empty(world_size * bucket.split_sizes[rank], dtype=torch.bfloat16, device="meta")
+            exchange._owner_compute(bucket, owner_side,
+                                    lambda t: (calls.append((tuple(t.shape), t.stride(), t.dtype)), t)[1], "meta")
+    return calls
+
+
+# (preset, per_head_muon, methods, world sizes): the per-head 2.9B plan makes ~70-130 calls per step,
+# so it runs at one W (measured up to 7 graphs at W = 1..8 for every case here, standard and gram)
+@pytest.mark.parametrize("preset,per_head,methods,sizes", [("934m", False, ("standard", "gram"), (1, 2, 4, 8)),
+                                                           ("2.9b", True, ("standard",), (4,)),
+                                                           ("moe-1.5b", False, ("standard",), (2, 8))])
+def test_compiled_newton_schulz_graphs_for_model_plans(preset, per_head, methods, sizes, monkeypatch):
+    from ds_muon.newton_schulz import compiled_orthogonalize
+    graphs = [0]
+
+    def counting_backend(gm, example_inputs):  # torch.compile calls it once per new graph
+        graphs[0] += 1
+        return gm.forward
+
+    # meta tensors have no autocast state; orthogonalize's autocast-off region is a no-op here
+    monkeypatch.setattr(torch, "autocast", lambda **kw: contextlib.nullcontext())
+    worst = {}
+    for method in methods:
+        for world_size in sizes:
+            torch._dynamo.reset()
+            graphs[0] = 0
+            fn = compiled_orthogonalize(method, 5, torch.bfloat16, backend=counting_backend)
+            calls = _owner_calls(preset, world_size, method, per_head)
+            assert len(calls) >= world_size
+            for shape, stride, dtype in calls:
+                fn(torch.empty_strided(shape, stride, dtype=dtype, device="meta"))
+            worst[(method, world_size)] = (graphs[0], len(set(c[0] for c in calls)))
+    compiled_orthogonalize.cache_clear()
+    torch._dynamo.reset()
+    assert all(g <= GRAPH_BUDGET for g, _ in worst.values()), f"{preset}: (graphs, distinct shapes) {worst}"
+    # more distinct input shapes than graphs somewhere: the graphs are shared across shapes
+    assert any(n > g for g, n in worst.values()), worst
