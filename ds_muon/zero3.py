@@ -157,7 +157,9 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     No gradient, no step (as the oracle :class:`ds_muon.MuonAdamW`): a matrix of a parameter's
     Newton–Schulz view (one expert of a stacked parameter) whose gradient is zero on every rank keeps
     its momentum and weights (:meth:`_blocks_with_gradient`: one byte per matrix, all_reduce MAX over
-    the sub-group's partition group); a sub-group with no gradient at all skips the exchange.
+    the partition group, for every Muon sub-group whose gradient is in memory at once: one collective
+    and one host sync per step, plus one per NVMe-swapped sub-group); a sub-group with no gradient at
+    all skips the exchange.
 
     The owner plan (:func:`ds_muon.ownership.build_bucketed_plan`: LPT by Newton–Schulz FLOPs, cut
     into ``exchange_bucket_mb`` buckets that are pipelined so the all_to_all of one bucket overlaps
@@ -196,6 +198,7 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self._muon_exchanges: dict[int, OwnerExchange] = {}
         self._muon_block_maps: dict[int, BlockMap] = {}
         self._block_index: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._step_flags: dict[int, torch.Tensor] = {}  # this step's no-gradient flags, computed ahead
         self._build_muon_plans()
         self._check_trainable_set()  # records the trainable set
 
@@ -352,6 +355,7 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         """
         self._muon_seconds = 0.0
         self._check_trainable_set()
+        self._step_flags = {}
         self._stepping = True
         try:
             with _named_collective("a collective of DeepSpeed's ZeRO-3 optimizer step (overflow/gradient-norm "
@@ -359,6 +363,7 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                 super().step(closure)
         finally:
             self._stepping = False
+            self._step_flags = {}
             self._offloaded_grad_ids.clear()
             self._zero_grad_partitions()
             self._muon_pool.clear()
@@ -582,13 +587,65 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
         A block (one matrix of a parameter's view, e.g. one expert) has none when its gradient is
         exactly zero in every element on every rank; DeepSpeed leaves zeros where no gradient
-        arrived. One ``segment_reduce`` over the local shard ``grad`` (``(shard numel,)`` fp32) and
-        an all_reduce(MAX) of one byte per block over the sub-group's partition group.
+        arrived. Per sub-group, one ``segment_reduce`` over its local gradient shard and one byte per
+        block. At sub-group ``i`` (``grad``: its ``(shard numel,)`` gradient) the flags of every later
+        Muon sub-group whose gradient is already in memory (:meth:`_resident_grad`: not NVMe-swapped)
+        and that shares ``i``'s process group are computed too, and all of them go through one
+        all_reduce(MAX) and one copy to the host; the later sub-groups then take theirs from
+        ``_step_flags``. The set is the same on every rank (it depends on the layout only), so every
+        rank calls the same collectives. Unscaling and clipping, which DeepSpeed applies to a
+        sub-group's gradient after this point for later sub-groups, multiply by a positive factor
+        and keep zeros zero.
 
         Returns:
             ``(n_blocks,)`` bool on the CPU, the same on every rank of the group.
         """
+        if i in self._step_flags:
+            return self._step_flags.pop(i)
+        group = self._get_sub_group_process_group(i)
+        grads = {i: grad}
+        for j in self.muon_plans:
+            if j > i and j not in self._step_flags and self._get_sub_group_process_group(j) is group \
+                    and self._grad_resident(j):
+                grads[j] = self._resident_grad(j)
+        local = [self._local_block_flags(j, g) for j, g in grads.items()]
+        flags = torch.cat(local).to(self._muon_exchanges[i].device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        flags = flags.bool().cpu()
+        split = dict(zip(grads, flags.split([t.numel() for t in local])))
+        self._step_flags.update((j, f) for j, f in split.items() if j != i)
+        return split[i]
+
+    def _grad_resident(self, j: int) -> bool:
+        """Whether Muon sub-group ``j``'s gradient is in memory before its turn in the step: not
+        NVMe-swapped, and (without offload) its parameters' gradient partitions tile its shard in
+        DeepSpeed's ``grad_partitions_flat_buffer``. Depends on the layout only: the same on every rank."""
+        if self._swappable_optimizer_subgroup(j):
+            return False
+        if self.offload_optimizer:
+            return True
+        return (getattr(self, "grad_partitions_flat_buffer", None) is not None
+                and sum(p.partition_numel() for p in self.fp16_groups[j]) == self.muon_plans[j].shard_numel)
+
+    def _resident_grad(self, j: int) -> Optional[torch.Tensor]:
+        """Muon sub-group ``j``'s local gradient shard ``(shard numel,)`` as it is before its own turn in
+        the step (any float dtype; zeros where no gradient arrived; None: no gradient at all on this
+        rank), for a sub-group where :meth:`_grad_resident` holds. Without optimizer offload it is
+        sub-group ``j``'s slice of DeepSpeed's ``grad_partitions_flat_buffer`` (every parameter's
+        gradient partition, in sub-group order: what DeepSpeed flattens into the fp32 gradient at
+        ``j``'s turn); with CPU offload, the fp32 partition's ``grad``."""
+        if self.offload_optimizer:
+            return self.fp32_partitioned_groups_flat[j].grad
+        offset = sum(p.partition_numel() for k in range(j) for p in self.fp16_groups[k])
+        return self.grad_partitions_flat_buffer.narrow(0, offset, self.muon_plans[j].shard_numel)
+
+    def _local_block_flags(self, i: int, grad: Optional[torch.Tensor]) -> torch.Tensor:
+        """``(n_blocks,)`` uint8 on ``grad``'s device: 1 where this rank's shard of the block holds a
+        non-zero gradient element (one ``segment_reduce`` over ``grad``, ``(shard numel,)``); all 0
+        for ``grad=None``."""
         bm = self._muon_block_maps[i]
+        if grad is None:
+            return torch.zeros(bm.n_blocks, dtype=torch.uint8, device=self._muon_exchanges[i].device)
         index = self._block_index.get(i)
         if index is None or index[0].device != grad.device:
             real = [k for k, b in enumerate(bm.block_of_segment) if b != PADDING]
@@ -599,10 +656,7 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         lengths, real, ids = index
         largest = torch.segment_reduce(grad.abs(), "max", lengths=lengths, unsafe=True, initial=0)
         flags = torch.zeros(bm.n_blocks, dtype=torch.uint8, device=grad.device)
-        flags.scatter_reduce_(0, ids, largest[real].ne(0).to(torch.uint8), "amax")
-        flags = flags.to(self._muon_exchanges[i].device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._get_sub_group_process_group(i))
-        return flags.bool().cpu()
+        return flags.scatter_reduce_(0, ids, largest[real].ne(0).to(torch.uint8), "amax")
 
     # ---- checkpoints of NVMe-swapped sub-groups ---------------------------------------------
     # DeepSpeed 0.19.8 saves a swapped sub-group's fp32 partition and optimizer state as the empty

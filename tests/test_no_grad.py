@@ -159,6 +159,7 @@ def _train_reference_keep_none(model, optimizer, steps: int, world_size: int, ga
 
 def _worker(rank: int, world_size: int, cases: list[dict]) -> list:
     from ds_muon.zero3 import MuonZeroOptimizer
+    from tests.comm_counter import counting
     out = []
     for case in cases:
         gas, clip = case["gas"], case["clip"]
@@ -166,14 +167,20 @@ def _worker(rank: int, world_size: int, cases: list[dict]) -> list:
         engine, model = build_engine(cfg, model_fn=TinyMoE)
         assert type(engine.optimizer) is MuonZeroOptimizer
         init, tags = gathered_params(model), clone_tags(model)
-        after = []
+        blocks = [bm.n_blocks for bm in engine.optimizer._muon_block_maps.values()]  # per Muon sub-group
+        after, flag_collectives = [], []
         for step in range(STEPS):
             for micro in range(gas):
                 tokens, targets = batch(step, rank, micro)
                 engine.backward(engine(tokens, targets, use_extra(step)))
-                engine.step()
+                with counting() as records:
+                    engine.step()
+                    # the no-gradient flags: the only uint8 all_reduce (one byte per element)
+                    flag_collectives.append([n for op, n, b in records if op == "all_reduce" and b == n])
             after.append(gathered_params(model))
         engine.destroy()
+        if rank == 0:
+            case_flags = {"blocks": blocks, "flag_collectives": flag_collectives}
         if rank != 0:
             out.append(None)
             continue
@@ -182,15 +189,25 @@ def _worker(rank: int, world_size: int, cases: list[dict]) -> list:
         keep_none = reference_model(init, tags, TinyMoE)
         _train_reference_keep_none(keep_none, MuonAdamW(keep_none.parameters(), **cfg["optimizer"]["params"]),
                                    STEPS, world_size, gas, clip)
-        out.append({"init": init, "after": after, "tags": tags,
+        out.append({"init": init, "after": after, "tags": tags, **case_flags,
                     "errors": compare(after[-1], {n: p.detach().clone() for n, p in ref.named_parameters()}, init),
                     "vs_keep_none": compare(after[-1], {n: p.detach().clone() for n, p in keep_none.named_parameters()},
                                             init)})
     return out
 
 
+def _before_init() -> None:
+    from tests.comm_counter import install
+    install()
+
+
+_worker.before_init = _before_init
+
+# sub_group_size 2000: the Muon parameters fall into two sub-groups (8 and 2 Newton-Schulz blocks at W=3),
+# whose no-gradient flags go through one all_reduce per step
 CASES = {2: [dict(name="w2-gas2-clip", gas=2, clip=0.5)],
-         3: [dict(name="w3-gas2-clip-cpu-offload", gas=2, clip=0.5, zero=dict(offload_optimizer={"device": "cpu"}))]}
+         3: [dict(name="w3-gas2-clip-cpu-offload-subgroups", gas=2, clip=0.5,
+                  zero=dict(offload_optimizer={"device": "cpu"}, sub_group_size=2000))]}
 
 
 @pytest.mark.parametrize("world_size", sorted(CASES))
@@ -199,6 +216,10 @@ def test_zero3_no_gradient_blocks_match_oracle(world_size: int) -> None:
     for case, res in zip(CASES[world_size], results[0]):
         name, init, after = case["name"], res["init"], res["after"]
         assert res["tags"]["w_in"] and res["tags"]["side.weight"] and not res["tags"]["side.bias"]
+        # one all_reduce of every Muon sub-group's flags per optimizer step, none on accumulation micro-steps
+        assert "subgroups" not in name or len(res["blocks"]) >= 2, res["blocks"]
+        steps = [c for c in res["flag_collectives"] if c]
+        assert len(steps) == STEPS and all(c == [sum(res["blocks"])] for c in steps), res["flag_collectives"]
         for pname, err in res["errors"].items():
             assert err["rel"] <= PARITY_RTOL, f"{name}: {pname} rel error {err['rel']:.2e}"
             assert err["moved"] > 0 and err["rel_update"] <= 1e-3, f"{name}: {pname} {err}"
