@@ -250,8 +250,9 @@ class MuonOptimizerParams(BaseModel):
     ns_compile: bool = Field(
         True,
         description=("Compile the Newton-Schulz iteration with torch.compile (dynamic shapes) when it runs on a CUDA "
-                     "device; on CPU it always runs eagerly. Source: ds_muon; the gain is measured by "
-                     "benchmarks/step_time.py."))
+                     "device, and run the element-wise momentum step and update apply of the ZeRO-3 Muon step as "
+                     "one compiled pass each there; on CPU all of it runs eagerly. Source: ds_muon; the gains are "
+                     "measured by benchmarks/step_time.py and benchmarks/elementwise.py."))
     update_scale: Literal["shape", "rms_match"] = Field(
         "shape",
         description=("Dimensionless multiplier of the orthogonalized update of a (rows, cols) matrix (conv "

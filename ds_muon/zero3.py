@@ -34,7 +34,7 @@ from .checkpoint import (CheckpointError, add_metadata, check_zero_state_dict, l
 from .config import ConfigError, resolve_exchange_dtype
 from .exchange import BufferPool, OwnerExchange
 from .matrix import SPLIT_ATTR, update_scale
-from .momentum import momentum_update_
+from .momentum import fused_apply_update_, fused_momentum_update_, momentum_update_
 from .newton_schulz import compiled_orthogonalize, orthogonalize, resolve_ns_dtype
 from .ownership import BucketedPlan, ParamInfo, build_bucketed_plan
 from .reference import MOMENTUM_KEY
@@ -153,6 +153,10 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     2. :class:`~ds_muon.exchange.OwnerExchange`: all_to_all ``u``'s chunks to each matrix's owner
        rank, Newton–Schulz batched by shape there, scale, all_to_all back.
     3. ``p <- p*(1 - lr*wd) - lr*o`` on the shard (decoupled weight decay).
+
+    On CUDA with ``ns_compile`` (the default), steps 1 and 3 each run as one compiled pass over the
+    shard (:func:`ds_muon.momentum.fused_momentum_update_`, :func:`ds_muon.momentum.fused_apply_update_`);
+    on CPU (and under CPU offload) they run eagerly.
 
     No gradient, no step (as the oracle :class:`ds_muon.MuonAdamW`): a matrix of a parameter's
     Newton–Schulz view (one expert of a stacked parameter) whose gradient is zero on every rank keeps
@@ -559,10 +563,13 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                 return  # no gradient anywhere in the sub-group: no exchange, nothing changes
             ranges = self._muon_block_maps[i].local_ranges(torch.nonzero(~had).flatten().tolist())
             kept = [(o, n, momentum.narrow(0, o, n).clone(), fp32.narrow(0, o, n).clone()) for o, n in ranges]
-        with record_function("ds_muon/momentum"):
-            update = momentum_update_(momentum, grad, group["momentum"], group["nesterov"])
-        method, steps, mode = group["ns_method"], group["ns_steps"], group["update_scale"]
         exchange = self._muon_exchanges[i]
+        # one compiled pass each for the momentum step and the apply, where Newton-Schulz is compiled too
+        fused = self.optimizer.config.ns_compile and grad.device.type == "cuda"
+        with record_function("ds_muon/momentum"):
+            update = (fused_momentum_update_ if fused else momentum_update_)(momentum, grad, group["momentum"],
+                                                                             group["nesterov"])
+        method, steps, mode = group["ns_method"], group["ns_steps"], group["update_scale"]
         if self.optimizer.config.ns_compile and exchange.device.type == "cuda":
             ns = compiled_orthogonalize(method, steps, exchange.compute_dtype)
         else:
@@ -576,8 +583,11 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                 _named_collective(f"the Muon owner exchange (all_to_all) of ZeRO sub-group {i}"):
             exchange.run(plan, update, grad, owner_update)
         with record_function("ds_muon/apply_update"):
-            fp32.mul_(1 - group["lr"] * group["weight_decay"])
-            fp32.add_(grad, alpha=-group["lr"])
+            if fused:
+                fused_apply_update_(fp32, grad, group["lr"], group["weight_decay"])
+            else:
+                fp32.mul_(1 - group["lr"] * group["weight_decay"])
+                fp32.add_(grad, alpha=-group["lr"])
             for offset, n, m_old, w_old in kept or ():  # blocks with no gradient: as they were
                 momentum.narrow(0, offset, n).copy_(m_old)
                 fp32.narrow(0, offset, n).copy_(w_old)

@@ -37,6 +37,44 @@ def test_bf16_rounds_only_the_stored_momentum(nesterov: bool, monkeypatch) -> No
     assert (u - m.float()).abs().max() > 0  # so the update really is not the rounded momentum
 
 
+def test_fused_versions_match_and_do_not_recompile() -> None:
+    # The one-pass versions the ZeRO-3 step runs on CUDA (torch.compile). Traced here with a counting
+    # backend that runs the captured graph eagerly: the same ops, so the results are bit-identical to
+    # the eager functions; and one graph per function and Nesterov flag for every shard length,
+    # learning rate, weight decay and beta (sizes and floats are graph inputs: no recompiles).
+    from ds_muon.momentum import _compiled, fused_apply_update_, fused_momentum_update_
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        for n, beta, lr, wd in ((1000, 0.9, 0.02, 0.1), (1237, 0.95, 0.01, 0.0), (77, 0.9, 0.005, 0.05)):
+            m0, g0 = _data(n, seed=n)
+            for nesterov in (True, False):
+                m, g, m_want, g_want = m0.clone(), g0.clone(), m0.clone(), g0.clone()
+                u = fused_momentum_update_(m, g, beta, nesterov, backend=counting_backend)
+                u_want = momentum_update_(m_want, g_want, beta, nesterov)
+                assert torch.equal(m, m_want) and torch.equal(u, u_want) and torch.equal(g, g_want)
+                assert u.data_ptr() == (g if nesterov else m).data_ptr()
+            p, p_want = m0.clone(), m0.clone()
+            fused_apply_update_(p, g0, lr, wd, backend=counting_backend)
+            p_want.mul_(1 - lr * wd).add_(g0, alpha=-lr)
+            assert torch.equal(p, p_want)
+        assert len(graphs) == 3, [g.code for g in graphs]  # momentum with and without Nesterov, apply
+        # bf16 momentum keeps the chunked eager path (no graph), with the same result
+        m, g = m0.to(torch.bfloat16), g0.clone()
+        m_want, g_want = m.clone(), g0.clone()
+        fused_momentum_update_(m, g, 0.9, True, backend=counting_backend)
+        momentum_update_(m_want, g_want, 0.9, True)
+        assert torch.equal(m, m_want) and torch.equal(g, g_want) and len(graphs) == 3
+    finally:
+        _compiled.cache_clear()
+        torch._dynamo.reset()
+
+
 def test_bad_input_is_named() -> None:
     with pytest.raises(ValueError, match="same 1-D shape"):
         momentum_update_(torch.zeros(3), torch.zeros(4), 0.9, True)
