@@ -71,8 +71,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--adamw", action="store_true",
                    help="baseline: replace the config's optimizer by AdamW (lr = the config's adam_lr)")
-    p.add_argument("--adam-mini", action="store_true",
-                   help="replace the config's optimizer by ds_muon's AdamMini (lr = the config's adam_lr, as --adamw)")
+    p.add_argument("--adam-mini", nargs="?", const="default", default=None, choices=("default", "neuron"),
+                   metavar="BLOCK_RULE", help="replace the config's optimizer by ds_muon's AdamMini with this block_rule "
+                                              "(default: 'default'); lr = the config's adam_lr, as --adamw")
     p.add_argument("--zero-init", action="store_true", help="build the model under deepspeed.zero.Init")
     p.add_argument("--log-json", default=None, help="write the loss curves (per step, with tokens seen) to this "
                                                    "JSON file on rank 0, for scripts/plot_results.py")
@@ -88,6 +89,8 @@ def load_config(args: argparse.Namespace) -> dict:
         params = config.get("optimizer", {}).get("params", {})
         config["optimizer"] = {"type": "AdamMini" if args.adam_mini else "AdamW",
                                "params": {"lr": params.get("adam_lr", 3e-3), "weight_decay": params.get("weight_decay", 0.0)}}
+        if args.adam_mini:
+            config["optimizer"]["params"]["block_rule"] = args.adam_mini
     config.pop("train_batch_size", None)            # derived from micro batch x accumulation x world size
     return config
 
