@@ -29,7 +29,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # ds_muon_eager: ns_compile false; ds_muon_gram: ns_method "gram" (Gram Newton–Schulz, fp16, bf16 exchange);
 # ds_muon_bf16mom: momentum_dtype "bfloat16" (half the momentum memory, as the built-in keeps it)
-OPTIMIZERS = ("adamw", "builtin_muon", "ds_muon", "ds_muon_eager", "ds_muon_gram", "ds_muon_bf16mom")
+# adam_mini: ds_muon's ZeRO-3 Adam-mini ("type": "AdamMini", AdamW's hyperparameters), against adamw
+OPTIMIZERS = ("adamw", "builtin_muon", "ds_muon", "ds_muon_eager", "ds_muon_gram", "ds_muon_bf16mom", "adam_mini")
 
 
 def ds_config(kind: str, micro_batch: int) -> dict:
@@ -41,8 +42,9 @@ def ds_config(kind: str, micro_batch: int) -> dict:
         "steps_per_print": 1_000_000,
         "zero_optimization": {"stage": 3, "overlap_comm": True, "reduce_scatter": kind != "builtin_muon"},
     }
-    if kind == "adamw":
-        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}}
+    if kind in ("adamw", "adam_mini"):
+        cfg["optimizer"] = {"type": "AdamW" if kind == "adamw" else "AdamMini",
+                            "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}}
     else:
         cfg["optimizer"] = {"type": "Muon", "params": {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1,
                                                        "adam_lr": 3e-4}}
@@ -196,6 +198,14 @@ def profile_steps(engine, vocab: int, args, g, device, steps: int = 3) -> str:
     return prof.key_averages().table(sort_by="device_time_total", row_limit=30, max_name_column_width=70)
 
 
+def _optimizer_state_bytes(engine) -> int:
+    """Bytes of this rank's optimizer state (Adam moments, Muon momentum, Adam-mini block moments; not the fp32
+    master weights or gradients), wherever it lives (accelerator or CPU)."""
+    import torch
+    return sum(v.numel() * v.element_size() for state in engine.optimizer.optimizer.state.values()
+               for v in state.values() if torch.is_tensor(v))
+
+
 def worker(args) -> None:
     import deepspeed
     import torch
@@ -213,7 +223,7 @@ def worker(args) -> None:
     torch.manual_seed(0)
     model = CausalLM(ModelConfig.preset(args.model, max_seq_len=args.seq_len))
     n_params = sum(p.numel() for p in model.parameters())
-    if args.optimizer.startswith("ds_muon"):
+    if args.optimizer.startswith("ds_muon") or args.optimizer == "adam_mini":
         import ds_muon
         engine, _, _, _ = ds_muon.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     else:
@@ -254,7 +264,8 @@ def worker(args) -> None:
                   fwd_bwd_s=statistics.median(a - b for a, b in zip(step_times, opt_times)),
                   peak_gib=max(peak_fwd_bwd, peak_step) / 2**30, peak_fwd_bwd_gib=peak_fwd_bwd / 2**30,
                   peak_step_gib=peak_step / 2**30, profile=profile, comm_bytes=comm, comm_total=sum(comm.values()), params=n_params,
-                  first_loss=losses[0], last_loss=losses[-1], world=dist.get_world_size())
+                  first_loss=losses[0], last_loss=losses[-1], world=dist.get_world_size(),
+                  opt_state_gib=_optimizer_state_bytes(engine) / 2**30)
     if args.optimizer.startswith("ds_muon"):
         from torch._dynamo.utils import counters
         result["compiled_graphs"] = int(counters["stats"].get("unique_graphs", 0))
@@ -334,11 +345,18 @@ def main() -> None:
 
 def print_table(results: dict) -> None:
     ok = {k: v for k, v in results.items() if "error" not in v}
-    print("\n| optimizer | step s | fwd+bwd s | optimizer step s | peak GiB (fwd+bwd / step) | bytes/step (rank 0) |")
-    print("|---|---|---|---|---|---|")
+    print("\n| optimizer | step s | fwd+bwd s | optimizer step s | peak GiB (fwd+bwd / step) | optimizer state GiB "
+          "(rank 0) | bytes/step (rank 0) |")
+    print("|---|---|---|---|---|---|---|")
     for k, v in ok.items():
         print(f"| {k} | {v['step_s']:.3f} | {v.get('fwd_bwd_s', 0):.3f} | {v['opt_step_s']:.3f} | {v['peak_gib']:.1f} "
-              f"({v['peak_fwd_bwd_gib']:.1f} / {v['peak_step_gib']:.1f}) | {v['comm_total'] / 2**20:.0f} MiB |")
+              f"({v['peak_fwd_bwd_gib']:.1f} / {v['peak_step_gib']:.1f}) | {v.get('opt_state_gib', 0):.2f} | "
+              f"{v['comm_total'] / 2**20:.0f} MiB |")
+    if "adam_mini" in ok and "adamw" in ok:
+        m, a = ok["adam_mini"], ok["adamw"]
+        print(f"adam_mini/AdamW: optimizer state {m['opt_state_gib'] / a['opt_state_gib']:.3f}x, step "
+              f"{m['step_s'] / a['step_s']:.2f}x, optimizer step {m['opt_step_s'] / a['opt_step_s']:.2f}x, peak "
+              f"{m['peak_gib'] / a['peak_gib']:.3f}x, bytes/step +{m['comm_total'] - a['comm_total']} B")
     for k, v in results.items():
         if "error" in v:
             print(f"| {k} | failed: {v['error']} | | | |")

@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "MuonAdamW": "ds_muon.reference",
+    "AdamMini": "ds_muon.adam_mini",
     "initialize": "ds_muon.integration",
     "enable": "ds_muon.integration",
     "disable": "ds_muon.integration",

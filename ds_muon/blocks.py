@@ -14,7 +14,7 @@ gradient, no step"): one ``segment_reduce`` over the shard gives, per segment, t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 from .matrix import ns_view_shape
 
@@ -50,7 +50,8 @@ class BlockMap:
         return out
 
 
-def build_block_map(slots: Sequence, rank: int, shard_numel: int) -> BlockMap:
+def build_block_map(slots: Sequence, rank: int, shard_numel: int,
+                    block_numel: Optional[Callable[[object], int]] = None) -> BlockMap:
     """The :class:`BlockMap` of ``rank`` for a sub-group whose Muon parameters are ``slots``.
 
     Args:
@@ -60,6 +61,8 @@ def build_block_map(slots: Sequence, rank: int, shard_numel: int) -> BlockMap:
             :class:`ds_muon.ownership.MatrixSlot`; any order.
         rank: this rank's index in the sub-group's partition group, ``0 <= rank < W``.
         shard_numel: elements of the local flat shard.
+        block_numel: ``slot -> elements per block`` (dividing ``slot.numel``; an Adam-mini block, see
+            :mod:`ds_muon.adam_mini`); default: one block per matrix of the slot's Newton–Schulz view.
 
     Returns:
         The map. Shard elements not covered by a slot are :data:`PADDING` segments.
@@ -78,15 +81,15 @@ def build_block_map(slots: Sequence, rank: int, shard_numel: int) -> BlockMap:
         if slot.shard_offset > offset:
             lengths.append(slot.shard_offset - offset)
             blocks.append(PADDING)
-        batch = ns_view_shape(slot.shape)[0]
-        block_numel = slot.numel // batch
+        size = block_numel(slot) if block_numel is not None else slot.numel // ns_view_shape(slot.shape)[0]
+        batch = slot.numel // size
         base = len(names)
         names.extend(f"{slot.name}[{k}]" for k in range(batch))
         start, end = rank * slot.chunk, min((rank + 1) * slot.chunk, slot.numel)  # in the flat parameter
         pos = start
         while pos < end:
-            k = pos // block_numel
-            stop = min(end, (k + 1) * block_numel)
+            k = pos // size
+            stop = min(end, (k + 1) * size)
             lengths.append(stop - pos)
             blocks.append(base + k)
             pos = stop

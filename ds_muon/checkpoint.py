@@ -107,7 +107,7 @@ def zero_metadata(opt) -> dict:
 
     Returns a dict of plain Python types: ``version``; ``world_size`` (the ZeRO partition count);
     ``muon_step_count``; ``sub_groups``, one entry per ZeRO sub-group in order: ``group`` (its param
-    group), ``use_muon``, ``state_id`` (the key of its state in ``optimizer.state_dict()["state"]``)
+    group), ``use_muon``, ``adam_mini`` (an Adam-mini block sub-group), ``state_id`` (the key of its state in ``optimizer.state_dict()["state"]``)
     and ``params``, a list of ``[name, shape]`` in the order of the flat fp32 partition.
     """
     groups = opt.optimizer.param_groups
@@ -117,6 +117,7 @@ def zero_metadata(opt) -> dict:
     for s, params in enumerate(opt.fp16_groups):
         g = sub_to_group[s]
         sub_groups.append({"group": int(g), "use_muon": bool(groups[g]["use_muon"]), "state_id": state_id[s],
+                           "adam_mini": bool(groups[g].get("adam_mini", False)),
                            "params": [[opt.param_names[p], [int(d) for d in p.ds_shape]] for p in params]})
     return {"version": METADATA_VERSION, "world_size": int(opt.partition_count),
             "muon_step_count": int(opt.muon_step_count), "sub_groups": sub_groups}
@@ -538,6 +539,9 @@ def convert_to_universal(ckpt_dir: str, out_dir: str, tag: Optional[str] = None)
         raise CheckpointError(f"{files[0]} has no ds_muon metadata: it was not saved by a ds_muon engine, or by a "
                               "ds_muon version older than its checkpoint metadata; resume it at its world size and "
                               "save it again")
+    if any(sg.get("adam_mini") for sg in meta["sub_groups"]):
+        raise CheckpointError(f"{src} was saved by ds_muon's AdamMini, whose per-block second moments the universal "
+                              "conversion does not re-partition yet; resume it at the world size it was saved at")
     world = meta["world_size"]
     if sorted(files) != list(range(world)):
         raise CheckpointError(f"{src}: expected the optimizer state files of ranks 0..{world - 1}, found ranks "

@@ -467,16 +467,17 @@ def _fmt_num(x: Any) -> str:
     return f"{x:g}" if isinstance(x, float) else str(x)
 
 
-def _allowed_for_field(name: str) -> str:
+def _allowed_for_field(name: str, model: Any = None) -> str:
     """A human description of what field ``name`` accepts, derived from its annotation and bounds."""
     if name in ("betas",):
         return "a pair [beta1, beta2] of numbers, each in [0, 1)"
     if name == "muon_splits":
         return ("an object mapping glob patterns to a list of row block sizes (ints >= 1) or to "
                 "{\"rows\": [...], \"cols\": [...]}")
-    field = MuonOptimizerParams.model_fields.get(name)
+    model = model or MuonOptimizerParams
+    field = model.model_fields.get(name)
     if field is None:
-        return "see the MuonOptimizerParams documentation"
+        return f"see the {model.__name__} documentation"
     ann = field.annotation
     optional = False
     origin = typing.get_origin(ann)
@@ -517,7 +518,9 @@ def _allowed_for_field(name: str) -> str:
     return text
 
 
-def _known_keys() -> list[str]:
+def _known_keys(model: Any = None) -> list[str]:
+    if model is not None and model is not MuonOptimizerParams:
+        return list(model.model_fields)
     return list(MuonOptimizerParams.model_fields) + list(_ALIASES.values())
 
 
@@ -528,8 +531,8 @@ def _alias_to_field(key: str) -> str:
     return key
 
 
-def _suggest(key: str) -> list[str]:
-    candidates = _known_keys()
+def _suggest(key: str, model: Any = None) -> list[str]:
+    candidates = _known_keys(model)
     norm = key.strip().lower().replace("-", "_").replace(" ", "_")
     if norm in candidates and norm != key:
         return [norm]
@@ -543,25 +546,25 @@ def _loc_path(path: str, loc: tuple) -> str:
     return out
 
 
-def _unknown_key_line(path: str, key: str, value: Any) -> str:
+def _unknown_key_line(path: str, key: str, value: Any, model: Any = None) -> str:
     where = _loc_path(path, (key,))
     if key in UNSUPPORTED_BUILTIN_KEYS:
         return f"{where}: {value!r} is not accepted: '{key}' {UNSUPPORTED_BUILTIN_KEYS[key]}"
     line = f"{where}: unknown key (value {value!r})"
-    suggestions = _suggest(key)
+    suggestions = _suggest(key, model)
     if suggestions:
         line += "; did you mean " + " or ".join(repr(s) for s in suggestions) + "?"
-    line += (" Known keys: " if suggestions else "; known keys: ") + ", ".join(_known_keys())
+    line += (" Known keys: " if suggestions else "; known keys: ") + ", ".join(_known_keys(model))
     return line
 
 
-def _error_lines(err: ValidationError, path: str) -> list[str]:
+def _error_lines(err: ValidationError, path: str, model: Any = None) -> list[str]:
     lines = []
     for e in err.errors(include_url=False):
         loc = tuple(e.get("loc", ()))
         ctx = e.get("ctx") or {}
         if e["type"] == "extra_forbidden" and len(loc) == 1:
-            lines.append(_unknown_key_line(path, str(loc[0]), e.get("input")))
+            lines.append(_unknown_key_line(path, str(loc[0]), e.get("input"), model))
             continue
         if "key" in ctx:  # a model-level ds_muon check that names its key
             loc = (ctx["key"],)
@@ -571,7 +574,7 @@ def _error_lines(err: ValidationError, path: str) -> list[str]:
             continue
         field = _alias_to_field(str(loc[0])) if loc else ""
         reason = ctx.get("reason", e.get("msg", "invalid"))
-        allowed = ctx.get("allowed") or _allowed_for_field(field)
+        allowed = ctx.get("allowed") or _allowed_for_field(field, model)
         line = f"{_loc_path(path, loc)}: {value!r} is invalid: {reason}; allowed: {allowed}"
         if value == "auto" and "auto" not in allowed:
             line += _AUTO_HINT
@@ -867,3 +870,124 @@ def load_ds_config(path_or_dict: Union[str, os.PathLike, dict]) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"DeepSpeed config: {path!r} holds a JSON {type(data).__name__}, not an object")
     return data
+
+
+# ------------------------------------------------------------------------------------------------
+# Adam-mini: "optimizer": {"type": "AdamMini", "params": {...}}
+# ------------------------------------------------------------------------------------------------
+ADAM_MINI_TYPE = "adammini"
+
+
+class AdamMiniOptimizerParams(BaseModel):
+    """The params of "optimizer": {"type": "AdamMini", "params": {...}} in a DeepSpeed config.
+
+    Adam-mini (Zhang et al., arXiv:2406.16793) keeps one second moment per block of a parameter instead
+    of one per element; the blocks and the math are in :mod:`ds_muon.adam_mini`.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, title="ds_muon AdamMini optimizer params")
+
+    lr: float = Field(
+        1e-3, gt=0, allow_inf_nan=False,
+        description=("Learning rate (unit: step size per optimizer step, multiplying the bias-corrected Adam "
+                     "update). Source: Adam-mini reference 'lr' (same meaning; use AdamW's value)."))
+    betas: tuple[_Beta, _Beta] = Field(
+        (0.9, 0.999), strict=False,
+        description=("[beta1, beta2] (dimensionless): running averages of the gradient (per element) and of the "
+                     "block mean of its square (per block). Source: Adam-mini reference 'betas', default as "
+                     "torch.optim.AdamW."))
+    eps: float = Field(
+        1e-8, gt=0, allow_inf_nan=False,
+        description="Denominator epsilon (unit: gradient units). Source: Adam-mini reference 'eps'.")
+    weight_decay: float = Field(
+        0.0, ge=0, allow_inf_nan=False,
+        description=("Decoupled weight decay coefficient (p <- p*(1 - lr*weight_decay)), on every parameter except "
+                     "norm weights and biases. Source: Adam-mini reference 'weight_decay', same exemptions."))
+    block_rule: Literal["default", "neuron"] = Field(
+        "default",
+        description=("How parameters are cut into blocks that share one second moment. 'default': embeddings, "
+                     "output heads and biases per element (Adam), query/key projections one block per attention "
+                     "head, every other tensor one block. 'neuron': as default, but every other >=2-D tensor "
+                     "(embeddings and heads included) one block per output row (the reference's v1.1 rule). "
+                     "Source: Adam-mini reference (docs/adam_mini.md)."))
+    max_consecutive_skipped_steps: int = Field(
+        50, ge=0, le=1_000_000,
+        description=("Stop the run after this many consecutive optimizer steps skipped because the global gradient "
+                     "norm was NaN or Inf (unit: optimizer steps; 0: never stop). Source: ds_muon (as for Muon)."))
+
+    def group_defaults(self) -> dict[str, Any]:
+        """``{"lr", "betas", "eps", "weight_decay"}`` of the param groups."""
+        return {"lr": self.lr, "betas": tuple(self.betas), "eps": self.eps, "weight_decay": self.weight_decay}
+
+    def adamw_implementation(self) -> dict[str, Any]:
+        """DeepSpeed's element-wise Adam for the per-element groups: FusedAdam, or DeepSpeedCPUAdam offloaded."""
+        return {"torch_adam": False, "foreach": None}
+
+
+def parse_adam_mini_params(params: Optional[dict], path: str = OPTIMIZER_PARAMS_PATH) -> AdamMiniOptimizerParams:
+    """Validate the ``optimizer.params`` of an AdamMini config (``None``: all defaults).
+
+    Raises:
+        ConfigError: naming ``<path>.<key>``, the value and what is allowed, for each problem.
+    """
+    if params is None:
+        params = {}
+    if isinstance(params, AdamMiniOptimizerParams):
+        return params
+    if not isinstance(params, dict):
+        raise ConfigError(f"{path}: {params!r} is invalid: must be an object (a dict of optimizer settings)")
+    try:
+        return AdamMiniOptimizerParams.model_validate(params)
+    except ValidationError as err:
+        raise ConfigError(_error_lines(err, path, AdamMiniOptimizerParams)) from None
+
+
+def is_adam_mini(ds_config: Any) -> bool:
+    """Whether a DeepSpeed config dict says ``"optimizer": {"type": "AdamMini"}`` (case-insensitive, as DeepSpeed)."""
+    opt = ds_config.get("optimizer") if isinstance(ds_config, dict) else None
+    kind = opt.get("type") if isinstance(opt, dict) else None
+    return isinstance(kind, str) and kind.lower().replace("_", "").replace("-", "") == ADAM_MINI_TYPE
+
+
+def validate_adam_mini_config(ds_config: dict) -> Optional[AdamMiniOptimizerParams]:
+    """Check an AdamMini DeepSpeed config; None when the optimizer is not AdamMini.
+
+    Checks ``optimizer.params`` (:func:`parse_adam_mini_params`), ``zero_optimization.stage`` == 3 (the
+    Adam-mini ZeRO-3 step is the only distributed one), no NVMe offload (not parity-tested yet), no
+    partial offload ``ratio``, and ``gradient_clipping`` >= 0.
+
+    Raises:
+        ConfigError: one line per problem.
+    """
+    if not is_adam_mini(ds_config):
+        return None
+    problems: list[str] = []
+    params = None
+    try:
+        params = parse_adam_mini_params(ds_config["optimizer"].get("params"))
+    except ConfigError as err:
+        problems.extend(err.problems)
+    zero = ds_config.get("zero_optimization") or {}
+    zero = zero if isinstance(zero, dict) else {}
+    stage = zero.get("stage")
+    if not (_is_number(stage) and stage == 3):
+        shown = "missing (DeepSpeed's default is 0)" if stage is None else f"{stage!r} is invalid"
+        problems.append(f"zero_optimization.stage: {shown}: ds_muon's AdamMini runs on ZeRO stage 3 only (which runs "
+                        "on one GPU too); set zero_optimization.stage to 3")
+    for section in ("offload_optimizer", "offload_param"):
+        offload = zero.get(section)
+        device = offload.get("device") if isinstance(offload, dict) else None
+        if str(getattr(device, "value", device)).lower() == "nvme":
+            problems.append(f"zero_optimization.{section}.device: 'nvme' is not supported with AdamMini yet (not "
+                            "parity-tested); use device 'cpu' or none")
+        if section == "offload_optimizer" and isinstance(offload, dict) and _is_number(offload.get("ratio")) \
+                and offload["ratio"] != 1.0:
+            problems.append(f"zero_optimization.offload_optimizer.ratio: {offload['ratio']!r} is invalid with AdamMini "
+                            "(DeepSpeed's partial offload needs DeepSpeedCPUAdam as the optimizer); remove it")
+    if "gradient_clipping" in ds_config:
+        clip = ds_config["gradient_clipping"]
+        if not _is_number(clip) or clip < 0 or clip != clip:
+            problems.append(f"gradient_clipping: {clip!r} is invalid: allowed: a number >= 0 (0 disables clipping)")
+    if problems:
+        raise ConfigError(problems)
+    return params

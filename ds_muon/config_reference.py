@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 
 from pydantic_core import PydanticUndefined
 
-from ds_muon.config import MuonOptimizerParams, _allowed_for_field
+from ds_muon.config import AdamMiniOptimizerParams, MuonOptimizerParams, _allowed_for_field
 
 DEFAULT_PATH = Path("docs") / "configuration.md"
 
@@ -49,10 +49,21 @@ def _default(field) -> str:
     return f"`{json.dumps(field.default)}`"
 
 
-def render_reference() -> str:
-    """The Markdown page: one table row per field of MuonOptimizerParams (aliases noted)."""
+_ADAM_MINI_HEADER = """
+## AdamMini
+
+Keys of `"optimizer": {"type": "AdamMini", "params": {...}}` (Adam-mini, one second moment per block;
+see [Adam-mini](adam_mini.md)), validated the same way. It needs `zero_optimization.stage` 3; NVMe
+offload is refused (not parity-tested yet); optimizer offload to CPU works.
+
+| key | type | default | allowed | description |
+|---|---|---|---|---|
+"""
+
+
+def _rows(model) -> list[str]:
     rows = []
-    for name, field in MuonOptimizerParams.model_fields.items():
+    for name, field in model.model_fields.items():
         alias = field.validation_alias
         names = f"`{name}`"
         if alias is not None and hasattr(alias, "choices"):
@@ -61,8 +72,14 @@ def render_reference() -> str:
                 names += " (alias " + ", ".join(f"`{c}`" for c in others) + ")"
         kind = getattr(field.annotation, "__name__", None) or str(field.annotation).replace("typing.", "")
         desc = (field.description or "").replace("|", "\\|").replace("\n", " ")
-        rows.append(f"| {names} | `{kind}` | {_default(field)} | {_allowed_for_field(name)} | {desc} |")
-    return _HEADER + "\n".join(rows) + "\n"
+        rows.append(f"| {names} | `{kind}` | {_default(field)} | {_allowed_for_field(name, model)} | {desc} |")
+    return rows
+
+
+def render_reference() -> str:
+    """The Markdown page: one table row per field of MuonOptimizerParams (aliases noted), then AdamMini's."""
+    return (_HEADER + "\n".join(_rows(MuonOptimizerParams)) + "\n" + _ADAM_MINI_HEADER
+            + "\n".join(_rows(AdamMiniOptimizerParams)) + "\n")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

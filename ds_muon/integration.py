@@ -33,18 +33,20 @@ from typing import Any, Iterator
 
 import deepspeed
 import deepspeed.runtime.zero.stage3 as ds_stage3
+import deepspeed.runtime.config as ds_runtime_config
 import deepspeed.runtime.zero.utils as ds_zero_utils
 import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import logger as ds_logger
 
 from .checkpoint import install_load_checks
-from .config import ConfigError, load_ds_config, validate_ds_config
+from .adam_mini import adam_mini_param_groups, adam_mini_plan, adam_mini_summary
+from .config import ADAM_MINI_TYPE, ConfigError, load_ds_config, validate_adam_mini_config, validate_ds_config
 from .frameworks import ZERO_STAGE_FIX, detect_framework, for_framework
 from .param_groups import check_zero3_parameters, split_param_groups
 from .schedulers import GroupRatioScheduler, broadcasts_one_lr
 from .selection import NO_MUON_WARNING, tag_model
-from .zero3 import MuonZeroOptimizer, ZeroMuonInner
+from .zero3 import MuonZeroOptimizer, ZeroAdamMiniInner, ZeroMuonInner
 
 _lock = threading.RLock()
 _originals: dict[str, Any] = {}
@@ -76,6 +78,9 @@ def _set_optimizer_flags(config_class, model) -> None:
             err.args = ("\n".join([str(err)] + [f"({n})" for n in notes]),) + err.args[1:]
         raise
     if cfg is None:
+        mini = validate_adam_mini_config(config_class._param_dict)
+        if mini is not None and _is_rank0():
+            log_info(adam_mini_summary(adam_mini_plan(model, mini.block_rule)))
         return _originals["set_optimizer_flags"](config_class, model)
     if _auto and _depth == 1 and not _auto_notice_done and _is_rank0():  # not when the script enabled it
         ds_logger.warning(AUTO_NOTICE)
@@ -141,6 +146,9 @@ def _check_moe_layers(engine: DeepSpeedEngine) -> None:
 def _configure_basic_optimizer(self: DeepSpeedEngine, model_parameters):
     cfg = validate_ds_config(self._config._param_dict)
     if cfg is None:
+        mini = validate_adam_mini_config(self._config._param_dict)
+        if mini is not None:
+            return _adam_mini_inner(self, mini)
         return _originals["_configure_basic_optimizer"](self, model_parameters)
     _check_moe_layers(self)
     groups = split_param_groups(model_parameters, cfg.muon_group_defaults(), cfg.adamw_group_defaults())
@@ -152,6 +160,15 @@ def _configure_basic_optimizer(self: DeepSpeedEngine, model_parameters):
         return adam_cls(adam_groups, **adam_kwargs)
 
     return ZeroMuonInner(groups, adamw_factory, cfg)
+
+
+def _adam_mini_inner(self: DeepSpeedEngine, cfg) -> ZeroAdamMiniInner:
+    """The AdamMini inner optimizer: blocks from the engine's module (:func:`ds_muon.adam_mini.adam_mini_param_groups`),
+    per-element groups stepped by DeepSpeed's own AdamW class (FusedAdam, or DeepSpeedCPUAdam offloaded)."""
+    _check_moe_layers(self)
+    groups = adam_mini_param_groups(self.module, cfg.group_defaults(), cfg.block_rule)
+    adam_cls, adam_kwargs = self.get_optimizer_configuration(cfg.adamw_implementation(), True)
+    return ZeroAdamMiniInner(groups, lambda adam_groups: adam_cls(adam_groups, **adam_kwargs), cfg)
 
 
 def _configure_zero_optimizer(self: DeepSpeedEngine, optimizer):
@@ -187,7 +204,7 @@ def _configure_zero_optimizer(self: DeepSpeedEngine, optimizer):
 
 def _scheduler_from_config(self: DeepSpeedEngine, optimizer):
     inner = getattr(optimizer, "optimizer", None)
-    if not isinstance(inner, ZeroMuonInner) or not broadcasts_one_lr(self.scheduler_name(), self.scheduler_params()):
+    if not isinstance(inner, ZeroMuonInner) or isinstance(inner, ZeroAdamMiniInner) or not broadcasts_one_lr(self.scheduler_name(), self.scheduler_params()):
         return _originals["_scheduler_from_config"](self, optimizer)
     muon_lr = inner.config.muon_group_defaults()["lr"]
     ratios = [group["lr"] / muon_lr for group in inner.param_groups]  # before the scheduler writes any
@@ -228,8 +245,12 @@ def enable() -> None:
             DeepSpeedEngine._configure_zero_optimizer = _configure_zero_optimizer
             DeepSpeedEngine._scheduler_from_config = _scheduler_from_config
             # DeepSpeed asks for zero_allow_untested_optimizer unless the inner optimizer's type is listed.
-            if ZeroMuonInner not in ds_zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
-                ds_zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(ZeroMuonInner)
+            for inner in (ZeroMuonInner, ZeroAdamMiniInner):
+                if inner not in ds_zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
+                    ds_zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(inner)
+            # DeepSpeed's sanity check accepts only optimizer names it knows (lower-cased by its config).
+            if ADAM_MINI_TYPE not in ds_runtime_config.DEEPSPEED_OPTIMIZERS:
+                ds_runtime_config.DEEPSPEED_OPTIMIZERS.append(ADAM_MINI_TYPE)
         _depth += 1
 
 
@@ -245,8 +266,11 @@ def disable() -> None:
             DeepSpeedEngine._configure_basic_optimizer = _originals.pop("_configure_basic_optimizer")
             DeepSpeedEngine._configure_zero_optimizer = _originals.pop("_configure_zero_optimizer")
             DeepSpeedEngine._scheduler_from_config = _originals.pop("_scheduler_from_config")
-            if ZeroMuonInner in ds_zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
-                ds_zero_utils.ZERO_SUPPORTED_OPTIMIZERS.remove(ZeroMuonInner)
+            for inner in (ZeroMuonInner, ZeroAdamMiniInner):
+                if inner in ds_zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
+                    ds_zero_utils.ZERO_SUPPORTED_OPTIMIZERS.remove(inner)
+            if ADAM_MINI_TYPE in ds_runtime_config.DEEPSPEED_OPTIMIZERS:
+                ds_runtime_config.DEEPSPEED_OPTIMIZERS.remove(ADAM_MINI_TYPE)
 
 
 def auto_enable() -> None:
@@ -295,7 +319,9 @@ def initialize(args: Any = None, model=None, *rest: Any, **kwargs: Any):
     """
     config = _find_config(args, kwargs)
     if config is not None:
-        validate_ds_config(load_ds_config(config))
+        loaded = load_ds_config(config)
+        validate_ds_config(loaded)
+        validate_adam_mini_config(loaded)
     with enabled():
         return deepspeed.initialize(args, model, *rest, **kwargs)
 

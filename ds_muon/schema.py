@@ -22,13 +22,14 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from ds_muon.config import MuonOptimizerParams
+from ds_muon.config import AdamMiniOptimizerParams, MuonOptimizerParams
 
-__all__ = ["muon_params_schema", "ds_config_schema", "render", "write_schemas", "main",
+__all__ = ["muon_params_schema", "adam_mini_params_schema", "ds_config_schema", "render", "write_schemas", "main",
            "PARAMS_SCHEMA_FILE", "DS_CONFIG_SCHEMA_FILE"]
 
 DRAFT = "https://json-schema.org/draft/2020-12/schema"
 PARAMS_SCHEMA_FILE = "muon_optimizer_params.schema.json"
+ADAM_MINI_SCHEMA_FILE = "adam_mini_optimizer_params.schema.json"
 DS_CONFIG_SCHEMA_FILE = "ds_config.schema.json"
 _ID_PREFIX = "urn:ds_muon:schema:"
 _PARAMS_DEF = "MuonOptimizerParams"
@@ -40,6 +41,12 @@ def muon_params_schema() -> dict[str, Any]:
     """JSON Schema of ``optimizer.params`` for ``"type": "Muon"`` (from MuonOptimizerParams)."""
     schema = MuonOptimizerParams.model_json_schema(mode="validation")
     return {"$schema": DRAFT, "$id": _ID_PREFIX + PARAMS_SCHEMA_FILE, **schema}
+
+
+def adam_mini_params_schema() -> dict[str, Any]:
+    """JSON Schema of ``optimizer.params`` for ``"type": "AdamMini"`` (from AdamMiniOptimizerParams)."""
+    schema = AdamMiniOptimizerParams.model_json_schema(mode="validation")
+    return {"$schema": DRAFT, "$id": _ID_PREFIX + ADAM_MINI_SCHEMA_FILE, **schema}
 
 
 def ds_config_schema() -> dict[str, Any]:
@@ -121,6 +128,7 @@ def render(schema: dict[str, Any]) -> str:
 def _expected_files() -> dict[str, str]:
     return {
         PARAMS_SCHEMA_FILE: render(muon_params_schema()),
+        ADAM_MINI_SCHEMA_FILE: render(adam_mini_params_schema()),
         DS_CONFIG_SCHEMA_FILE: render(ds_config_schema()),
     }
 

@@ -28,6 +28,7 @@ from torch.profiler import record_function
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.utils import logger
 
+from .adam_mini import BLOCK_ATTR, BLOCK_STATE_KEY, adam_mini_shard_update_, block_square_sums
 from .blocks import PADDING, BlockMap, build_block_map
 from .checkpoint import (CheckpointError, add_metadata, check_zero_state_dict, load_universal_state,
                          restore_step_count, rigid_load_arguments)
@@ -73,6 +74,11 @@ def _named_collective(what: str):
             "process-group timeout (deepspeed.init_distributed(timeout=...), 30 minutes by default)") from err
 
 
+def _elementwise(group: dict) -> bool:
+    """Whether a param group is stepped by the element-wise AdamW (not Muon, not Adam-mini)."""
+    return not group["use_muon"] and not group.get("adam_mini", False)
+
+
 class ZeroMuonInner(torch.optim.Optimizer):
     """The "basic" optimizer that DeepSpeed's ZeRO-3 wraps when the config says ``"Muon"``.
 
@@ -96,7 +102,7 @@ class ZeroMuonInner(torch.optim.Optimizer):
         super().__init__(param_groups, {})
         self.config = config
         self.adamw = None
-        adam_groups = [g for g in self.param_groups if not g["use_muon"]]
+        adam_groups = [g for g in self.param_groups if _elementwise(g)]
         if adam_groups and adamw_factory is not None:
             self.adamw = adamw_factory(adam_groups)
         self._share_with_adamw()
@@ -104,7 +110,7 @@ class ZeroMuonInner(torch.optim.Optimizer):
     def _share_with_adamw(self) -> None:
         if self.adamw is None:
             return
-        adam_groups = [g for g in self.param_groups if not g["use_muon"]]
+        adam_groups = [g for g in self.param_groups if _elementwise(g)]
         for group in adam_groups:
             for key, value in self.adamw.defaults.items():
                 group.setdefault(key, value)
@@ -135,12 +141,32 @@ class ZeroMuonInner(torch.optim.Optimizer):
             RuntimeError: a Muon group holds parameters (those are stepped by MuonZeroOptimizer).
         """
         for group in self.param_groups:
-            if group["use_muon"] and group["params"]:
-                raise RuntimeError("Muon param groups are stepped by ds_muon.zero3.MuonZeroOptimizer, "
+            if not _elementwise(group) and group["params"]:
+                raise RuntimeError("Muon and Adam-mini param groups are stepped by ds_muon.zero3.MuonZeroOptimizer, "
                                    "not by the inner optimizer; was ZeRO stage 3 configured?")
         if self.adamw is None:
             return closure() if closure is not None else None
         return self.adamw.step(closure)
+
+
+class ZeroAdamMiniInner(ZeroMuonInner):
+    """The "basic" optimizer DeepSpeed's ZeRO-3 wraps when the config says ``"AdamMini"``.
+
+    Its param groups come from :func:`ds_muon.adam_mini.adam_mini_param_groups`: groups flagged
+    ``adam_mini`` (parameters tagged with their block size) are stepped by :class:`MuonZeroOptimizer`'s
+    Adam-mini sub-group step; the per-element groups (embeddings, output heads, biases) by the
+    element-wise AdamW built by ``adamw_factory`` (FusedAdam, or DeepSpeedCPUAdam when offloaded),
+    which is Adam-mini with one-element blocks. ``config`` is the validated
+    :class:`ds_muon.config.AdamMiniOptimizerParams`.
+    """
+
+
+class AdamMiniSlot:
+    """One parameter of an Adam-mini sub-group as :func:`ds_muon.blocks.build_block_map` reads it (elements)."""
+
+    def __init__(self, name: str, shape: tuple, numel: int, chunk: int, shard_offset: int, block: int) -> None:
+        self.name, self.shape, self.numel, self.chunk, self.shard_offset, self.block = (
+            name, shape, numel, chunk, shard_offset, block)
 
 
 class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
@@ -204,6 +230,10 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self._block_index: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._step_flags: dict[int, torch.Tensor] = {}  # this step's no-gradient flags, computed ahead
         self._build_muon_plans()
+        self.adam_mini_maps: dict[int, BlockMap] = {}
+        self._adam_mini_block_numel: dict[int, list[int]] = {}  # global elements of each block
+        self._adam_mini_index: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._build_adam_mini_maps()
         self._check_trainable_set()  # records the trainable set
 
     # ---- setup ---------------------------------------------------------------------------
@@ -312,6 +342,27 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                                                     self._muon_pool)
             if self._get_sub_group_partition_rank(i) == 0:
                 logger.info("ds_muon sub-group %d: %s", i, plan.describe())
+
+    def _build_adam_mini_maps(self) -> None:
+        """The :class:`~ds_muon.blocks.BlockMap` of every Adam-mini sub-group on this rank, from the parameters'
+        global numel and block size (``param.ds_adam_mini_block``) and DeepSpeed's ``grad_position``."""
+        for i, params in enumerate(self.fp16_groups):
+            if not self._muon_group(i).get("adam_mini"):
+                continue
+            slots = []
+            for p in params:
+                _, offset, chunk = self.grad_position[self.get_param_id(p)]
+                name = self.param_names.get(p, f"ds_id={p.ds_id}")
+                block, numel = getattr(p, BLOCK_ATTR, None), int(p.ds_numel)
+                if not block or numel % block or chunk != -(-numel // self._get_sub_group_partition_count(i)):
+                    raise RuntimeError(f"ds_muon: Adam-mini parameter {name!r} ({numel} elements, block {block}, "
+                                       f"chunk {chunk}) does not fit the ZeRO-3 layout ds_muon expects")
+                slots.append(AdamMiniSlot(name, tuple(p.ds_shape), numel, int(chunk), int(offset), int(block)))
+            shard = int(self.fp16_partitioned_groups_flat_numel[i])
+            self.adam_mini_maps[i] = build_block_map(slots, self._get_sub_group_partition_rank(i), shard,
+                                                     block_numel=lambda s: s.block)
+            self._adam_mini_block_numel[i] = [s.block for s in sorted(slots, key=lambda s: s.shard_offset)
+                                              for _ in range(s.numel // s.block)]
 
     def attach_monitor(self, monitor, step_fn: Callable[[], int]) -> None:
         """Report per-step Muon figures to DeepSpeed's monitor (tensorboard / csv_monitor / wandb / comet).
@@ -530,14 +581,17 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
     def _optimizer_step(self, sub_group_id: int) -> None:
         plan = self.muon_plans.get(sub_group_id)
-        if plan is None:
+        if plan is None and sub_group_id not in self.adam_mini_maps:
             super()._optimizer_step(sub_group_id)
             return
         timed = self._monitor is not None
         if timed:
             get_accelerator().synchronize()
             start = time.perf_counter()
-        self._muon_sub_group_step(sub_group_id, plan)
+        if plan is None:
+            self._adam_mini_sub_group_step(sub_group_id)
+        else:
+            self._muon_sub_group_step(sub_group_id, plan)
         if timed:
             get_accelerator().synchronize()
             self._muon_seconds += time.perf_counter() - start
@@ -591,6 +645,54 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             for offset, n, m_old, w_old in kept or ():  # blocks with no gradient: as they were
                 momentum.narrow(0, offset, n).copy_(m_old)
                 fp32.narrow(0, offset, n).copy_(w_old)
+
+    @torch.no_grad()
+    def _adam_mini_sub_group_step(self, i: int) -> None:
+        """Adam-mini on Adam-mini sub-group ``i`` (:mod:`ds_muon.adam_mini`), on the local fp32 shard ``(n,)``:
+
+        1. per-block partial sums of ``g**2`` over this rank's elements (one ``segment_reduce`` over the
+           :class:`~ds_muon.blocks.BlockMap`'s segments; a block may start on one rank and end on another,
+           and padding belongs to no block);
+        2. one all_reduce(SUM) of ``n_blocks`` fp32 over the sub-group's partition group;
+        3. ``v_B <- beta2*v_B + (1-beta2) * sum_B / |B|`` with ``|B|`` the block's global numel, then the
+           element-wise first moment and update on the shard (:func:`ds_muon.adam_mini.adam_mini_shard_update_`).
+
+        State of the fp32 partition: ``step`` (int), ``exp_avg`` (the shard's length) and
+        ``block_exp_avg_sq`` (``(n_blocks,)``, the same on every rank).
+        """
+        group = self._muon_group(i)
+        fp32 = self.fp32_partitioned_groups_flat[i]
+        grad = fp32.grad
+        bm = self.adam_mini_maps[i]
+        index = self._adam_mini_index.get(i)
+        if index is None or index[0].device != grad.device:
+            real = [k for k, b in enumerate(bm.block_of_segment) if b != PADDING]
+            dev = grad.device
+            index = self._adam_mini_index[i] = (
+                torch.tensor(bm.lengths, dtype=torch.int64, device=dev),
+                torch.tensor(real, dtype=torch.int64, device=dev),
+                torch.tensor([bm.block_of_segment[k] for k in real], dtype=torch.int64, device=dev),
+                torch.tensor([bm.n_blocks if b == PADDING else b for b in bm.block_of_segment], dtype=torch.int64,
+                             device=dev),
+                torch.tensor(self._adam_mini_block_numel[i], dtype=torch.float32, device=dev))
+        lengths, real, ids, segment_block, block_numel = index
+        state = self.optimizer.state[fp32]
+        if "exp_avg" not in state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(fp32)
+            state[BLOCK_STATE_KEY] = torch.zeros(bm.n_blocks, dtype=torch.float32, device=fp32.device)
+        with record_function("ds_muon/adam_mini_block_sums"):
+            sums = block_square_sums(grad, lengths, real, ids, bm.n_blocks)
+            device = torch.device(get_accelerator().current_device_name())
+            wire = sums.to(device)
+            with _named_collective(f"the Adam-mini block all_reduce of ZeRO sub-group {i}"):
+                dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=self._get_sub_group_process_group(i))
+            sums = wire.to(grad.device)
+        state["step"] += 1
+        with record_function("ds_muon/adam_mini_update"):
+            adam_mini_shard_update_(fp32, grad, state["exp_avg"], state[BLOCK_STATE_KEY], sums, block_numel, lengths,
+                                    segment_block, state["step"], group["lr"], tuple(group["betas"]), group["eps"],
+                                    group["weight_decay"])
 
     def _blocks_with_gradient(self, i: int, grad: torch.Tensor) -> torch.Tensor:
         """Which Newton–Schulz blocks of Muon sub-group ``i`` had a gradient this step, on any rank.
@@ -805,6 +907,9 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         """Universal checkpoint (``"checkpoint": {"load_universal": true}``): ds_muon's loader, which
         knows Muon's ``momentum_buffer`` (:func:`ds_muon.checkpoint.load_universal_state`); weights
         only (``load_optimizer_states=False``): DeepSpeed's, after ds_muon's checks."""
+        if self.adam_mini_maps:
+            raise CheckpointError("universal checkpoints are not supported with AdamMini yet (its per-block second "
+                                  "moments are not re-partitioned); resume at the world size the checkpoint was saved at")
         if self.swap_optimizer and not load_optimizer_states:
             raise CheckpointError("loading only the weights of a universal checkpoint (load_module_only / "
                                   "load_optimizer_states=False) is not supported with NVMe optimizer offload: "

@@ -71,6 +71,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--adamw", action="store_true",
                    help="baseline: replace the config's optimizer by AdamW (lr = the config's adam_lr)")
+    p.add_argument("--adam-mini", nargs="?", const="default", default=None, choices=("default", "neuron"),
+                   metavar="BLOCK_RULE", help="replace the config's optimizer by ds_muon's AdamMini with this block_rule "
+                                              "(default: 'default'); lr = the config's adam_lr, as --adamw")
     p.add_argument("--zero-init", action="store_true", help="build the model under deepspeed.zero.Init")
     p.add_argument("--log-json", default=None, help="write the loss curves (per step, with tokens seen) to this "
                                                    "JSON file on rank 0, for scripts/plot_results.py")
@@ -82,10 +85,12 @@ def parse_args() -> argparse.Namespace:
 def load_config(args: argparse.Namespace) -> dict:
     with open(args.deepspeed_config or DEFAULT_CONFIG) as f:
         config = json.load(f)
-    if args.adamw:
+    if args.adamw or args.adam_mini:
         params = config.get("optimizer", {}).get("params", {})
-        config["optimizer"] = {"type": "AdamW", "params": {"lr": params.get("adam_lr", 3e-3),
-                                                           "weight_decay": params.get("weight_decay", 0.0)}}
+        config["optimizer"] = {"type": "AdamMini" if args.adam_mini else "AdamW",
+                               "params": {"lr": params.get("adam_lr", 3e-3), "weight_decay": params.get("weight_decay", 0.0)}}
+        if args.adam_mini:
+            config["optimizer"]["params"]["block_rule"] = args.adam_mini
     config.pop("train_batch_size", None)            # derived from micro batch x accumulation x world size
     return config
 
@@ -257,7 +262,8 @@ def main() -> None:
         log(f"throughput: {tokens_per_step * n / train_time:,.0f} tokens/s (global), {train_time / n:.3f} s/step")
     if args.log_json and rank == 0 and train_losses:
         with open(args.log_json, "w", encoding="utf-8") as f:
-            json.dump({"model": args.model, "optimizer": "AdamW" if args.adamw else "ds_muon", "world_size": world,
+            json.dump({"model": args.model, "optimizer": "AdamW" if args.adamw else "AdamMini" if args.adam_mini else "ds_muon",
+                       "world_size": world,
                        "tokens_per_step": tokens_per_step, "steps": args.steps, "seed": args.seed,
                        "device": str(engine.device), "first_step": start, "train_loss": train_losses,
                        "val_loss": [list(v) for v in val_losses],

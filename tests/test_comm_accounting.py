@@ -81,6 +81,19 @@ def comm_worker(rank: int, world_size: int) -> dict:
                                         if p.requires_grad and getattr(p, "use_muon", False))
         engine.destroy()
 
+    # Adam-mini: one all_reduce(SUM) of n_blocks fp32 per Adam-mini sub-group on top of AdamW ZeRO-3's traffic
+    # (AdamW given the same param groups, so both all-reduce the same per-sub-group norm scalars).
+    from ds_muon.adam_mini import adam_mini_param_groups
+    defaults = {"lr": 3e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+    mini_groups = lambda m: [{"params": g["params"]} for g in adam_mini_param_groups(m, defaults)]  # noqa: E731
+    for label, cfg, groups in (("adam_mini", ds_config(reduce_scatter=True, optimizer={"type": "AdamMini", "params": {
+            "lr": 3e-3}}), None), ("adamw_mini_groups", configs["adamw"], mini_groups)):
+        engine, _ = build_engine(cfg, model_parameters=groups)
+        out[label] = _iteration_records(engine, rank)
+        if label == "adam_mini":
+            out["adam_mini_blocks"] = sorted(bm.n_blocks for bm in engine.optimizer.adam_mini_maps.values())
+        engine.destroy()
+
     # DeepSpeed's built-in ZeRO-3 Muon (it refuses reduce_scatter: true) next to ds_muon and AdamW, on
     # the model without the conv layer (the built-in fails on 4-D weights in 0.19.8).
     import functools
@@ -147,6 +160,13 @@ def test_exchange_bytes(world_size: int, capsys) -> None:
         bf16 = [b for op, _, b in res["ds_muon_bf16"] if op == "all_to_all_single"]
         assert sum(bf16) == 2 * res["plan_sent"]
         per_rank_exchange.append(sum(n for _, n, _ in a2a))  # counted on the wire
+        # (2b) Adam-mini: AdamW's traffic plus one all_reduce of n_blocks fp32 (4 bytes each) per Adam-mini
+        # sub-group per step, nothing else (no moment, no gradient-sized collective)
+        extra = Counter((op, n, b) for op, n, b in res["adam_mini"])
+        extra.subtract(Counter(res["adamw_mini_groups"]))
+        want = Counter(("all_reduce", n, 4 * n) for n in res["adam_mini_blocks"])
+        assert +extra == want and not -extra, f"rank {rank}: Adam-mini traffic beyond AdamW's: {+extra}, {-extra}"
+        assert _total(res["adam_mini"]) - _total(res["adamw_mini_groups"]) == 4 * sum(res["adam_mini_blocks"])
     # (4) the communication budget of design.md §3. The mean over ranks is an identity of the chunk
     # sizes (every chunk crosses the wire twice, W-1 of W times), so it is bounded ...
     budget = 2 * muon_elems * (W - 1) / W**2
@@ -179,7 +199,9 @@ def test_exchange_bytes(world_size: int, capsys) -> None:
               f"max/budget {max(per_rank_exchange) / budget:.3f}")
         ours_extra = _total(results[0]["ds_muon"]) - _total(results[0]["adamw"])
         print(f"[comm W={W}] rank 0 bytes/iteration: AdamW rs=true {_total(results[0]['adamw'])}, "
-              f"ds_muon rs=true {_total(results[0]['ds_muon'])} (+{ours_extra} over AdamW)")
+              f"ds_muon rs=true {_total(results[0]['ds_muon'])} (+{ours_extra} over AdamW); Adam-mini "
+              f"+{_total(results[0]['adam_mini']) - _total(results[0]['adamw_mini_groups'])} over AdamW "
+              f"(blocks per sub-group {results[0]['adam_mini_blocks']})")
         print(f"[comm W={W}] model without conv, rank 0 bytes/iteration: AdamW rs=false {base}, "
               f"DeepSpeed built-in Muon rs=false {theirs} (+{theirs - base}), ds_muon rs=false "
               f"{ours_cmp} (+{ours_cmp - base}); built-in/ds_muon extra bytes {extra_ratio:.2f}x, "
