@@ -221,7 +221,8 @@ def worker(args) -> None:
     torch.cuda.set_device(device)
     cfg = ds_config(args.optimizer, args.micro_batch)
     torch.manual_seed(0)
-    model = CausalLM(ModelConfig.preset(args.model, max_seq_len=args.seq_len))
+    # no per-head max-logit recording (MuonClip): its cost is measured apart, by benchmarks/max_logit_cost.py
+    model = CausalLM(ModelConfig.preset(args.model, max_seq_len=args.seq_len, record_max_logits=False))
     n_params = sum(p.numel() for p in model.parameters())
     if args.optimizer.startswith("ds_muon") or args.optimizer == "adam_mini":
         import ds_muon
