@@ -85,6 +85,15 @@ def phi3_fused(**kw):
     return _hf("Phi3ForCausalLM", "Phi3Config", **kw)
 
 
+def _gathered(params):
+    """Full parameters for an in-place init change, also when built under ``deepspeed.zero.Init``."""
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+    import contextlib
+    return contextlib.nullcontext()
+
+
 class DeclaredAttention(nn.Module):
     """A custom causal attention (no RoPE, GQA 4/2) that declares its q/k weights and records its logits."""
 
@@ -114,15 +123,17 @@ class DeclaredAttention(nn.Module):
 class DeclaredNet(nn.Module):
     """Embedding -> 2 x (LayerNorm, DeclaredAttention, MLP) -> tied head; the harness's forward signature."""
 
-    def __init__(self, dim: int = 24, num_hidden_layers: int = 2, num_key_value_heads: int = 2):
+    def __init__(self, dim: int = 24, num_hidden_layers: int = 2, num_key_value_heads: int = 2, vocab: int = VOCAB):
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, dim)
+        self.vocab = vocab
+        self.embed = nn.Embedding(vocab, dim)
         self.norms = nn.ModuleList(nn.LayerNorm(dim) for _ in range(num_hidden_layers))
         self.attn = nn.ModuleList(DeclaredAttention(dim, kv_heads=num_key_value_heads) for _ in range(num_hidden_layers))
         self.mlp = nn.ModuleList(nn.Linear(dim, dim) for _ in range(num_hidden_layers))
-        self.head = nn.Linear(dim, VOCAB, bias=False)
+        self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.embed.weight
-        with torch.no_grad():
+        params = [self.embed.weight] + [p for a in self.attn for p in (a.q.weight, a.k.weight)]
+        with torch.no_grad(), _gathered(params):
             self.embed.weight.mul_(0.2)
             for a in self.attn:  # heads of different strengths, so a threshold clips some, not all
                 spread = torch.linspace(0.6, 1.4, a.heads).repeat_interleave(a.hd)[:, None]
@@ -137,7 +148,14 @@ class DeclaredNet(nn.Module):
         for norm, attn, mlp in zip(self.norms, self.attn, self.mlp):
             h = h + attn(norm(h))
             h = h + F.silu(mlp(h))
-        return F.cross_entropy(self.head(h).reshape(-1, VOCAB), targets.reshape(-1))
+        return F.cross_entropy(self.head(h).reshape(-1, self.vocab), targets.reshape(-1))
 
 
-MODELS = {"llama": llama_gqa, "qwen2": qwen2_bias, "phi3": phi3_fused, "declared": DeclaredNet}
+def declared_wide() -> DeclaredNet:
+    """DeclaredNet at dim 256, 3 layers, vocab 2100: at W = 2 both its Muon and its AdamW sub-group exceed the
+    NVMe swapper's 1 MiB minimum (262144 fp32 elements per rank), so both are swapped."""
+    return DeclaredNet(dim=256, num_hidden_layers=3, vocab=2100)
+
+
+MODELS = {"llama": llama_gqa, "qwen2": qwen2_bias, "phi3": phi3_fused, "declared": DeclaredNet,
+          "declared_wide": declared_wide}

@@ -19,6 +19,9 @@ the models' logits (4-11), so some heads clip and some do not (asserted).
   tests/test_zero3_parity.py: 1e-5 relative to each parameter, 1e-3 relative to its update (bf16: 1e-2
   and 5e-2). Every case also trains the oracle without QK-clip: the result must be far from it. The
   number of heads clipped per step equals the oracle's on every rank and is > 0, and the monitor gets it.
+* NVMe optimizer offload (W = 2, both the Muon and the AdamW sub-group swapped): parity as above.
+* fp16 with an overflow step (NaN loss): the skipped step clips nothing (fp32 partitions bit-identical
+  across it, its recorded logits dropped).
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import torch
 
 from tests.dist_util import run_distributed
 from tests.harness import (PARITY_RTOL, build_engine, clone_tags, compare, ds_config, fp32_master_params,
-                           gathered_params, reference_model, train_reference)
+                           gathered_params, reference_model, swap_dir_for, train_reference)
 from tests.models import batch
 
 transformers = pytest.importorskip("transformers")
@@ -240,8 +243,14 @@ def _train(engine, steps: int, rank: int, start: int = 0) -> list:
 
 def _clip_case(rank: int, world_size: int, case: dict, tmp: str) -> dict | None:
     import ds_muon
+    from tests.qk_models import register_test_attention
+    register_test_attention()  # imports transformers' modeling code now: inside zero.Init it fails (torch._dynamo)
     model_fn = MODELS[case["model"]]
     cfg = ds_config(gas=GAS, clip=CLIP, **case.get("zero", {}))
+    offload = cfg["zero_optimization"].get("offload_optimizer", {})
+    if offload.get("device") == "nvme":
+        offload["nvme_path"] = swap_dir_for(tmp + "-swap")
+        os.makedirs(offload["nvme_path"], exist_ok=True)
     params = cfg["optimizer"]["params"]
     params.update(qk_clip={"enabled": True, "threshold": TAU, "alpha": case.get("alpha", 0.5)}, **case.get("params", {}))
     if case.get("bf16"):
@@ -266,7 +275,9 @@ def _clip_case(rank: int, world_size: int, case: dict, tmp: str) -> dict | None:
                   "resume_stats_identical": stats == stats_once}
     else:
         stats = _train(engine, STEPS, rank)
-        result = {}
+        opt = engine.optimizer
+        # sub-groups holding query/key rows that the NVMe swapper swaps (0 without NVMe)
+        result = {"swapped_qk_sub_groups": sum(bool(opt._swappable_optimizer_subgroup(i)) for i in opt._qk_ranges)}
     got = fp32_master_params(model) if case.get("bf16") else gathered_params(model)
     result.update(stats=[(s["heads_clipped"], s["max_logit"]) for s in stats],
                   events=sorted({e[0] for e in monitor.events if "qk_clip" in e[0]}),
@@ -287,23 +298,58 @@ def _clip_case(rank: int, world_size: int, case: dict, tmp: str) -> dict | None:
     return result
 
 
+def _fp16_overflow_case(rank: int, world_size: int, case: dict, tmp: str) -> dict:
+    """fp16 with QK-clip; the loss of step 1 (of 3) is multiplied by NaN: that step is skipped, and it must not
+    clip either (fp32 partitions bit-identical across it, its recorded logits dropped, stats not updated)."""
+    cfg = ds_config(gas=1, clip=CLIP)
+    cfg["optimizer"]["params"].update(qk_clip={"enabled": True, "threshold": TAU})
+    cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
+    engine, model = build_engine(cfg, model_fn=MODELS[case["model"]])
+    opt = engine.optimizer
+    out = {"stats": [], "skipped": []}
+    for step in range(3):
+        weights = [t.clone() for t in opt.fp32_partitioned_groups_flat]
+        tokens, targets = batch(step, rank, 0)
+        loss = engine(tokens, targets)
+        engine.backward(loss * float("nan") if step == 1 else loss)
+        engine.step()
+        out["skipped"].append(bool(opt.overflow))
+        out["stats"].append(None if opt.qk_clip_stats is None else opt.qk_clip_stats["heads_clipped"])
+        if step == 1:
+            out["unchanged"] = all(torch.equal(a, b) for a, b in zip(weights, opt.fp32_partitioned_groups_flat))
+    from ds_muon.max_logits import RECORDER
+    out["recorder_empty"] = not len(RECORDER._max)
+    engine.destroy()
+    return out
+
+
 def clip_worker(rank: int, world_size: int, cases: list[dict], ckpt_root: str) -> list:
-    return [_clip_case(rank, world_size, case, os.path.join(ckpt_root, case["name"])) for case in cases]
+    return [(_fp16_overflow_case if case.get("fp16_overflow") else _clip_case)(
+        rank, world_size, case, os.path.join(ckpt_root, case["name"])) for case in cases]
 
 
 CASES = {
     1: [dict(name="w1-llama", model="llama")],
     2: [dict(name="w2-llama-gqa", model="llama"),
         dict(name="w2-phi3-fused-alpha0.3", model="phi3", alpha=0.3),
-        dict(name="w2-qwen2-bias-cpu-offload", model="qwen2", zero=dict(offload_optimizer={"device": "cpu"})),
-        # bf16 model against the fp32 oracle: bf16 rounding of forward/backward (tests/test_zero3_parity.py's
-        # bf16 tolerances: 1e-2 of the parameter, 5e-2 of its update)
-        dict(name="w2-declared-bf16", model="declared", bf16=True, rtol=1e-2, rtol_update=5e-2, stats_rtol=2e-2),
+        # Qwen2's key bias has a gradient of exactly zero in exact arithmetic (softmax is invariant to the
+        # q.b_k shift it adds to every logit of a row): only rounding noise, which AdamW normalizes into
+        # full-size steps, so it is held to 1e-3 of itself and 0.5 of its update (measured 2.7e-5)
+        dict(name="w2-qwen2-bias-cpu-offload", model="qwen2", zero=dict(offload_optimizer={"device": "cpu"}),
+             loose={"k_proj.bias": (1e-3, 0.5)}),
+        # bf16 model against the fp32 oracle: bf16 rounding of forward/backward (as tests/test_zero3_parity.py's
+        # bf16 tolerances: 1e-2 of the parameter, 5e-2 of its update; the tied embedding/head 1e-1 of its update
+        # (measured 5.2e-2: its update is the smallest relative to the bf16 noise)
+        dict(name="w2-declared-bf16", model="declared", bf16=True, rtol=1e-2, rtol_update=5e-2, stats_rtol=2e-2,
+             loose={"embed.weight": (1e-2, 1e-1)}),
+        dict(name="w2-fp16-overflow-step-does-not-clip", model="declared", fp16_overflow=True),
         # resume: exact AdamW betas (see tests/test_checkpoint.py) so the resumed run is bit-identical
         dict(name="w2-llama-resume", model="llama", resume=True, params=dict(betas=[0.5, 0.75]))],
-    3: [dict(name="w3-llama-zeroinit", model="llama", zero_init=True),
+    3: [dict(name="w3-llama", model="llama"),
         dict(name="w3-phi3-cpu-offload", model="phi3", zero=dict(offload_optimizer={"device": "cpu"})),
-        dict(name="w3-declared", model="declared")],
+        # zero.Init: parameters are partitioned at construction, geometry from ds_shape (a transformers model
+        # cannot be built directly under zero.Init: its weight init indexes the empty placeholders)
+        dict(name="w3-declared-zeroinit", model="declared", zero_init=True)],
 }
 
 
@@ -315,8 +361,23 @@ def test_qk_clip_parity_with_oracle(world_size, tmp_path):
         check_case(case, [r[k] for r in results])
 
 
+NVME_CASES = [dict(name="w2-declared-wide-nvme", model="declared_wide", zero=dict(offload_optimizer={"device": "nvme"}))]
+
+
+def test_qk_clip_parity_with_oracle_nvme(tmp_path):
+    """NVMe optimizer offload (its own process group: DeepSpeed's async_io op is loaded only here)."""
+    results = run_distributed(clip_worker, 2, NVME_CASES, str(tmp_path))
+    for k, case in enumerate(NVME_CASES):
+        check_case(case, [r[k] for r in results])
+
+
 def check_case(case: dict, per_rank: list[dict]) -> None:
     name, res = case["name"], per_rank[0]
+    if case.get("fp16_overflow"):
+        for r in per_rank:
+            assert r["skipped"] == [False, True, False] and r["unchanged"] and r["recorder_empty"], (name, r)
+            assert r["stats"][0] and r["stats"][1] == r["stats"][0] and r["stats"][2], (name, r["stats"])
+        return
     for r in per_rank:  # one all_reduce: every rank clips the same heads
         assert r["stats"] == res["stats"], (name, r["stats"], res["stats"])
     clipped = [n for n, _ in res["stats"]]
@@ -328,13 +389,16 @@ def check_case(case: dict, per_rank: list[dict]) -> None:
     assert res["clipped_events"] == clipped, (name, res["clipped_events"])
     if case.get("resume"):
         assert all(r["resume_identical"] and r["resume_stats_identical"] for r in per_rank), name
+    if case.get("zero", {}).get("offload_optimizer", {}).get("device") == "nvme":  # Muon (q/k) and AdamW (q bias)
+        assert all(r["swapped_qk_sub_groups"] == 2 for r in per_rank), (name, [r["swapped_qk_sub_groups"] for r in per_rank])
     rtol, rtol_update = case.get("rtol", PARITY_RTOL), case.get("rtol_update", 1e-3)
     qk = [p for p in res["errors"] if any(k in p for k in ("q_proj", "k_proj", "qkv_proj", ".q.", ".k."))]
     assert qk, name
     for pname, err in res["errors"].items():
-        assert err["rel"] <= rtol, f"{name}: {pname} rel error {err['rel']:.2e} > {rtol}"
+        tol, tol_update = next((v for k, v in case.get("loose", {}).items() if k in pname), (rtol, rtol_update))
+        assert err["rel"] <= tol, f"{name}: {pname} rel error {err['rel']:.2e} > {tol}"
         if err["moved"] > 0:
-            assert err["rel_update"] <= rtol_update, f"{name}: {pname} update rel error {err['rel_update']:.2e}"
+            assert err["rel_update"] <= tol_update, f"{name}: {pname} update rel error {err['rel_update']:.2e}"
     worst = max(res["alt"][p]["rel"] for p in qk)
     assert worst > 1000 * PARITY_RTOL, f"{name}: indistinguishable from the run without QK-clip ({worst:.2e})"
 
