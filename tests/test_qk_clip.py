@@ -265,6 +265,7 @@ def _clip_case(rank: int, world_size: int, case: dict, tmp: str) -> dict | None:
         engine.destroy()
         engine, model = build_engine(cfg, zero_init=case.get("zero_init", False), model_fn=model_fn)
         engine.load_checkpoint(tmp, tag="half")
+        engine.optimizer.attach_monitor(monitor, lambda: engine.global_samples)
         stats += _train(engine, STEPS - STEPS // 2, rank, start=STEPS // 2)
         resumed = gathered_params(model)
         engine.destroy()
