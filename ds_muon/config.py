@@ -66,6 +66,7 @@ from pydantic_core import PydanticCustomError
 __all__ = [
     "ConfigError",
     "MuonOptimizerParams",
+    "QKClipParams",
     "parse_muon_params",
     "validate_ds_config",
     "load_ds_config",
@@ -178,6 +179,29 @@ class MuonSplit(BaseModel):
         if self.rows is None and self.cols is None:
             raise _custom("a split needs 'rows' and/or 'cols'", allowed="{\"rows\": [...]} and/or {\"cols\": [...]}")
         return self
+
+
+class QKClipParams(BaseModel):
+    """MuonClip's QK-clip (Kimi K2 technical report, arXiv 2507.20534, section 2.1): after each optimizer step,
+    every attention head whose largest pre-softmax logit of the step exceeded ``threshold`` gets its query and
+    key weights scaled down so that logit would be ``threshold`` (docs/qk_clip.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, title="ds_muon QK-clip")
+
+    enabled: bool = Field(
+        False,
+        description=("Apply QK-clip after every optimizer step. The attention must report its per-head max logits "
+                     "(attn_implementation='ds_muon_sdpa' for Hugging Face models, ds_muon.record_max_logits in a "
+                     "custom attention). Source: Kimi K2 (arXiv 2507.20534) MuonClip."))
+    threshold: float = Field(
+        100.0, gt=0, allow_inf_nan=False,
+        description=("tau: the largest allowed pre-softmax attention logit q.k*scaling (dimensionless, after RoPE, "
+                     "as the softmax sees it). A head whose step max S exceeds it gets gamma = tau/S. Source: Kimi K2 "
+                     "(tau = 100 there)."))
+    alpha: float = Field(
+        0.5, ge=0, le=1, allow_inf_nan=False,
+        description=("Balance of the clip between query and key: W_q rows of the head *= gamma^alpha, W_k rows of "
+                     "its key head *= gamma^(1-alpha) (dimensionless). Source: Kimi K2 (alpha = 0.5 there)."))
 
 
 class MuonOptimizerParams(BaseModel):
@@ -363,6 +387,15 @@ class MuonOptimizerParams(BaseModel):
                      "that matches no Muon parameter is an error. Source: ds_muon (Megatron's split_qkv, Dion's "
                      "split sizes)."))
 
+    qk_clip: QKClipParams = Field(
+        default_factory=QKClipParams,
+        description=("MuonClip's QK-clip: {\"enabled\": bool, \"threshold\": tau > 0, \"alpha\": in [0, 1]}. After the "
+                     "optimizer step, for each attention head h whose max logit S_h of the step (all micro-batches, "
+                     "all data-parallel ranks) exceeds tau: gamma = tau/S_h, the head's W_q rows (and q bias) *= "
+                     "gamma^alpha, its key head's W_k rows (and k bias) *= gamma_kv^(1-alpha), gamma_kv from the "
+                     "largest S over the query heads sharing that key head (GQA). Source: Kimi K2 (arXiv 2507.20534, "
+                     "section 2.1); see docs/qk_clip.md."))
+
     # ---- validators --------------------------------------------------------------------------
     @model_validator(mode="before")
     @classmethod
@@ -468,13 +501,17 @@ def _fmt_num(x: Any) -> str:
 
 
 def _allowed_for_field(name: str, model: Any = None) -> str:
-    """A human description of what field ``name`` accepts, derived from its annotation and bounds."""
+    """A human description of what field ``name`` of ``model`` (default :class:`MuonOptimizerParams`) accepts,
+    derived from its annotation and bounds."""
+    model = model or MuonOptimizerParams
+    if name == "qk_clip" and model is MuonOptimizerParams:
+        return ("an object with keys " + ", ".join(f"{k} ({_allowed_for_field(k, QKClipParams)})"
+                                                   for k in QKClipParams.model_fields))
     if name in ("betas",):
         return "a pair [beta1, beta2] of numbers, each in [0, 1)"
     if name == "muon_splits":
         return ("an object mapping glob patterns to a list of row block sizes (ints >= 1) or to "
                 "{\"rows\": [...], \"cols\": [...]}")
-    model = model or MuonOptimizerParams
     field = model.model_fields.get(name)
     if field is None:
         return f"see the {model.__name__} documentation"
@@ -565,6 +602,17 @@ def _error_lines(err: ValidationError, path: str, model: Any = None) -> list[str
         ctx = e.get("ctx") or {}
         if e["type"] == "extra_forbidden" and len(loc) == 1:
             lines.append(_unknown_key_line(path, str(loc[0]), e.get("input"), model))
+            continue
+        if loc[:1] == ("qk_clip",) and len(loc) >= 2:  # a key of the nested qk_clip object
+            sub, value = str(loc[1]), e.get("input")
+            known = ", ".join(QKClipParams.model_fields)
+            if e["type"] == "extra_forbidden":
+                hint = difflib.get_close_matches(sub, list(QKClipParams.model_fields), n=1, cutoff=0.6)
+                lines.append(f"{_loc_path(path, loc)}: unknown key (value {value!r})"
+                             + (f"; did you mean {hint[0]!r}?" if hint else "") + f" Known keys: {known}")
+            else:
+                lines.append(f"{_loc_path(path, loc)}: {value!r} is invalid: {e.get('msg', 'invalid')}; allowed: "
+                             f"{_allowed_for_field(sub, QKClipParams)}")
             continue
         if "key" in ctx:  # a model-level ds_muon check that names its key
             loc = (ctx["key"],)

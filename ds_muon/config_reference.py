@@ -45,7 +45,8 @@ absolute lr into every group sets the Muon lr, and each group keeps its ratio to
 
 def _default(field) -> str:
     if field.default is PydanticUndefined and field.default_factory is not None:
-        return f"`{json.dumps(field.default_factory())}`"
+        value = field.default_factory()
+        return f"`{json.dumps(value.model_dump() if hasattr(value, 'model_dump') else value)}`"
     return f"`{json.dumps(field.default)}`"
 
 

@@ -6,15 +6,17 @@ parameter. It favours clarity over speed.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
+from torch import nn
 
-from .config import parse_muon_params
+from .config import ConfigError, parse_muon_params
 from .matrix import SPLIT_ATTR, matrix_view, ns_view_shape, orthogonalize_blocks_, update_scale
 from .momentum import momentum_update_
 from .newton_schulz import orthogonalize, resolve_ns_dtype
 from .param_groups import split_param_groups
+from .qk_clip import apply_factor_vector, check_recorded, factor_vector, find_clip_targets, take_max_logits
 from .selection import param_shape
 
 # The state key of a Muon parameter's fp32 momentum, in the oracle and in the ZeRO-3 optimizer
@@ -59,31 +61,59 @@ class MuonAdamW(torch.optim.Optimizer):
     gradient reads as zeros. An AdamW parameter with a zero (not ``None``) gradient is stepped, as in
     ``torch.optim.AdamW``.
 
+    **QK-clip** (``qk_clip={"enabled": True, ...}``, MuonClip, Kimi K2 arXiv 2507.20534 §2.1): after
+    all updates of a step, the query/key rows of each attention head whose recorded max logit of the
+    step exceeded the threshold are scaled down (:mod:`ds_muon.qk_clip`; the attention records its
+    logits with :func:`ds_muon.record_max_logits`). Single-device: the step's max is over everything
+    this process recorded since the last step (no all_reduce). The figures of the last step are in
+    ``qk_clip_stats`` (``heads_clipped``, ``max_logit``, ``max_logit_per_layer``).
+
     Args:
         params: an ``nn.Module`` (parameters selected by :func:`ds_muon.selection.tag_model`),
             parameters tagged ``use_muon``, or param-group dicts. Group keys override the
             defaults per group (``lr``/``weight_decay`` apply to both halves; ``muon_lr``,
             ``adam_lr``, ``adam_weight_decay`` to one).
+        model: the model whose attention modules QK-clip acts on (:func:`ds_muon.qk_clip.find_clip_targets`);
+            only with ``qk_clip`` enabled; defaults to ``params`` when that is an ``nn.Module``.
         **hyperparameters: the keys of the ``"Muon"`` DeepSpeed optimizer config
             (:class:`ds_muon.config.MuonOptimizerParams`): ``lr``, ``muon_lr``, ``momentum``,
             ``nesterov``, ``ns_method``, ``ns_steps``, ``ns_dtype``, ``update_scale``,
             ``weight_decay``, ``adam_lr``, ``betas``, ``eps``, ``adam_weight_decay``, ...
 
     Raises:
-        ds_muon.config.ConfigError: a bad hyperparameter (names the key and the allowed values).
+        ds_muon.config.ConfigError: a bad hyperparameter (names the key and the allowed values);
+            ``qk_clip`` enabled without a model, without an attention module it recognises, or with
+            query/key weights this optimizer does not train.
         ValueError: ``use_muon=True`` on a parameter with fewer than 2 dims.
+        RuntimeError: (at ``step``) ``qk_clip`` is enabled and no attention recorded its max logits.
 
     State per Muon parameter: ``momentum_buffer`` (the parameter's shape, fp32 or bf16 by
     ``momentum_dtype``; see :func:`ds_muon.momentum.momentum_update_` for where bf16 rounds). Per AdamW
     parameter: ``step`` (int), ``exp_avg``, ``exp_avg_sq`` (fp32).
     """
 
-    def __init__(self, params: Any, **hyperparameters: Any) -> None:
+    def __init__(self, params: Any, model: Optional[nn.Module] = None, **hyperparameters: Any) -> None:
         cfg = parse_muon_params(hyperparameters, path="MuonAdamW")
+        if model is None and isinstance(params, nn.Module):
+            model = params
         groups = split_param_groups(params, cfg.muon_group_defaults(), cfg.adamw_group_defaults(),
                                     cfg.muon_params, cfg.adamw_params, cfg.per_head_muon, cfg.declared_splits())
         super().__init__(groups, {})
         self.config = cfg
+        self.qk_clip_targets = []
+        self.qk_clip_stats: Optional[dict] = None
+        if cfg.qk_clip.enabled:
+            if model is None:
+                raise ConfigError("MuonAdamW.qk_clip: QK-clip needs the model to find its attention modules; pass "
+                                  "model=<the nn.Module> (or the module itself as params)")
+            self.qk_clip_targets = find_clip_targets(model)
+            mine = {id(p) for g in self.param_groups for p in g["params"]}
+            for t in self.qk_clip_targets:
+                for hr in t.query + t.key:
+                    if id(hr.param) not in mine:
+                        raise ConfigError(f"MuonAdamW.qk_clip: {hr.name!r} ({t.name}) is not trained by this optimizer "
+                                          "(frozen, or left out of params); QK-clip scales the query and key weights "
+                                          "after each step, so they must be trainable (or disable qk_clip)")
 
     def load_state_dict(self, state_dict: dict) -> None:
         """``torch.optim.Optimizer.load_state_dict``, keeping each state tensor's saved dtype.
@@ -115,7 +145,18 @@ class MuonAdamW(torch.optim.Optimizer):
                     self._muon(p, group)
                 else:
                     self._adamw(p, group)
+        if self.qk_clip_targets:
+            self._qk_clip()
         return loss
+
+    def _qk_clip(self) -> None:
+        """QK-clip after the update (see the class docstring and :mod:`ds_muon.qk_clip`)."""
+        targets = self.qk_clip_targets
+        s = take_max_logits(targets, torch.device("cpu"))
+        check_recorded(s)
+        clip = self.config.qk_clip
+        factors, self.qk_clip_stats = factor_vector(targets, s, clip.threshold, clip.alpha)
+        apply_factor_vector(targets, factors)
 
     def _muon(self, p: torch.Tensor, group: dict) -> None:
         state = self.state[p]

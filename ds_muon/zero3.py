@@ -38,6 +38,7 @@ from .matrix import SPLIT_ATTR, update_scale
 from .momentum import fused_apply_update_, fused_momentum_update_, momentum_update_
 from .newton_schulz import compiled_orthogonalize, orthogonalize, resolve_ns_dtype
 from .ownership import BucketedPlan, ParamInfo, build_bucketed_plan
+from .qk_clip import check_recorded, factor_vector, find_clip_targets, partition_ranges, take_max_logits
 from .reference import MOMENTUM_KEY
 
 
@@ -235,6 +236,9 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self._adam_mini_index: dict[int, tuple[torch.Tensor, ...]] = {}
         self._build_adam_mini_maps()
         self._check_trainable_set()  # records the trainable set
+        self.qk_clip_stats: Optional[dict] = None
+        self._qk_factors: Optional[list[float]] = None
+        self._build_qk_clip()
 
     # ---- setup ---------------------------------------------------------------------------
     def initialize_optimizer_states(self) -> None:
@@ -364,6 +368,23 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             self._adam_mini_block_numel[i] = [s.block for s in sorted(slots, key=lambda s: s.shard_offset)
                                               for _ in range(s.numel // s.block)]
 
+    def _build_qk_clip(self) -> None:
+        """QK-clip's plan (``optimizer.params.qk_clip``): the attention modules and, per sub-group, the flat
+        ranges of this rank's fp32 partition that hold each query/key head's rows (:mod:`ds_muon.qk_clip`)."""
+        self._qk_targets, self._qk_ranges = [], {}
+        if not self.optimizer.config.qk_clip.enabled:
+            return
+        self._qk_targets = find_clip_targets(self.module)
+        trained = {id(p) for group in self.fp16_groups for p in group}
+
+        def locate(p):
+            if id(p) not in trained:
+                return None
+            i, offset, chunk = self.grad_position[self.get_param_id(p)]
+            return i, offset, int(p.ds_numel), chunk, self._get_sub_group_partition_rank(i)
+
+        self._qk_ranges = partition_ranges(self._qk_targets, locate)
+
     def attach_monitor(self, monitor, step_fn: Callable[[], int]) -> None:
         """Report per-step Muon figures to DeepSpeed's monitor (tensorboard / csv_monitor / wandb / comet).
 
@@ -374,6 +395,10 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         (bytes this rank sends in the owner all_to_all, from the plan), ``Train/ds_muon/owner_imbalance`` (max/mean Newton–Schulz FLOPs over ranks),
         and ``Train/ds_muon/muon_lr`` / ``Train/ds_muon/adam_lr`` (the lr this step used in the first Muon / AdamW
         param group; DeepSpeed's own ``Train/Samples/lr`` shows only the first group's).
+        With ``qk_clip`` enabled: ``Train/ds_muon/qk_clip/heads_clipped`` (query heads whose max logit of the
+        step exceeded the threshold, a count over all layers), ``Train/ds_muon/qk_clip/max_logit`` (the largest
+        pre-softmax logit of the step, all layers and ranks) and ``Train/ds_muon/qk_clip/max_logit/<module>``
+        per attention module (the global max over its heads).
         After each step skipped for a non-finite gradient norm: ``Train/ds_muon/skipped_steps`` (skipped steps
         so far in this process, a count).
         """
@@ -395,7 +420,16 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self._monitor.write_events([("Train/ds_muon/muon_seconds", self._muon_seconds, step),
                                     ("Train/ds_muon/exchange_bytes", self.exchange_bytes(), step),
                                     ("Train/ds_muon/owner_imbalance", imbalance, step)]
-                                   + [(name, float(lr), step) for name, lr in lrs.items()])
+                                   + [(name, float(lr), step) for name, lr in lrs.items()] + self._qk_clip_events(step))
+
+    def _qk_clip_events(self, step: int) -> list[tuple]:
+        stats = self.qk_clip_stats
+        if not self._qk_targets or stats is None:
+            return []
+        return ([("Train/ds_muon/qk_clip/heads_clipped", stats["heads_clipped"], step),
+                 ("Train/ds_muon/qk_clip/max_logit", stats["max_logit"], step)]
+                + [(f"Train/ds_muon/qk_clip/max_logit/{name}", value, step)
+                   for name, value in stats["max_logit_per_layer"].items()])
 
     # ---- step ----------------------------------------------------------------------------
     def step(self, closure=None):
@@ -411,6 +445,7 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self._muon_seconds = 0.0
         self._check_trainable_set()
         self._step_flags = {}
+        stats = self._qk_clip_prepare()
         self._stepping = True
         try:
             with _named_collective("a collective of DeepSpeed's ZeRO-3 optimizer step (overflow/gradient-norm "
@@ -419,16 +454,46 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         finally:
             self._stepping = False
             self._step_flags = {}
+            self._qk_factors = None
             self._offloaded_grad_ids.clear()
             self._zero_grad_partitions()
             self._muon_pool.clear()
         if not self.overflow:
+            self.qk_clip_stats = stats
             self.muon_step_count += 1
             self.consecutive_skipped_steps = 0
             if self._monitor is not None:
                 self._report()
         else:
             self._count_skipped_step()
+
+    def _qk_clip_prepare(self) -> Optional[dict]:
+        """The step's QK-clip factors (``optimizer.params.qk_clip``), before DeepSpeed's step runs: the recorded
+        per-head max logits of every attention module, reduced over the data-parallel group by one
+        all_reduce(MAX) of all heads concatenated (whatever the step does after: an overflow-skipped step
+        never reaches :meth:`_optimizer_step`, so it clips nothing). Returns the step's figures, or None."""
+        if not self._qk_targets:
+            return None
+        s = take_max_logits(self._qk_targets, torch.device(get_accelerator().current_device_name()))
+        with _named_collective("the QK-clip max-logit all_reduce"):
+            dist.all_reduce(s, op=dist.ReduceOp.MAX, group=self.dp_process_group)
+        s = s.cpu()
+        check_recorded(s)
+        clip = self.optimizer.config.qk_clip
+        factors, stats = factor_vector(self._qk_targets, s, clip.threshold, clip.alpha)
+        self._qk_factors = factors.tolist()
+        return stats
+
+    def _qk_clip_sub_group(self, i: int) -> None:
+        """Scale the query/key head rows of sub-group ``i``'s local fp32 partition by this step's factors,
+        element-wise on the flat ranges of the plan (no gather); DeepSpeed then copies fp32 to bf16/fp16."""
+        factors = self._qk_factors
+        if factors is None:
+            return
+        fp32 = self.fp32_partitioned_groups_flat[i]
+        for offset, n, k in self._qk_ranges.get(i, ()):
+            if factors[k] != 1.0:
+                fp32.data.narrow(0, offset, n).mul_(factors[k])
 
     def _check_trainable_set(self) -> None:
         """Raise if a parameter's ``requires_grad`` changed since the engine was built.
@@ -580,21 +645,24 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                 fp32.grad.narrow(0, offset, numel).zero_()
 
     def _optimizer_step(self, sub_group_id: int) -> None:
+        """The sub-group's update (Muon, or DeepSpeed's AdamW), then QK-clip on it (fp32 resident, also under
+        NVMe; DeepSpeed copies fp32 to the bf16/fp16 partition right after)."""
         plan = self.muon_plans.get(sub_group_id)
         if plan is None and sub_group_id not in self.adam_mini_maps:
             super()._optimizer_step(sub_group_id)
-            return
-        timed = self._monitor is not None
-        if timed:
-            get_accelerator().synchronize()
-            start = time.perf_counter()
-        if plan is None:
-            self._adam_mini_sub_group_step(sub_group_id)
         else:
-            self._muon_sub_group_step(sub_group_id, plan)
-        if timed:
-            get_accelerator().synchronize()
-            self._muon_seconds += time.perf_counter() - start
+            timed = self._monitor is not None
+            if timed:
+                get_accelerator().synchronize()
+                start = time.perf_counter()
+            if plan is None:
+                self._adam_mini_sub_group_step(sub_group_id)
+            else:
+                self._muon_sub_group_step(sub_group_id, plan)
+            if timed:
+                get_accelerator().synchronize()
+                self._muon_seconds += time.perf_counter() - start
+        self._qk_clip_sub_group(sub_group_id)
 
     @torch.no_grad()
     def _muon_sub_group_step(self, i: int, plan: BucketedPlan) -> None:

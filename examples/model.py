@@ -141,6 +141,11 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
 
+    def muon_qk_clip(self) -> dict:
+        """The query/key weights and head geometry QK-clip scales (ds_muon.qk_clip.find_clip_targets)."""
+        return {"q": self.q_proj.weight, "k": self.k_proj.weight, "num_heads": self.n_heads,
+                "num_kv_heads": self.n_kv_heads}
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)      # (B, H, T, hd)
