@@ -168,7 +168,10 @@ def main() -> None:
     config = load_config(args)
     resume = prepare_resume(args, config, world) if args.resume is not None else None
 
-    cfg = ModelConfig.preset(args.model, tie_embeddings=args.tie_embeddings,
+    # per-head max logits (examples/model.py, ds_muon.max_logits): needed by QK-clip and logged by --metrics;
+    # otherwise off (measured cost on one H200, 934M model: +10% step time; docs/qk_clip.md)
+    qk_clip = (config.get("optimizer", {}).get("params", {}).get("qk_clip") or {}).get("enabled", False)
+    cfg = ModelConfig.preset(args.model, tie_embeddings=args.tie_embeddings, record_max_logits=bool(qk_clip or args.metrics),
                              **({"vocab_size": args.vocab_size} if args.vocab_size else {}))
     if cfg.vocab_size < 256:
         raise ValueError(f"vocab_size {cfg.vocab_size} < 256: byte-level data needs at least 256")
