@@ -372,7 +372,8 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         """QK-clip's plan (``optimizer.params.qk_clip``): the attention modules and, per sub-group, the flat
         ranges of this rank's fp32 partition that hold each query/key head's rows (:mod:`ds_muon.qk_clip`)."""
         self._qk_targets, self._qk_ranges = [], {}
-        if not self.optimizer.config.qk_clip.enabled:
+        qk_clip = getattr(self.optimizer.config, "qk_clip", None)  # Muon's option; AdamMini has none
+        if qk_clip is None or not qk_clip.enabled:
             return
         self._qk_targets = find_clip_targets(self.module)
         trained = {id(p) for group in self.fp16_groups for p in group}
