@@ -122,8 +122,8 @@ def _swap_open_error(path: str, write: bool) -> str:
 class _CheckedAioHandle:
     """DeepSpeed's async_io handle (``aio_handle``) with the checks its optimizer swapper leaves out.
 
-    ``async_pwrite``/``async_pread`` that cannot start (the file cannot be opened, or is shorter than a
-    read needs) and writes that leave the file shorter than ``offset + nbytes`` (checked with one
+    ``async_pwrite``/``async_pread`` that cannot start (the file cannot be opened; a read of a file shorter
+    than it needs is not submitted: the op's C++ assert would abort the process) and writes that leave the file shorter than ``offset + nbytes`` (checked with one
     ``os.stat`` per write at ``wait()``) are reported to ``on_error(path, write, nbytes, cause)``; the
     swapper is told they succeeded (``async_*`` return 0, ``wait()`` counts them as completed), so it
     finishes the step in step with the other ranks, and :class:`MuonZeroOptimizer` raises
@@ -143,14 +143,21 @@ class _CheckedAioHandle:
     def _submit(self, write: bool, buffer: torch.Tensor, path, args, kwargs) -> int:
         submit = self._handle.async_pwrite if write else self._handle.async_pread
         nbytes = buffer.numel() * buffer.element_size()
+        offset = int(args[0] if args else kwargs.get("file_offset", 0))
+        if not write and isinstance(path, str):  # a short file aborts the process in the op's C++ assert
+            size = os.path.getsize(path) if os.path.exists(path) else -1
+            if size < offset + nbytes:
+                self._failed += 1
+                self._on_error(path, False, nbytes, "the file does not exist" if size < 0 else
+                               f"the file holds {size} bytes, fewer than the {offset + nbytes} the read needs")
+                return 0
         if submit(buffer, path, *args, **kwargs) != 0:
             self._failed += 1
             self._on_error(str(path), write, nbytes, _swap_open_error(str(path), write))
         else:
             self._pending += 1
             if write and isinstance(path, str):
-                offset = args[0] if args else kwargs.get("file_offset", 0)
-                self._writes.append((path, int(offset) + nbytes))
+                self._writes.append((path, offset + nbytes))
         return 0
 
     def async_pwrite(self, buffer: torch.Tensor, path, *args, **kwargs) -> int:

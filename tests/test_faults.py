@@ -654,13 +654,15 @@ def test_swap_write_error_during_the_run_named_on_every_rank(tmp_path):
         assert "zero_optimization.offload_optimizer.nvme_path" in msg and out["folder"] in msg, msg
         assert f"the optimizer swap files need {out['need']} bytes per rank" in msg, msg
         assert "rank 1, ZeRO sub-group " in msg and "rank 0," not in msg, msg
-        assert f"of {os.path.join(out['folder'], '')}" in msg, msg  # the failing file
+        assert f"of {os.path.join(results[1]['folder'], '')}" in msg, msg  # rank 1's failing file
         assert "[Errno 27] File too large" in msg and f"(ulimit -f) is {SWAP_FAIL_LIMIT} bytes" in msg, msg
         assert out["seconds"] < SWAP_FAIL_DEADLINE_S, out["seconds"]
         assert out["save"] and "is not stepped or saved any more" in out["save"], out["save"]
     with open(os.path.join(ckpt, "latest")) as f:
         assert f.read().strip() == "t0"
-    loaded = run_distributed(_load_after_swap_failure, 2, swap_dir_for(str(tmp_path / "swap2")), ckpt)
+    swap2 = swap_dir_for(str(tmp_path / "swap2"))
+    os.makedirs(swap2, exist_ok=True)
+    loaded = run_distributed(_load_after_swap_failure, 2, swap2, ckpt)
     for out in loaded:
         assert "/t0/" in out["path"], out["path"]
         w0 = results[0]["w0"]
