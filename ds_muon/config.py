@@ -372,8 +372,9 @@ class MuonOptimizerParams(BaseModel):
         description=("Orthogonalize attention projections one head at a time: the Q, K and V projections (separate "
                      "q_proj/k_proj/v_proj, fused qkv_proj/c_attn/query_key_value, GQA included, and MLA's "
                      "q_b_proj/kv_b_proj) are split into per-head blocks of head_dim rows, each orthogonalized and "
-                     "scaled on its own; the head geometry comes from the model's config (num_attention_heads, "
-                     "num_key_value_heads, head_dim). When no projection matches, start-up fails naming what was "
+                     "scaled on its own; the head geometry comes from the attention module (num_heads, num_key_value_heads, "
+                     "head_dim, or its own config: a vision tower's), else from the model's text config "
+                     "(num_attention_heads, num_key_value_heads, head_dim). When no projection matches, start-up fails naming what was "
                      "examined. Source: DeepSpeed built-in Muon 'per_head_muon', same meaning; ds_muon also splits "
                      "fused QKV projections per head (the built-in leaves them whole)."))
     muon_splits: dict[str, MuonSplit] = Field(

@@ -541,13 +541,21 @@ def _head_geometry(cfg) -> Optional[tuple[int, int, int]]:
 
 def _module_head_geometry(module: Optional[nn.Module]) -> Optional[tuple[int, int, int]]:
     """Head geometry an attention module states itself (``n_heads``/``num_heads``, ``n_kv_heads``/
-    ``num_key_value_heads``, ``head_dim``), for models without a transformers config."""
+    ``num_key_value_heads`` or ``num_key_value_groups``, ``head_dim``), else from its own ``config``
+    (transformers' attention modules keep the config of their tower: a vision encoder's differs from the
+    text model's); None when the module states neither."""
+    if module is None:
+        return None
     first = lambda *names: next((v for v in (_positive_int(getattr(module, n, None)) for n in names) if v), None)  # noqa: E731
     nh = first("num_attention_heads", "num_heads", "n_heads", "n_head")
     hd = first("head_dim", "head_size")
-    if module is None or nh is None or hd is None:
-        return None
-    return nh, first("num_key_value_heads", "num_kv_heads", "n_kv_heads") or nh, hd
+    if nh is not None and hd is not None:
+        nkv = first("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+        groups = first("num_key_value_groups")
+        if nkv is None and groups and nh % groups == 0:
+            nkv = nh // groups
+        return nh, nkv or nh, hd
+    return _head_geometry(getattr(module, "config", None))
 
 
 def _gate_up_split(leaf_param: str, shape: tuple, siblings: list[tuple], notes: list[str], name: str) -> Optional[Split]:
@@ -574,10 +582,12 @@ def _attention_split(leaf: str, module: nn.Module, shape: tuple, cfg, per_head: 
     mla = any(leaf.startswith(k) for k in _MLA_LEAVES)
     if len(shape) != 2 or not (fused_contiguous or fused_interleaved or ((query or kv or mla) and per_head)):
         return None
-    geometry = _head_geometry(cfg) or _module_head_geometry(parent)
+    # the attention module's own geometry first: a multimodal model's vision tower has other head counts
+    # than the text config that model.config.get_text_config() returns
+    geometry = _module_head_geometry(parent) or _head_geometry(cfg)
     if geometry is None:
-        examined[leaf] = ("no head geometry (model.config with num_attention_heads, or n_heads and head_dim on "
-                          "the attention module)")
+        examined[leaf] = ("no head geometry (n_heads and head_dim or a config on the attention module, or "
+                          "model.config with num_attention_heads)")
         return None
     nh, nkv, hd = geometry
     on_cols = type(module).__name__ in _MATRIX_CLASS_NAMES  # GPT-2 Conv1D: weight (in, out)

@@ -80,6 +80,106 @@ def _elementwise(group: dict) -> bool:
     return not group["use_muon"] and not group.get("adam_mini", False)
 
 
+class NvmeSwapError(RuntimeError):
+    """An NVMe optimizer swap file could not be written (or read back) during the run.
+
+    DeepSpeed 0.19.8's async I/O does not look at the result of a completed write: a write cut short
+    by a full filesystem (or a file size limit) completes silently, and the next swap-in reads a short
+    file. ds_muon checks every swap write (:class:`_CheckedAioHandle`: the file must hold all the bytes
+    written) and every submission, and all ranks agree on the outcome after each optimizer step (one
+    all_reduce), so every rank raises this error together instead of one rank failing mid-step while the
+    others wait in the next collective. The message names ``zero_optimization.offload_optimizer.nvme_path``,
+    the failing rank, sub-group and file, the bytes written and needed, the OS error where known, and
+    the fix. Afterwards the optimizer refuses to step or save (its state is no longer trustworthy);
+    checkpoints saved before are untouched.
+    """
+
+
+def _swap_write_cause(path: str, end: int, size: int) -> str:
+    """The likely OS error of a swap write that left ``path`` at ``size`` of ``end`` bytes (DeepSpeed's
+    async I/O drops the errno of a completed write, so it is inferred)."""
+    import resource
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and end > limit:
+        return f"[Errno 27] File too large: this process's file size limit (ulimit -f) is {limit} bytes"
+    free = shutil.disk_usage(os.path.dirname(path)).free
+    if free < end - size:
+        return "[Errno 28] No space left on device (inferred: DeepSpeed's async I/O does not report it)"
+    return "unknown (DeepSpeed's async I/O does not report it; an I/O error of the device?)"
+
+
+def _swap_open_error(path: str, write: bool) -> str:
+    """The OS error of opening ``path`` as DeepSpeed's async I/O does (O_DIRECT), or a note if it opens now."""
+    flags = (os.O_WRONLY | os.O_CREAT if write else os.O_RDONLY) | getattr(os, "O_DIRECT", 0)
+    try:
+        os.close(os.open(path, flags))
+    except OSError as err:
+        return str(err)
+    if not write and os.path.exists(path):
+        return f"the file holds {os.path.getsize(path)} bytes, fewer than the read needs"
+    return "unknown (the file opens now)"
+
+
+class _CheckedAioHandle:
+    """DeepSpeed's async_io handle (``aio_handle``) with the checks its optimizer swapper leaves out.
+
+    ``async_pwrite``/``async_pread`` that cannot start (the file cannot be opened; a read of a file shorter
+    than it needs is not submitted: the op's C++ assert would abort the process) and writes that leave the file shorter than ``offset + nbytes`` (checked with one
+    ``os.stat`` per write at ``wait()``) are reported to ``on_error(path, write, nbytes, cause)``; the
+    swapper is told they succeeded (``async_*`` return 0, ``wait()`` counts them as completed), so it
+    finishes the step in step with the other ranks, and :class:`MuonZeroOptimizer` raises
+    :class:`NvmeSwapError` on every rank afterwards. Everything else is the wrapped handle's.
+    """
+
+    def __init__(self, handle, on_error: Callable[[str, bool, int, str], None]) -> None:
+        self._handle = handle
+        self._on_error = on_error
+        self._pending = 0  # ops the wrapped handle holds
+        self._failed = 0  # submissions that failed, reported to wait() as completed
+        self._writes: list[tuple[str, int]] = []  # (path, end offset) submitted since the last wait()
+
+    def __getattr__(self, name: str):
+        return getattr(self._handle, name)
+
+    def _submit(self, write: bool, buffer: torch.Tensor, path, args, kwargs) -> int:
+        submit = self._handle.async_pwrite if write else self._handle.async_pread
+        nbytes = buffer.numel() * buffer.element_size()
+        offset = int(args[0] if args else kwargs.get("file_offset", 0))
+        if not write and isinstance(path, str):  # a short file aborts the process in the op's C++ assert
+            size = os.path.getsize(path) if os.path.exists(path) else -1
+            if size < offset + nbytes:
+                self._failed += 1
+                self._on_error(path, False, nbytes, "the file does not exist" if size < 0 else
+                               f"the file holds {size} bytes, fewer than the {offset + nbytes} the read needs")
+                return 0
+        if submit(buffer, path, *args, **kwargs) != 0:
+            self._failed += 1
+            self._on_error(str(path), write, nbytes, _swap_open_error(str(path), write))
+        else:
+            self._pending += 1
+            if write and isinstance(path, str):
+                self._writes.append((path, offset + nbytes))
+        return 0
+
+    def async_pwrite(self, buffer: torch.Tensor, path, *args, **kwargs) -> int:
+        return self._submit(True, buffer, path, args, kwargs)
+
+    def async_pread(self, buffer: torch.Tensor, path, *args, **kwargs) -> int:
+        return self._submit(False, buffer, path, args, kwargs)
+
+    def wait(self) -> int:
+        done = self._handle.wait() if self._pending else 0  # its wait() asserts that ops are pending
+        for path, end in self._writes:
+            size = os.path.getsize(path) if os.path.exists(path) else 0
+            if size < end:
+                self._on_error(path, True, end, f"the file holds {size} of {end} bytes after the write: "
+                               + _swap_write_cause(path, end, size))
+        done += self._failed
+        self._pending = self._failed = 0
+        self._writes = []
+        return done
+
+
 class ZeroMuonInner(torch.optim.Optimizer):
     """The "basic" optimizer that DeepSpeed's ZeRO-3 wraps when the config says ``"Muon"``.
 
@@ -242,15 +342,82 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
     # ---- setup ---------------------------------------------------------------------------
     def initialize_optimizer_states(self) -> None:
-        """DeepSpeed's, after checking the NVMe swapper's ``buffer_count`` (its first swap-in is in there).
+        """DeepSpeed's, after checking the NVMe swapper's ``buffer_count`` (its first swap-in is in there);
+        then every rank agrees that the initial swap writes succeeded.
 
         Raises:
             ConfigError: ``offload_optimizer.buffer_count`` is below :meth:`swap_buffers_needed`.
+            NvmeSwapError: a swap file could not be written (on every rank).
         """
         if self.swap_optimizer:
             self._check_swap_buffer_count()
             self._check_swap_space()
         super().initialize_optimizer_states()
+        self._agree_on_swap_errors("the initial swap-out of the optimizer state")
+
+    # ---- NVMe swap I/O errors ------------------------------------------------------------
+    def _configure_tensor_swapping(self, offload_optimizer_config, aio_config):
+        """DeepSpeed's, then its swapper's async_io handles are wrapped in :class:`_CheckedAioHandle`."""
+        super()._configure_tensor_swapping(offload_optimizer_config, aio_config)
+        self._swap_errors: list[str] = []
+        self._swap_failure: Optional[str] = None
+        swapper, wrapped = self.optimizer_swapper, {}
+        for owner in (swapper, getattr(swapper, "gradient_swapper", None)):
+            for name in ("aio_handle", "write_aio_handle", "read_aio_handle"):
+                handle = getattr(owner, name, None)
+                if handle is not None and not isinstance(handle, _CheckedAioHandle):
+                    if id(handle) not in wrapped:
+                        wrapped[id(handle)] = _CheckedAioHandle(handle, self._record_swap_error)
+                    setattr(owner, name, wrapped[id(handle)])
+
+    def _record_swap_error(self, path: str, write: bool, nbytes: int, cause: str) -> None:
+        """Called by :class:`_CheckedAioHandle`: note a failed swap write or read of ``path`` on this rank."""
+        stem = os.path.basename(path).removesuffix(".tensor.swp")
+        ds_id = stem.partition("_gradient_")[0].rpartition("-")[2]  # <state>-<id>, <id>_gradient_<off>_<len>
+        groups = [i for i, fp32 in enumerate(getattr(self, "fp32_partitioned_groups_flat", ()))
+                  if str(getattr(fp32, "ds_id", "")) == ds_id]
+        where = f"ZeRO sub-group {groups[0]}" if groups else "a swap file"
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self._swap_errors.append(f"rank {rank}, {where}: {'writing' if write else 'reading'} {nbytes} bytes of "
+                                 f"{path} failed: {cause}")
+
+    def _agree_on_swap_errors(self, what: str) -> None:
+        """Collective over the data-parallel group (one all_reduce of one int32; with a failure also an
+        all_gather of the messages), so that every rank raises the same :class:`NvmeSwapError` at the same
+        point. No-op without NVMe swap.
+
+        Raises:
+            NvmeSwapError: some rank's swap I/O failed since the last check, naming ``nvme_path``, the bytes
+                that rank's swap files need, the failing file and the OS error where known.
+        """
+        if not self.swap_optimizer:
+            return
+        failed = torch.tensor([len(self._swap_errors)], dtype=torch.int32,
+                              device=get_accelerator().current_device_name())
+        with _named_collective(f"the NVMe swap error check after {what}"):
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.dp_process_group)
+            if int(failed.item()) == 0:
+                return
+            reports = [None] * dist.get_world_size(group=self.dp_process_group)
+            dist.all_gather_object(reports, self._swap_errors[:3], group=self.dp_process_group)
+        folder = self.optimizer_swapper.swap_folder
+        need, local = self.swap_bytes_needed(), max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        lines = [line for report in reports for line in report]
+        self._swap_failure = (
+            f"ds_muon: the NVMe optimizer swap failed during {what}:\n  " + "\n  ".join(lines)
+            + f"\nzero_optimization.offload_optimizer.nvme_path: the swap directory {folder} has "
+            f"{shutil.disk_usage(folder).free} bytes free; the optimizer swap files need {need} bytes per rank "
+            f"({need * local} for the {local} rank(s) of this node). Free space there or point nvme_path at a "
+            "larger drive (or fix what the OS error names), then resume from the last checkpoint: this run's "
+            "optimizer state is no longer trustworthy, so it is not stepped or saved any more (checkpoints "
+            "saved before are not affected)")
+        self._swap_errors.clear()
+        raise NvmeSwapError(self._swap_failure)
+
+    def _refuse_after_swap_failure(self) -> None:
+        """Raise the recorded :class:`NvmeSwapError` again (every rank recorded it at the same point)."""
+        if getattr(self, "_swap_failure", None):
+            raise NvmeSwapError(self._swap_failure)
 
     def swap_buffers_needed(self) -> int:
         """Pinned swap buffers DeepSpeed's optimizer swapper needs for this model's sub-groups.
@@ -442,8 +609,13 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         that gets no gradient in a step (or in the first micro-step) would otherwise be stepped
         with last step's gradient again. Zeroed, such a parameter sees a zero gradient, the
         oracle's semantics.
+
+        Raises:
+            NvmeSwapError: on every rank, after a step in which some rank's NVMe swap write or read failed
+                (and at every later step).
         """
         self._muon_seconds = 0.0
+        self._refuse_after_swap_failure()
         self._check_trainable_set()
         self._step_flags = {}
         stats = self._qk_clip_prepare()
@@ -459,6 +631,7 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             self._offloaded_grad_ids.clear()
             self._zero_grad_partitions()
             self._muon_pool.clear()
+        self._agree_on_swap_errors("an optimizer step")
         if not self.overflow:
             self.qk_clip_stats = stats
             self.muon_step_count += 1
@@ -857,6 +1030,7 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     def _rigid_state_dict(self) -> dict:
         """DeepSpeed's ZeRO-3 state dict, with the real fp32 partition and state tensors of swapped
         sub-groups (swapped in one at a time and copied to CPU memory, without writing back)."""
+        self._refuse_after_swap_failure()
         sd = super()._rigid_state_dict()
         if not self.swap_optimizer:
             return sd
@@ -875,6 +1049,7 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                     saved[key] = value.detach().to("cpu", copy=True)
             opt_state[index[i]] = saved
             self._release_swap_buffers(i)
+        self._agree_on_swap_errors("reading the optimizer state for a checkpoint")
         sd[FP32_FLAT_GROUPS] = fp32_groups
         return sd
 
@@ -925,6 +1100,7 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                 self._release_sub_group(i, timer_names)  # writes fp32 (+ state) to NVMe
         if refresh_swapper:
             self._post_step(timer_names)
+        self._agree_on_swap_errors("installing loaded optimizer partitions")
 
     def _rigid_load_state_dict(self, state_dict: dict, load_optimizer_states: bool = True) -> None:
         """DeepSpeed's load without NVMe; with it, the checkpoint's fp32 partitions and state go

@@ -8,6 +8,7 @@ saw them (``TOL``).
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -578,3 +579,138 @@ def test_soak_short():
     assert out["worst_loss_rel_diff"] <= 1e-4, out
     assert out["first_segment_worst_rel_diff"] <= 1e-6, out  # before any resume: the same run
     assert out["max_rss_growth_mib"] <= 32.0, out
+
+
+# ------------------------------------------------------------------------------------------------
+# a swap write that fails during the run (after the start-up free-space check)
+# ------------------------------------------------------------------------------------------------
+SWAP_FAIL_LIMIT = 512 * 1024  # rank 1's file size limit: below every swap file (>= 1 MiB each)
+SWAP_FAIL_DEADLINE_S = 60
+
+
+def _swap_write_fails(rank: int, world_size: int, nvme_dir: str, ckpt_dir: str) -> dict:
+    """Save t0, then run step 0 with rank 1's file size limit (RLIMIT_FSIZE, SIGXFSZ ignored) below the
+    swap files it creates in that step (gradients, optimizer state): a real kernel write error (EFBIG),
+    which DeepSpeed's async I/O completes silently. Each rank records the error it ends the step with and
+    how long that took, then tries to save t1."""
+    import resource
+    import signal
+    import time
+    from ds_muon.zero3 import NvmeSwapError
+    from tests.models import wide_parity_net
+    cfg = ds_config(gas=GAS, offload_optimizer={"device": "nvme", "nvme_path": nvme_dir})
+    engine, model = build_engine(cfg, model_fn=wide_parity_net)
+    out = {"need": engine.optimizer.swap_bytes_needed(), "folder": engine.optimizer.optimizer_swapper.swap_folder}
+    engine.save_checkpoint(ckpt_dir, tag="t0")
+    out["w0"] = gathered_params(model)
+    real_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if rank == 1:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (SWAP_FAIL_LIMIT, real_limit[1]))
+    start = time.monotonic()
+    try:
+        _train_steps(engine, rank, range(1))
+        out["step"] = None
+    except Exception as err:  # noqa: BLE001 - the type and message are what is checked
+        out["step"] = f"{type(err).__name__}: {err}"
+    out["seconds"] = time.monotonic() - start
+    resource.setrlimit(resource.RLIMIT_FSIZE, real_limit)  # the save below is refused by ds_muon, not the limit
+    try:
+        engine.save_checkpoint(ckpt_dir, tag="t1")
+        out["save"] = None
+    except NvmeSwapError as err:
+        out["save"] = str(err)
+    return out
+
+
+def _load_after_swap_failure(rank: int, world_size: int, nvme_dir: str, ckpt_dir: str) -> dict:
+    from tests.models import wide_parity_net
+    cfg = ds_config(gas=GAS, offload_optimizer={"device": "nvme", "nvme_path": nvme_dir})
+    engine, model = build_engine(cfg, model_fn=wide_parity_net)
+    torch.manual_seed(1)  # the live weights differ from t0's until it is loaded
+    for p in model.parameters():
+        p.ds_tensor.data.add_(torch.randn_like(p.ds_tensor.data))
+    path, _ = engine.load_checkpoint(ckpt_dir)
+    out = {"path": path, "weights": gathered_params(model)}
+    _train_steps(engine, rank, range(1))  # and trains on, swap files intact
+    out["finite"] = all(torch.isfinite(t).all() for t in gathered_params(model).values())
+    return out
+
+
+def test_swap_write_error_during_the_run_named_on_every_rank(tmp_path):
+    """Rank 1's NVMe swap writes fail in step 0 (a real EFBIG from the kernel, which DeepSpeed's async I/O
+    ignores): both ranks end that step with NvmeSwapError within SWAP_FAIL_DEADLINE_S (rank 0 does not wait
+    in a collective), naming nvme_path, the bytes per rank, rank 1's sub-group and file, and the OS error;
+    saving afterwards is refused on both, `latest` still names t0, and t0 loads (weights equal) and trains."""
+    import os
+    from tests.harness import swap_dir_for
+    swap, ckpt = swap_dir_for(str(tmp_path / "swap")), str(tmp_path / "ckpt")
+    os.makedirs(swap, exist_ok=True)
+    results = run_distributed(_swap_write_fails, 2, swap, ckpt, timeout=SWAP_FAIL_DEADLINE_S + 240)
+    for rank, out in enumerate(results):
+        msg = out["step"]
+        assert msg and msg.startswith("NvmeSwapError: ds_muon: the NVMe optimizer swap failed during an "
+                                      "optimizer step"), (rank, msg)
+        assert "zero_optimization.offload_optimizer.nvme_path" in msg and out["folder"] in msg, msg
+        assert f"the optimizer swap files need {out['need']} bytes per rank" in msg, msg
+        assert "rank 1, ZeRO sub-group " in msg and "rank 0," not in msg, msg
+        assert f"of {os.path.join(results[1]['folder'], '')}" in msg, msg  # rank 1's failing file
+        assert "[Errno 27] File too large" in msg and f"(ulimit -f) is {SWAP_FAIL_LIMIT} bytes" in msg, msg
+        assert out["seconds"] < SWAP_FAIL_DEADLINE_S, out["seconds"]
+        assert out["save"] and "is not stepped or saved any more" in out["save"], out["save"]
+    with open(os.path.join(ckpt, "latest")) as f:
+        assert f.read().strip() == "t0"
+    swap2 = swap_dir_for(str(tmp_path / "swap2"))
+    os.makedirs(swap2, exist_ok=True)
+    loaded = run_distributed(_load_after_swap_failure, 2, swap2, ckpt)
+    for out in loaded:
+        assert "/t0/" in out["path"], out["path"]
+        w0 = results[0]["w0"]
+        assert all(torch.equal(out["weights"][n], w0[n]) for n in w0), "t0 did not load intact"
+        assert out["finite"]
+
+
+class _FakeAio:
+    """A stand-in for DeepSpeed's aio handle: ``async_pwrite`` fails (-1) for paths in ``fail``."""
+
+    def __init__(self, fail):
+        self.fail, self.pending = fail, 0
+
+    def async_pwrite(self, buffer, path, offset=0):
+        if path in self.fail:
+            return -1
+        with open(path, "r+b" if os.path.exists(path) else "wb") as f:
+            f.seek(offset)
+            f.write(buffer.numpy().tobytes())
+        self.pending += 1
+        return 0
+
+    def wait(self):
+        assert self.pending > 0  # as the real handle's C++ assert
+        done, self.pending = self.pending, 0
+        return done
+
+    def is_pinned(self, buffer):
+        return True
+
+
+def test_checked_aio_handle_reports_failed_submissions_and_short_files(tmp_path):
+    """The swapper's handle wrapper: a write that cannot start (no directory: ENOENT) is reported with the OS
+    error and counted as completed by wait() (DeepSpeed asserts the count); a write that leaves the file short
+    is reported with the sizes; good writes report nothing; other attributes are the wrapped handle's."""
+    from ds_muon.zero3 import _CheckedAioHandle
+    errors = []
+    missing = str(tmp_path / "gone" / "1_2.tensor.swp")
+    handle = _CheckedAioHandle(_FakeAio({missing}), lambda *e: errors.append(e))
+    good, short = str(tmp_path / "a.swp"), str(tmp_path / "b.swp")
+    data = torch.arange(256, dtype=torch.float32)
+    assert handle.async_pwrite(data, good, 0) == 0 and handle.async_pwrite(data, missing, 0) == 0
+    assert handle.wait() == 2 and len(errors) == 1
+    path, write, nbytes, cause = errors[0]
+    assert (path, write, nbytes) == (missing, True, 1024) and "[Errno 2] No such file or directory" in cause, errors
+    handle._handle.async_pwrite = lambda b, p, o=0: (_FakeAio.async_pwrite(handle._handle, b[: b.numel() // 2], p, o))
+    assert handle.async_pwrite(data, short, 0) == 0 and handle.wait() == 1
+    assert errors[1][:3] == (short, True, 1024) and "the file holds 512 of 1024 bytes" in errors[1][3], errors
+    del handle._handle.async_pwrite  # writes whole again
+    assert handle.is_pinned(data) and handle.async_pwrite(data, good, 1024) == 0 and handle.wait() == 1
+    assert len(errors) == 2

@@ -265,6 +265,26 @@ def test_per_head_gqa_llama_and_gpt2_conv1d():
     assert select_muon_params(gpt2, per_head_muon=True).splits["transformer.h.0.attn.c_attn.weight"].cols == (8,) * 12
 
 
+def test_per_head_multimodal_vision_tower_uses_its_own_heads():
+    """Llava (CLIP vision tower: 8 heads of 4; Llama text model: 4 heads of 8, 2 KV heads): each attention is
+    split by its own module's geometry, not by the text config that model.config.get_text_config() returns
+    (which cut the vision q_proj into 4 blocks of 8 and left its k/v whole)."""
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=8, image_size=16, patch_size=8, projection_dim=16)
+    text = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=8, vocab_size=64)
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(
+        transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=63))
+    splits = select_muon_params(model, per_head_muon=True).splits
+    v, t = "model.vision_tower.encoder.layers.0.self_attn", "model.language_model.layers.0.self_attn"
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        assert splits[f"{v}.{proj}.weight"] == Split(rows=(4,) * 8, label="per head"), (proj, splits)
+    assert splits[f"{t}.q_proj.weight"] == Split(rows=(8,) * 4, label="per head")
+    assert splits[f"{t}.k_proj.weight"] == splits[f"{t}.v_proj.weight"] == Split(rows=(8,) * 2, label="per head")
+    assert f"{v}.out_proj.weight" not in splits and f"{t}.o_proj.weight" not in splits
+
+
 def test_per_head_with_nothing_matched_fails_clearly():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 2))
     with pytest.raises(ValueError, match="per_head_muon is enabled but no attention projection"):
