@@ -80,6 +80,14 @@ def qwen2_bias(**kw):
     return _hf("Qwen2ForCausalLM", "Qwen2Config", **kw)
 
 
+def llama_ds_muon_sdpa(**kw):
+    """Llama GQA 4/2 through ds_muon's own attention function (``attn_implementation="ds_muon_sdpa"``), so the
+    clip runs end to end on the production recording rather than the brute-force test attention."""
+    import ds_muon
+    ds_muon.register_attention()
+    return _hf("LlamaForCausalLM", "LlamaConfig", **dict(kw, attn_implementation="ds_muon_sdpa"))
+
+
 def phi3_fused(**kw):
     """Phi-3: fused qkv_proj [Q; K; V], GQA 4/2."""
     return _hf("Phi3ForCausalLM", "Phi3Config", **kw)
@@ -157,5 +165,5 @@ def declared_wide() -> DeclaredNet:
     return DeclaredNet(dim=256, num_hidden_layers=3, vocab=2100)
 
 
-MODELS = {"llama": llama_gqa, "qwen2": qwen2_bias, "phi3": phi3_fused, "declared": DeclaredNet,
+MODELS = {"llama": llama_gqa, "llama_ds_muon_sdpa": llama_ds_muon_sdpa, "qwen2": qwen2_bias, "phi3": phi3_fused, "declared": DeclaredNet,
           "declared_wide": declared_wide}

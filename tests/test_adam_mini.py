@@ -5,7 +5,7 @@ torch.optim.AdamW, and a block step equals the formula written out by hand.
 
 ZeRO-3 parity (CPU, gloo, fp32): a tiny transformers Llama with GQA (4 query heads, 2 KV heads),
 3 optimizer steps of GAS 2 with gradient clipping, against the reference trained on the same data;
-W = 1, 2, 3 (and 4), each world size one process group running all its cases (W=2 also CPU offload and
+W = 1, 2, 3 and 4 (the neuron block rule at W=4), each world size one process group running all its cases (W=2 also CPU offload and
 save/load/continue against an uninterrupted run). Tolerance as
 tests/test_zero3_parity.py: 1e-5 relative to each parameter, 1e-3 relative to its update. Each run
 also asserts that some Adam-mini block is split across ranks and (W=3) that some sub-group has padding

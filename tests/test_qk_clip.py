@@ -332,6 +332,7 @@ def clip_worker(rank: int, world_size: int, cases: list[dict], ckpt_root: str) -
 CASES = {
     1: [dict(name="w1-llama", model="llama")],
     2: [dict(name="w2-llama-gqa", model="llama"),
+        dict(name="w2-llama-ds_muon_sdpa", model="llama_ds_muon_sdpa"),  # the production attention function
         dict(name="w2-phi3-fused-alpha0.3", model="phi3", alpha=0.3),
         # Qwen2's key bias has a gradient of exactly zero in exact arithmetic (softmax is invariant to the
         # q.b_k shift it adds to every logit of a row): only rounding noise, which AdamW normalizes into
