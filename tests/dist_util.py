@@ -8,6 +8,8 @@ after ``timeout`` seconds instead of blocking CI.
 """
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import pickle
 import socket
@@ -18,10 +20,26 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 
+SHM_SEGMENTS = "/dev/shm/deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"  # DeepSpeed's CPU shm comm, per MASTER_PORT
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port that no DeepSpeed shared-memory segment is named after (one left by an earlier group
+    that was killed would otherwise be shared with this group's all_reduce)."""
+    for _ in range(64):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if not glob.glob(SHM_SEGMENTS.format(port=port)):
+            break
+    return port
+
+
+def _remove_shm_segments(port: int) -> None:
+    """Delete the group's DeepSpeed shared-memory segments (DeepSpeed 0.19.8 never unlinks them)."""
+    for path in glob.glob(SHM_SEGMENTS.format(port=port)):
+        with contextlib.suppress(OSError):
+            os.remove(path)
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple, env: dict) -> None:
@@ -62,8 +80,10 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     Raises:
         RuntimeError: a rank failed (with its traceback) or the group did not finish in ``timeout`` s.
     """
-    with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_worker, args=(world_size, _free_port(), out_dir, fn, args, env or {}),
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as out_dir, contextlib.ExitStack() as cleanup:
+        cleanup.callback(_remove_shm_segments, port)
+        ctx = mp.start_processes(_worker, args=(world_size, port, out_dir, fn, args, env or {}),
                                  nprocs=world_size, join=False, start_method="spawn")
         try:
             import time
