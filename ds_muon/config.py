@@ -1033,6 +1033,12 @@ def validate_adam_mini_config(ds_config: dict) -> Optional[AdamMiniOptimizerPara
                 and offload["ratio"] != 1.0:
             problems.append(f"zero_optimization.offload_optimizer.ratio: {offload['ratio']!r} is invalid with AdamMini "
                             "(DeepSpeed's partial offload needs DeepSpeedCPUAdam as the optimizer); remove it")
+    if zero.get("zenflow"):
+        problems.append("zero_optimization.zenflow: is not supported by ds_muon's AdamMini; remove it")
+    tp = ds_config.get("tensor_parallel")
+    if isinstance(tp, dict) and _is_number(tp.get("autotp_size")) and tp["autotp_size"] > 1:
+        problems.append(f"tensor_parallel.autotp_size: {tp['autotp_size']!r} is invalid: AdamMini's blocks are whole "
+                        "heads and tensors, and ds_muon does not support tensor parallelism yet; set autotp_size to 1")
     if "gradient_clipping" in ds_config:
         clip = ds_config["gradient_clipping"]
         if not _is_number(clip) or clip < 0 or clip != clip:

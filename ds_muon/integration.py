@@ -79,8 +79,10 @@ def _set_optimizer_flags(config_class, model) -> None:
         raise
     if cfg is None:
         mini = validate_adam_mini_config(config_class._param_dict)
-        if mini is not None and _is_rank0():
-            log_info(adam_mini_summary(adam_mini_plan(model, mini.block_rule)))
+        if mini is not None:
+            check_zero3_parameters(model)  # 0-D / empty parameters: a clear error before DeepSpeed's own
+            if _is_rank0():
+                log_info(adam_mini_summary(adam_mini_plan(model, mini.block_rule)))
         return _originals["set_optimizer_flags"](config_class, model)
     if _auto and _depth == 1 and not _auto_notice_done and _is_rank0():  # not when the script enabled it
         ds_logger.warning(AUTO_NOTICE)

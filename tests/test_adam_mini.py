@@ -101,6 +101,24 @@ def test_config_errors_name_the_key() -> None:
     with pytest.raises(ConfigError, match=r"zero_optimization.stage: 2 is invalid.*stage 3"):
         validate_adam_mini_config({"optimizer": {"type": "AdamMini"}, "zero_optimization": {"stage": 2}})
     assert validate_adam_mini_config({"optimizer": {"type": "AdamW"}}) is None
+    base = {"optimizer": {"type": "AdamMini"}, "zero_optimization": {"stage": 3}}
+    with pytest.raises(ConfigError, match=r"zero_optimization.zenflow: is not supported"):
+        validate_adam_mini_config(dict(base, zero_optimization={"stage": 3, "zenflow": {"topk_ratio": 0.1}}))
+    with pytest.raises(ConfigError, match=r"tensor_parallel.autotp_size: 2 is invalid"):
+        validate_adam_mini_config(dict(base, tensor_parallel={"autotp_size": 2}))
+
+
+def test_zero_d_parameter_is_refused_before_the_engine() -> None:
+    """The AdamMini path checks parameters as the Muon path does: a 0-D trainable parameter is named."""
+    import types
+
+    from ds_muon import integration
+    model = torch.nn.Module()
+    model.temperature = torch.nn.Parameter(torch.tensor(1.0))
+    cfg = types.SimpleNamespace(_param_dict={"optimizer": {"type": "AdamMini", "params": {"lr": 1e-3}},
+                                             "zero_optimization": {"stage": 3}})
+    with pytest.raises(Exception, match=r"temperature.*0-D"):
+        integration._set_optimizer_flags(cfg, model)
 
 
 # ------------------------------------------------------------------------------------------------
