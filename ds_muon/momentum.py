@@ -49,8 +49,8 @@ def momentum_update_(momentum: torch.Tensor, grad: torch.Tensor, beta: float, ne
     if grad.dtype != torch.float32:
         raise ValueError(f"grad must be float32, got {grad.dtype}")
     if momentum.dtype == torch.float32:
-        momentum.lerp_(grad, 1 - beta)
-        return grad.lerp_(momentum, beta) if nesterov else momentum
+        _momentum_fp32_(momentum, grad, beta, nesterov)  # the same function the fused path compiles
+        return grad if nesterov else momentum
     if momentum.dtype != torch.bfloat16:
         raise ValueError(f"momentum dtype must be one of {MOMENTUM_DTYPES}, got {momentum.dtype}")
     for start in range(0, grad.numel(), CHUNK_ELEMENTS):
@@ -123,3 +123,8 @@ def fused_apply_update_(param: torch.Tensor, update: torch.Tensor, lr: float, we
         backend: ``torch.compile``'s backend.
     """
     _compiled(_apply_update_, backend)(param, update, 1 - lr * weight_decay, -lr)
+
+
+def apply_update_(param: torch.Tensor, update: torch.Tensor, lr: float, weight_decay: float) -> None:
+    """:func:`fused_apply_update_` in eager mode (two passes; CPU and CPU offload): the same function, not compiled."""
+    _apply_update_(param, update, 1 - lr * weight_decay, -lr)

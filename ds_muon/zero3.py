@@ -35,7 +35,7 @@ from .checkpoint import (CheckpointError, add_metadata, check_zero_state_dict, l
 from .config import ConfigError, resolve_exchange_dtype
 from .exchange import BufferPool, OwnerExchange
 from .matrix import SPLIT_ATTR, update_scale
-from .momentum import fused_apply_update_, fused_momentum_update_, momentum_update_
+from .momentum import apply_update_, fused_apply_update_, fused_momentum_update_, momentum_update_
 from .newton_schulz import compiled_orthogonalize, orthogonalize, resolve_ns_dtype
 from .ownership import BucketedPlan, ParamInfo, build_bucketed_plan
 from .qk_clip import check_recorded, factor_vector, find_clip_targets, partition_ranges, take_max_logits
@@ -879,11 +879,7 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                 _named_collective(f"the Muon owner exchange (all_to_all) of ZeRO sub-group {i}"):
             exchange.run(plan, update, grad, owner_update)
         with record_function("ds_muon/apply_update"):
-            if fused:
-                fused_apply_update_(fp32, grad, group["lr"], group["weight_decay"])
-            else:
-                fp32.mul_(1 - group["lr"] * group["weight_decay"])
-                fp32.add_(grad, alpha=-group["lr"])
+            (fused_apply_update_ if fused else apply_update_)(fp32, grad, group["lr"], group["weight_decay"])
             for offset, n, m_old, w_old in kept or ():  # blocks with no gradient: as they were
                 momentum.narrow(0, offset, n).copy_(m_old)
                 fp32.narrow(0, offset, n).copy_(w_old)
