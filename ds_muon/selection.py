@@ -28,9 +28,10 @@ its config and shapes, never from names or registration order alone:
 Hidden sizes and vocabulary sizes come from every ``config`` in the model (``hidden_size``,
 ``vocab_size``, ``num_labels``, their text config's too) and from the input embeddings
 (``get_input_embeddings()``, else every ``nn.Embedding``). The repeated layers are the children of a
-``ModuleList``/``Sequential`` of two or more modules of one class that are neither matrices nor
-plain containers, and any other module of that class (an MTP module's decoder layer); nothing inside
-them is a head.
+``ModuleList``/``Sequential`` of modules that are neither matrices nor plain containers, either two
+or more of one class or as many (of any classes) as a config's layer count (``num_hidden_layers``,
+``n_layer``, ...: a 1-layer model, a hybrid stack of several layer classes), and any other module of
+such a class (an MTP module's decoder layer); nothing inside them is a head.
 Only when the model has no config and none of the rules finds a head is the last matrix module
 outside the repeated layers taken as the head, and the split summary says that this was a guess; it
 also names the matrices it could not tell from a head (see :attr:`Selection.notes`).
@@ -258,17 +259,35 @@ def _declared(module: nn.Module, method: str) -> Any:
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
+# Config keys that hold a model's number of repeated layers (transformers: num_hidden_layers; GPT-2: n_layer;
+# T5/Bart-style: num_layers, encoder_layers, decoder_layers).
+_LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers", "decoder_layers")
+
+
+def _is_layer_candidate(m: nn.Module) -> bool:
+    """A module that can be a repeated layer: neither a matrix nor a plain container."""
+    return not _is_matrix_module(m) and not isinstance(m, _CONTAINERS)
+
+
 def _layer_lists(model: nn.Module) -> set[int]:
     """``id()`` of every module inside the repeated layers (see the module docstring), and inside any
-    other instance of a repeated layer's class (an MTP module's extra decoder layer)."""
+    other instance of a repeated layer's class (an MTP module's extra decoder layer).
+
+    A ``ModuleList``/``Sequential`` holds repeated layers when its children are layer candidates
+    (:func:`_is_layer_candidate`) and either (a) there are two or more of them, all of one class, or
+    (b) their number is a layer count some config of the model states (``num_hidden_layers``, ...):
+    a 1-layer model, or layers of several classes (hybrid attention/SSM stacks).
+    """
+    counts = set().union(*(_int_attrs(c, _LAYER_COUNT_KEYS) for c in _configs(model)))
     layer_types: set[type] = set()
     for m in model.modules():
         if not isinstance(m, (nn.ModuleList, nn.Sequential)):
             continue
         children = list(m.children())
-        if (len(children) >= 2 and len({type(c) for c in children}) == 1 and not _is_matrix_module(children[0])
-                and not isinstance(children[0], _CONTAINERS)):
-            layer_types.add(type(children[0]))
+        if not children or not all(_is_layer_candidate(c) for c in children):
+            continue
+        if (len(children) >= 2 and len({type(c) for c in children}) == 1) or len(children) in counts:
+            layer_types.update(type(c) for c in children)
     layers = [m for m in model.modules() if type(m) in layer_types]
     return {id(x) for layer in layers for x in layer.modules()}
 

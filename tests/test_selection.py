@@ -582,3 +582,47 @@ def test_hf_gpt2_fused_qkv_with_vocabulary_width_is_hidden():
                              for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
     assert "lm_head.weight" not in sel.use_muon  # tied to wte
     assert not sel.notes, sel.notes
+
+
+def _tiny_hf(kind: str, layers: int):
+    transformers = pytest.importorskip("transformers")
+    if kind == "llama":
+        return transformers.LlamaForCausalLM(_llama_config(num_hidden_layers=layers))
+    if kind == "qwen3-moe":
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
+            num_experts_per_tok=2, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    # hybrid stack: a Mamba layer then an attention layer (two layer classes in one ModuleList)
+    return transformers.JambaForCausalLM(transformers.JambaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=100,
+        expert_layer_offset=99, num_experts=1, mamba_d_state=4, mamba_expand=2))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3-moe"])
+def test_hf_one_layer_model_classified_as_with_two_layers(kind):
+    """A 1-layer model's list of one decoder layer is the repeated layers too (its length is the
+    config's num_hidden_layers): k_proj/v_proj (hidden -> kv width) are hidden matrices, not possible
+    heads, and every parameter gets the reason its layer-0 twin gets in the 2-layer model, with no note."""
+    one, two = select_muon_params(_tiny_hf(kind, 1)), select_muon_params(_tiny_hf(kind, 2))
+    assert not one.notes, one.notes
+    assert not two.notes, two.notes
+    assert one.reasons == {n: r for n, r in two.reasons.items() if ".layers.1." not in n}
+    assert one.use_muon == {n: u for n, u in two.use_muon.items() if ".layers.1." not in n}
+    assert one.reasons["model.layers.0.self_attn.k_proj.weight"] == selection.HIDDEN_MATRIX
+    assert one.reasons["lm_head.weight"] == selection.OUTPUT_HEAD
+    if kind == "qwen3-moe":
+        assert one.reasons["model.layers.0.mlp.experts.gate_up_proj"] == selection.EXPERTS
+        assert one.reasons["model.layers.0.mlp.gate.weight"] == selection.ROUTER
+
+
+def test_hf_hybrid_layer_classes_are_repeated_layers():
+    """Jamba's layers are of two classes (Mamba, attention), one of each: neither is taken for a
+    head's surroundings; the Mamba in_proj and attention k/v projections are hidden matrices."""
+    sel = select_muon_params(_tiny_hf("jamba", 2))
+    assert not sel.notes, sel.notes
+    for name in ("model.layers.0.mamba.in_proj.weight", "model.layers.0.mamba.out_proj.weight",
+                 "model.layers.1.self_attn.k_proj.weight", "model.layers.1.self_attn.v_proj.weight"):
+        assert sel.reasons[name] == selection.HIDDEN_MATRIX, name
+    assert sel.reasons["lm_head.weight"] == selection.OUTPUT_HEAD
