@@ -15,8 +15,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import shutil
 import time
+import traceback
 
 from typing import Callable, Optional
 
@@ -57,17 +59,44 @@ class CollectiveError(RuntimeError):
     ("Connection closed by peer"); NCCL reports it when its watchdog times out. A peer that hangs
     instead of dying is bounded by the process-group timeout: ``deepspeed.init_distributed(timeout=
     datetime.timedelta(minutes=N))`` (DeepSpeed's default: 30 minutes). See docs/troubleshooting.md.
+    Only errors that come from a collective become this (:func:`_from_collective`); any other error
+    raised inside a named block (a bug in an element-wise function, a shape error) propagates unchanged.
     """
+
+
+# A communication backend's own error text: gloo's ("[.../third_party/gloo/...] Read error ...: Connection
+# reset by peer", "Timed out waiting ..."), NCCL/RCCL/HCCL/oneCCL's, a watchdog timeout's.
+_BACKEND_MESSAGE = re.compile(r"gloo|[nrhx]ccl|oneccl|connection (closed|reset) by peer|timed out|timeout|watchdog",
+                              re.IGNORECASE)
+# Frames of the communication layers: torch.distributed (c10d) and DeepSpeed's comm wrappers.
+_COMM_FILES = (os.sep + os.path.join("torch", "distributed", ""), os.sep + os.path.join("deepspeed", "comm", ""))
+
+
+def _from_collective(err: BaseException) -> bool:
+    """Whether ``err`` (caught inside a :func:`_named_collective` block) came from a collective: a
+    ``torch.distributed.DistError`` (NCCL's ``DistBackendError``, store and network errors), a backend's
+    error text (gloo raises plain ``RuntimeError`` from ``Work.wait()``, e.g. DeepSpeed's parameter
+    all_gather handle or the owner exchange's all_to_all), or a frame of torch.distributed or
+    deepspeed.comm between the block and the raise."""
+    if isinstance(err, getattr(dist, "DistError", ())):
+        return True
+    if _BACKEND_MESSAGE.search(str(err)):
+        return True
+    return any(marker in frame.filename for frame in traceback.extract_tb(err.__traceback__)
+               for marker in _COMM_FILES)
 
 
 @contextlib.contextmanager
 def _named_collective(what: str):
-    """Re-raise a backend error from inside the block as a :class:`CollectiveError` naming ``what``."""
+    """Re-raise an error of a collective inside the block (:func:`_from_collective`) as a
+    :class:`CollectiveError` naming ``what``; any other error propagates unchanged."""
     try:
         yield
     except (CollectiveError, torch.OutOfMemoryError, torch._dynamo.exc.TorchDynamoException):
         raise  # out of memory or a compile error inside Newton-Schulz is not a dead peer
     except RuntimeError as err:  # gloo: RuntimeError; NCCL: torch.distributed.DistBackendError (a subclass)
+        if not _from_collective(err):
+            raise  # not a collective's error (e.g. of an element-wise function inside DeepSpeed's step)
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         raise CollectiveError(
             f"ds_muon: {what} failed on rank {rank}: {err}\nA peer rank probably exited or lost its connection: "

@@ -279,6 +279,22 @@ def _edge_cases(rank: int, world_size: int, ckpt_dir: str) -> dict:
     out["unfrozen_later"] = _error_of(lambda: _train_steps(engine, rank, range(1, 2)))
     engine.destroy()
 
+    # an ordinary error inside DeepSpeed's step (not a collective's), on every rank alike, propagates as
+    # itself: in the element-wise momentum step, and inside the owner exchange (Newton-Schulz)
+    import ds_muon.zero3 as zero3
+    for label, attr in (("elementwise_error", "momentum_update_"), ("newton_schulz_error", "orthogonalize")):
+        real = getattr(zero3, attr)
+
+        def broken(*args, **kwargs):
+            raise RuntimeError(f"injected failure of {attr}")
+        engine, model = build_engine(ds_config(gas=1))
+        setattr(zero3, attr, broken)
+        try:
+            out[label] = _error_of(lambda: _train_steps(engine, rank, range(1)))
+        finally:
+            setattr(zero3, attr, real)
+        engine.destroy()
+
     # load_checkpoint(tag=..., load_optimizer_states=False) and load_module_only load that tag's weights
     engine, model = build_engine(ds_config(gas=GAS))
     _train_steps(engine, rank, range(2))
@@ -305,7 +321,9 @@ def _edge_cases(rank: int, world_size: int, ckpt_dir: str) -> dict:
 
 def test_edge_parameters(tmp_path):
     """0-D and zero-element trainable parameters get a clear error at initialize; requires_grad switched
-    after initialize (either way) stops the next step naming the parameter; load_checkpoint(tag="t2",
+    after initialize (either way) stops the next step naming the parameter; an ordinary RuntimeError
+    inside the step (element-wise momentum, Newton-Schulz in the exchange) surfaces as itself, not as a
+    dead-peer CollectiveError; load_checkpoint(tag="t2",
     load_optimizer_states=False) and load_module_only=True install t2's weights (not latest's t4),
     keeping the live optimizer state (muon_step_count of t4)."""
     results = run_distributed(_edge_cases, 2, str(tmp_path / "ckpt"))
@@ -314,6 +332,8 @@ def test_edge_parameters(tmp_path):
         assert out["empty"] and "'empty.weight' has no elements" in out["empty"], out
         assert out["frozen_later"] and "'q.weight' was trainable at initialize and is now frozen" in out["frozen_later"]
         assert out["unfrozen_later"] and "'frozen.weight' was frozen" in out["unfrozen_later"], out["unfrozen_later"]
+        for label, attr in (("elementwise_error", "momentum_update_"), ("newton_schulz_error", "orthogonalize")):
+            assert out[label] == f"RuntimeError: injected failure of {attr}", (label, out[label])
         for label in ("no_optimizer_states", "module_only"):
             assert out[label] == {"is_t2": True, "differs_from_t4": True, "muon_steps": 4, "finite": True}, (label, out)
 
@@ -714,3 +734,34 @@ def test_checked_aio_handle_reports_failed_submissions_and_short_files(tmp_path)
     del handle._handle.async_pwrite  # writes whole again
     assert handle.is_pinned(data) and handle.async_pwrite(data, good, 1024) == 0 and handle.wait() == 1
     assert len(errors) == 2
+
+
+def test_named_collective_wraps_collective_errors_only():
+    """In process, no ranks: a backend's error (DistBackendError, gloo's plain RuntimeError text, an error
+    raised under torch.distributed's frames) becomes a CollectiveError naming the collective; any other
+    RuntimeError passes through unchanged (same object, own message)."""
+    import torch.distributed as dist
+    from ds_muon.zero3 import CollectiveError, _named_collective
+
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:19861: "
+                        "Connection reset by peer")
+
+    def raised_in(module):  # a plain RuntimeError raised by code of ``module``'s folder
+        import os
+        namespace: dict = {}
+        code = "def comm_call():\n    raise RuntimeError('mismatched collective')\n"
+        exec(compile(code, os.path.join(os.path.dirname(module.__file__), "simulated.py"), "exec"), namespace)
+        return namespace["comm_call"]
+
+    import deepspeed.comm
+    for cause in (dist.DistBackendError("NCCL error: remote process exited"), gloo, raised_in(dist),
+                  raised_in(deepspeed.comm)):
+        with pytest.raises(CollectiveError, match="the test all_reduce failed on rank 0") as info:
+            with _named_collective("the test all_reduce"):
+                raise cause if isinstance(cause, BaseException) else cause()
+        assert "peer rank probably exited" in str(info.value) and info.value.__cause__ is not None
+    ordinary = RuntimeError("The size of tensor a (3) must match the size of tensor b (4)")
+    with pytest.raises(RuntimeError) as info:
+        with _named_collective("the test all_reduce"):
+            raise ordinary
+    assert info.value is ordinary and not isinstance(info.value, CollectiveError)
