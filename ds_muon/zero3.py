@@ -353,6 +353,7 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self._monitor = None
         self._monitor_step: Optional[Callable[[], int]] = None
         self._muon_seconds = 0.0
+        self._adam_mini_seconds = 0.0
         self.muon_plans: dict[int, BucketedPlan] = {}
         self._muon_pool = BufferPool()
         self._muon_exchanges: dict[int, OwnerExchange] = {}
@@ -590,8 +591,12 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         momentum, exchange, Newton–Schulz; the accelerator is synchronized around them only while a
         monitor is attached; the first step includes torch.compile time), ``Train/ds_muon/exchange_bytes``
         (bytes this rank sends in the owner all_to_all, from the plan), ``Train/ds_muon/owner_imbalance`` (max/mean Newton–Schulz FLOPs over ranks),
-        and ``Train/ds_muon/muon_lr`` / ``Train/ds_muon/adam_lr`` (the lr this step used in the first Muon / AdamW
-        param group; DeepSpeed's own ``Train/Samples/lr`` shows only the first group's).
+        and ``Train/ds_muon/muon_lr`` / ``Train/ds_muon/adam_lr`` (the lr this step used in the first Muon /
+        element-wise AdamW param group; DeepSpeed's own ``Train/Samples/lr`` shows only the first group's).
+        With ``"optimizer": {"type": "AdamMini"}`` (no Muon: the three Muon events are not written):
+        ``Train/ds_muon/adam_mini_seconds`` (wall time of this rank's Adam-mini sub-group steps: block sums,
+        their all_reduce, the update; timed as Muon's), ``Train/ds_muon/adam_mini_lr`` (the first Adam-mini
+        group's lr) and ``Train/ds_muon/adam_lr`` (the first element-wise AdamW group's: per-element blocks).
         With ``qk_clip`` enabled: ``Train/ds_muon/qk_clip/heads_clipped`` (query heads whose max logit of the
         step exceeded the threshold, a count over all layers), ``Train/ds_muon/qk_clip/max_logit`` (the largest
         pre-softmax logit of the step, all layers and ranks) and ``Train/ds_muon/qk_clip/max_logit/<module>``
@@ -611,13 +616,18 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         step = self._monitor_step()
         if step is None:  # the engine is gone
             return
-        lrs: dict[str, float] = {}  # the first Muon and the first AdamW group's lr this step used
+        lrs: dict[str, float] = {}  # the first Muon, Adam-mini and element-wise AdamW group's lr this step used
         for group in self.optimizer.param_groups:
-            lrs.setdefault("Train/ds_muon/muon_lr" if group["use_muon"] else "Train/ds_muon/adam_lr", group["lr"])
-        self._monitor.write_events([("Train/ds_muon/muon_seconds", self._muon_seconds, step),
-                                    ("Train/ds_muon/exchange_bytes", self.exchange_bytes(), step),
-                                    ("Train/ds_muon/owner_imbalance", imbalance, step)]
-                                   + [(name, float(lr), step) for name, lr in lrs.items()] + self._qk_clip_events(step))
+            kind = "muon" if group["use_muon"] else "adam_mini" if group.get("adam_mini") else "adam"
+            lrs.setdefault(f"Train/ds_muon/{kind}_lr", group["lr"])
+        if any(group.get("adam_mini") for group in self.optimizer.param_groups):  # AdamMini: no Muon sub-group
+            events = [("Train/ds_muon/adam_mini_seconds", self._adam_mini_seconds, step)]
+        else:
+            events = [("Train/ds_muon/muon_seconds", self._muon_seconds, step),
+                      ("Train/ds_muon/exchange_bytes", self.exchange_bytes(), step),
+                      ("Train/ds_muon/owner_imbalance", imbalance, step)]
+        self._monitor.write_events(events + [(name, float(lr), step) for name, lr in lrs.items()]
+                                   + self._qk_clip_events(step))
 
     def _qk_clip_events(self, step: int) -> list[tuple]:
         stats = self.qk_clip_stats
@@ -643,7 +653,7 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             NvmeSwapError: on every rank, after a step in which some rank's NVMe swap write or read failed
                 (and at every later step).
         """
-        self._muon_seconds = 0.0
+        self._muon_seconds = self._adam_mini_seconds = 0.0
         self._refuse_after_swap_failure()
         self._check_trainable_set()
         self._step_flags = {}
@@ -864,7 +874,10 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                 self._muon_sub_group_step(sub_group_id, plan)
             if timed:
                 get_accelerator().synchronize()
-                self._muon_seconds += time.perf_counter() - start
+                if plan is None:
+                    self._adam_mini_seconds += time.perf_counter() - start
+                else:
+                    self._muon_seconds += time.perf_counter() - start
         self._qk_clip_sub_group(sub_group_id)
 
     @torch.no_grad()

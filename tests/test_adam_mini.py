@@ -194,6 +194,8 @@ def _run_case(rank: int, world_size: int, case: dict) -> dict:
     if case.get("resume"):
         return _resume_case(rank, world_size, case)
     cfg = mini_config(params=case.get("params"), **case.get("zero", {}))
+    if case.get("monitor"):
+        cfg["csv_monitor"] = {"enabled": True, "output_path": case["root"], "job_name": "mini"}
     engine, model = build_engine(cfg, model_fn=llama)
     init = gathered_params(model)
     norms = train_engine(engine, STEPS, rank, GAS)
@@ -201,6 +203,13 @@ def _run_case(rank: int, world_size: int, case: dict) -> dict:
     layout = _layout(engine.optimizer, rank)
     engine.destroy()
     out = {"norms": norms, "layout": layout}
+    if case.get("monitor") and rank == 0:
+        import csv
+        import glob
+        out["csv"] = {}
+        for path in glob.glob(os.path.join(case["root"], "mini", "Train_ds_muon_*.csv")):
+            with open(path) as f:
+                out["csv"][os.path.basename(path)] = [row[1] for row in list(csv.reader(f))[1:]]
     if rank == 0:
         params = cfg["optimizer"]["params"]
         out["errors"] = compare(got, _oracle(init, world_size, params), init)
@@ -214,7 +223,7 @@ def adam_mini_worker(rank: int, world_size: int, cases: list[dict]) -> list[dict
 
 CASES = {
     1: [dict(name="plain")],
-    2: [dict(name="plain"), dict(name="cpu-offload", zero={"offload_optimizer": {"device": "cpu"}}),
+    2: [dict(name="plain", monitor=True), dict(name="cpu-offload", zero={"offload_optimizer": {"device": "cpu"}}),
         dict(name="resume", resume=True)],
     3: [dict(name="plain")],
     4: [dict(name="neuron-rule", params={"block_rule": "neuron"})],
@@ -249,5 +258,13 @@ def test_zero3_adam_mini_matches_reference(world_size: int, tmp_path) -> None:
                 assert r[k]["n_block_states"] > 0 and not r[k]["differ"], f"resume differs: {r[k]}"
             continue
         _check(world_size, case, [r[k] for r in per_rank])
+        if case.get("monitor"):  # Adam-mini's own time and lr; no Muon events (no Muon in an AdamMini run)
+            csvs = per_rank[0][k]["csv"]
+            assert set(csvs) == {"Train_ds_muon_adam_mini_seconds.csv", "Train_ds_muon_adam_mini_lr.csv",
+                                 "Train_ds_muon_adam_lr.csv"}, csvs
+            assert all(len(rows) == STEPS for rows in csvs.values()), csvs
+            assert all(float(x) > 0 for x in csvs["Train_ds_muon_adam_mini_seconds.csv"]), csvs
+            for name in ("Train_ds_muon_adam_mini_lr.csv", "Train_ds_muon_adam_lr.csv"):
+                assert [float(x) for x in csvs[name]] == [PARAMS["lr"]] * STEPS, csvs
         norms = {tuple(round(x, 6) for x in r[k]["norms"]) for r in per_rank}
         assert len(norms) == 1, f"{case['name']}: ranks disagree on the gradient norm: {norms}"
