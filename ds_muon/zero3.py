@@ -149,6 +149,54 @@ def _swap_open_error(path: str, write: bool) -> str:
     return "unknown (the file opens now)"
 
 
+# The DeepSpeed releases ds_muon supports: pyproject.toml's pin (tests/test_offload.py checks they agree).
+SUPPORTED_DEEPSPEED = ">=0.18.9,<0.20"
+
+
+class DeepSpeedVersionError(RuntimeError):
+    """The installed DeepSpeed lacks an attribute ds_muon relies on (a release outside
+    :data:`SUPPORTED_DEEPSPEED` renamed or removed it); the message names the attribute, its owner,
+    the installed version and the supported range."""
+
+
+# DeepSpeed names the NVMe swap checks rely on (checked against deepspeed 0.19.8; pinned by
+# tests/test_offload.py::test_deepspeed_nvme_names_exist), by the object that holds them:
+# DeepSpeedZeroOptimizer_Stage3's methods that ds_muon overrides or calls around the swapper (a renamed
+# one would silently skip an override), and its attributes;
+NVME_STAGE3_METHODS = ("_configure_tensor_swapping", "initialize_optimizer_states", "_swappable_optimizer_subgroup",
+                       "_optimizer_states_and_gradient_swap_in", "_release_swap_buffers", "_prepare_sub_group",
+                       "_release_sub_group", "_post_step", "_partition_all_parameters",
+                       "_reassign_or_swap_out_partitioned_parameters")
+NVME_STAGE3_ATTRS = ("optimizer_swapper", "swap_optimizer", "save_muon_momentum_buffer_in_memory")
+# the optimizer swapper (Partitioned-/PipelinedOptimizerSwapper; the pipelined one also has a read and a
+# write handle), its gradient swapper (AsyncTensorSwapper), its swap config
+# (DeepSpeedZeroOffloadOptimizerConfig) and the async_io handles (aio_handle) that _CheckedAioHandle wraps.
+NVME_SWAPPER_ATTRS = ("swap_config", "swap_folder", "gradient_swapper", "purge_state", "aio_handle")
+NVME_PIPELINED_SWAPPER_ATTRS = ("read_aio_handle", "write_aio_handle")
+NVME_GRADIENT_SWAPPER_ATTRS = ("aio_handle",)
+NVME_SWAP_CONFIG_ATTRS = ("buffer_count", "pipeline_read", "pipeline_write")
+NVME_AIO_HANDLE_ATTRS = ("async_pwrite", "async_pread", "wait")
+
+
+def require_deepspeed_attrs(obj, names: tuple[str, ...], what: str) -> None:
+    """Check that DeepSpeed's ``obj`` has every attribute in ``names``.
+
+    Raises:
+        DeepSpeedVersionError: naming the missing attributes, ``what`` ``obj`` is, the installed DeepSpeed
+            version and :data:`SUPPORTED_DEEPSPEED` (instead of an AttributeError later, or a check that
+            silently does nothing).
+    """
+    missing = [name for name in names if not hasattr(obj, name)]
+    if missing:
+        import deepspeed
+        owner = obj.__name__ if isinstance(obj, type) else type(obj).__name__
+        raise DeepSpeedVersionError(
+            f"ds_muon: DeepSpeed {deepspeed.__version__}'s {what} ({owner}) has no {', '.join(missing)}, which "
+            f"ds_muon's NVMe optimizer offload relies on. ds_muon supports deepspeed{SUPPORTED_DEEPSPEED} (tested "
+            f"with 0.19.8): install one (pip install 'deepspeed{SUPPORTED_DEEPSPEED}'), or offload the optimizer to "
+            "the CPU instead of NVMe")
+
+
 class _CheckedAioHandle:
     """DeepSpeed's async_io handle (``aio_handle``) with the checks its optimizer swapper leaves out.
 
@@ -339,6 +387,8 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        if self.swap_optimizer:  # in case DeepSpeed's step that runs initialize_optimizer_states was renamed
+            self._check_nvme_names()
         if not isinstance(self.optimizer, ZeroMuonInner):
             raise TypeError("MuonZeroOptimizer needs a ds_muon ZeroMuonInner optimizer; "
                             "build the engine through ds_muon.initialize or ds_muon.enable()")
@@ -380,6 +430,7 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             NvmeSwapError: a swap file could not be written (on every rank).
         """
         if self.swap_optimizer:
+            self._check_nvme_names()  # before the first swap (also: was _configure_tensor_swapping called?)
             self._check_swap_buffer_count()
             self._check_swap_space()
         super().initialize_optimizer_states()
@@ -387,18 +438,42 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
     # ---- NVMe swap I/O errors ------------------------------------------------------------
     def _configure_tensor_swapping(self, offload_optimizer_config, aio_config):
-        """DeepSpeed's, then its swapper's async_io handles are wrapped in :class:`_CheckedAioHandle`."""
+        """DeepSpeed's, then its swapper's async_io handles are wrapped in :class:`_CheckedAioHandle`.
+
+        Raises:
+            DeepSpeedVersionError: a DeepSpeed name the NVMe checks rely on is missing (:func:`require_deepspeed_attrs`).
+        """
         super()._configure_tensor_swapping(offload_optimizer_config, aio_config)
         self._swap_errors: list[str] = []
         self._swap_failure: Optional[str] = None
         swapper, wrapped = self.optimizer_swapper, {}
-        for owner in (swapper, getattr(swapper, "gradient_swapper", None)):
-            for name in ("aio_handle", "write_aio_handle", "read_aio_handle"):
-                handle = getattr(owner, name, None)
-                if handle is not None and not isinstance(handle, _CheckedAioHandle):
+        require_deepspeed_attrs(self, NVME_STAGE3_ATTRS, "ZeRO-3 optimizer")
+        require_deepspeed_attrs(swapper, NVME_SWAPPER_ATTRS, "optimizer swapper")
+        require_deepspeed_attrs(swapper.swap_config, NVME_SWAP_CONFIG_ATTRS, "offload_optimizer config")
+        pipelined = swapper.swap_config.pipeline_read or swapper.swap_config.pipeline_write
+        handles = {swapper: ("aio_handle",) + (NVME_PIPELINED_SWAPPER_ATTRS if pipelined else ()),
+                   swapper.gradient_swapper: NVME_GRADIENT_SWAPPER_ATTRS}
+        require_deepspeed_attrs(swapper, handles[swapper], "pipelined optimizer swapper" if pipelined
+                                else "optimizer swapper")
+        require_deepspeed_attrs(swapper.gradient_swapper, NVME_GRADIENT_SWAPPER_ATTRS, "gradient swapper")
+        for owner, names in handles.items():
+            for name in names:
+                handle = getattr(owner, name)
+                if not isinstance(handle, _CheckedAioHandle):
+                    require_deepspeed_attrs(handle, NVME_AIO_HANDLE_ATTRS, f"async_io handle {name}")
                     if id(handle) not in wrapped:
                         wrapped[id(handle)] = _CheckedAioHandle(handle, self._record_swap_error)
                     setattr(owner, name, wrapped[id(handle)])
+
+    def _check_nvme_names(self) -> None:
+        """The DeepSpeed ZeRO-3 methods the NVMe checks override or call (:data:`NVME_STAGE3_METHODS`) exist, and
+        the swapper's handles were wrapped (a renamed ``_configure_tensor_swapping`` would skip the override)."""
+        require_deepspeed_attrs(DeepSpeedZeroOptimizer_Stage3, NVME_STAGE3_METHODS, "ZeRO-3 optimizer class")
+        if not hasattr(self, "_swap_errors"):
+            raise DeepSpeedVersionError(
+                "ds_muon: DeepSpeed's ZeRO-3 optimizer set up NVMe swapping without calling "
+                f"_configure_tensor_swapping, so ds_muon's swap I/O checks are not installed. ds_muon supports "
+                f"deepspeed{SUPPORTED_DEEPSPEED} (tested with 0.19.8): install one, or offload the optimizer to the CPU")
 
     def _record_swap_error(self, path: str, write: bool, nbytes: int, cause: str) -> None:
         """Called by :class:`_CheckedAioHandle`: note a failed swap write or read of ``path`` on this rank."""

@@ -57,6 +57,18 @@ def probe_start(engine) -> None:
                                                    ("write", parameter.ds_id), swapper._swap_out_optimizer_state)
 
 
+def _unwrapped_handles(swapper) -> list[str]:
+    """Attributes of the optimizer swapper and its gradient swapper that hold an async_io handle (found by what
+    it does, not by name) not wrapped in ds_muon's _CheckedAioHandle: a handle DeepSpeed added or renamed."""
+    from ds_muon.zero3 import _CheckedAioHandle
+    out = []
+    for owner_name, owner in (("swapper", swapper), ("gradient_swapper", swapper.gradient_swapper)):
+        for name, value in vars(owner).items():
+            if hasattr(value, "async_pwrite") and hasattr(value, "wait") and not isinstance(value, _CheckedAioHandle):
+                out.append(f"{owner_name}.{name}")
+    return out
+
+
 def probe_finish(engine) -> dict:
     """Per sub-group: Muon or not, swapped or not, counted swap calls, latched swap tensors; pool bytes."""
     from ds_muon.exchange import PIPELINE_DEPTH
@@ -64,6 +76,7 @@ def probe_finish(engine) -> dict:
     swapper = getattr(opt, "optimizer_swapper", None)
     out = {"sub_groups": [], "pool_bytes": opt._muon_pool.peak_nbytes, "pool_left": opt._muon_pool.nbytes(),
            "pool_bound": 0}
+    out["unwrapped_handles"] = _unwrapped_handles(swapper) if swapper is not None else []
     for i, fp32 in enumerate(opt.fp32_partitioned_groups_flat):
         swapped = bool(opt._swappable_optimizer_subgroup(i))
         info = swapper.swap_params_info.get(fp32.ds_id) if swapper is not None else None
@@ -122,6 +135,8 @@ def test_nvme_one_swap_cycle_per_sub_group_per_step(offload_results, case) -> No
         if case.get("late"):
             assert sum(g["swapped"] and g["muon"] for g in groups) == 2, f"rank {rank}: `late` not swapped alone"
         assert any(g["swapped"] and not g["muon"] for g in groups), f"rank {rank}: no AdamW sub-group was swapped"
+        # every async_io handle of the swapper is checked (none added or renamed by DeepSpeed went unwrapped)
+        assert res[CASES.index(case)]["probe"]["unwrapped_handles"] == [], (rank, res[CASES.index(case)]["probe"])
         for g in groups:
             if not g["swapped"]:
                 continue
@@ -176,3 +191,114 @@ def test_swap_buffer_count_too_small_names_the_count(tmp_path, offload, in_memor
         assert isinstance(msg, str) and "ConfigError" in msg, msg
         assert f"offload_optimizer.buffer_count: {needed - 1} is too small" in msg, msg
         assert f"set buffer_count to at least {needed}" in msg, msg
+
+
+# ------------------------------------------------------------------------------------------------
+# the DeepSpeed names the NVMe checks rely on, pinned against the installed DeepSpeed
+# ------------------------------------------------------------------------------------------------
+def _self_attributes(cls: type) -> set[str]:
+    """Names a class and its bases (DeepSpeed's own) define: methods and class attributes, and every
+    ``self.<name> = ...`` in their source (instance attributes)."""
+    import ast
+    import inspect
+    import textwrap
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith("deepspeed"):
+            continue
+        names |= set(vars(klass))
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AnnAssign, ast.AugAssign)) else []
+            names |= {t.attr for t in targets if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                      and t.value.id == "self"}
+    return names
+
+
+def test_deepspeed_nvme_names_exist() -> None:
+    """Every DeepSpeed name ds_muon's NVMe checks use (ds_muon.zero3.NVME_*) exists in the installed DeepSpeed,
+    which is in ds_muon's supported range (the same as pyproject.toml's pin): a DeepSpeed upgrade that renames
+    one fails here, not silently in a run."""
+    import re
+    import deepspeed
+    from packaging.specifiers import SpecifierSet
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+    from deepspeed.runtime.swap_tensor.async_swapper import AsyncTensorSwapper
+    from deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper import PartitionedOptimizerSwapper
+    from deepspeed.runtime.swap_tensor.pipelined_optimizer_swapper import PipelinedOptimizerSwapper
+    from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from ds_muon import zero3
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml")) as f:
+        pins = re.findall(r'"deepspeed([^"]*)"', f.read())
+    assert pins == [zero3.SUPPORTED_DEEPSPEED], pins
+    assert deepspeed.__version__ in SpecifierSet(zero3.SUPPORTED_DEEPSPEED), deepspeed.__version__
+
+    for name in zero3.NVME_STAGE3_METHODS:
+        assert callable(getattr(DeepSpeedZeroOptimizer_Stage3, name, None)), name
+    pinned = {
+        DeepSpeedZeroOptimizer_Stage3: zero3.NVME_STAGE3_ATTRS,
+        PartitionedOptimizerSwapper: zero3.NVME_SWAPPER_ATTRS,
+        PipelinedOptimizerSwapper: zero3.NVME_SWAPPER_ATTRS + zero3.NVME_PIPELINED_SWAPPER_ATTRS,
+        AsyncTensorSwapper: zero3.NVME_GRADIENT_SWAPPER_ATTRS,
+    }
+    for cls, names in pinned.items():
+        missing = set(names) - _self_attributes(cls)
+        assert not missing, (cls.__name__, missing)
+    assert "read_aio_handle" not in _self_attributes(PartitionedOptimizerSwapper)  # the scan tells classes apart
+    assert set(zero3.NVME_SWAP_CONFIG_ATTRS) <= set(DeepSpeedZeroOffloadOptimizerConfig.model_fields)
+    handle = AsyncIOBuilder().load(verbose=False).aio_handle
+    assert all(callable(getattr(handle, name, None)) for name in zero3.NVME_AIO_HANDLE_ATTRS), dir(handle)
+
+
+def _nvme_name_cases(rank: int, world_size: int, nvme_dir: str) -> dict:
+    """NVMe-offloaded engines: with ``gradient_swapper`` deleted from the optimizer swapper after its __init__,
+    and with a ZeRO-3 method removed from the class (each restored afterwards), the construction error; and a
+    pipelined engine's unwrapped async_io handles."""
+    from deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper import PartitionedOptimizerSwapper
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from tests.harness import build_engine, ds_config
+    from tests.models import wide_parity_net
+    nvme = {"device": "nvme", "nvme_path": nvme_dir}
+    out = {}
+    real_init, real_release = PartitionedOptimizerSwapper.__init__, DeepSpeedZeroOptimizer_Stage3._release_swap_buffers
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        del self.gradient_swapper
+    for hide in ("gradient_swapper", "_release_swap_buffers"):
+        if hide == "gradient_swapper":
+            PartitionedOptimizerSwapper.__init__ = init
+        else:
+            del DeepSpeedZeroOptimizer_Stage3._release_swap_buffers
+        try:
+            build_engine(ds_config(offload_optimizer=nvme), model_fn=wide_parity_net)
+            out[hide] = None
+        except Exception as err:  # noqa: BLE001 - the message is what the test checks
+            out[hide] = f"{type(err).__name__}: {err}"
+        finally:
+            PartitionedOptimizerSwapper.__init__ = real_init
+            DeepSpeedZeroOptimizer_Stage3._release_swap_buffers = real_release
+    engine, _ = build_engine(ds_config(offload_optimizer=dict(PIPELINED, nvme_path=nvme_dir, buffer_count=8)),
+                             model_fn=wide_parity_net)
+    out["pipelined_unwrapped"] = _unwrapped_handles(engine.optimizer.optimizer_swapper)
+    engine.destroy()
+    return out
+
+
+def test_missing_deepspeed_name_is_named_with_supported_range(tmp_path) -> None:
+    """A DeepSpeed that lacks a name the NVMe checks use (a swapper attribute, a ZeRO-3 method) fails at
+    initialize with a DeepSpeedVersionError naming the attribute, its owner and the supported DeepSpeed
+    range; the pipelined swapper's read and write handles are wrapped too (W=1)."""
+    from ds_muon.zero3 import SUPPORTED_DEEPSPEED
+    swap = swap_dir_for(str(tmp_path / "swap"))
+    os.makedirs(swap, exist_ok=True)
+    (out,) = run_distributed(_nvme_name_cases, 1, swap)
+    for hide, owner in (("gradient_swapper", "optimizer swapper (PartitionedOptimizerSwapper)"),
+                        ("_release_swap_buffers", "ZeRO-3 optimizer class (DeepSpeedZeroOptimizer_Stage3)")):
+        msg = out[hide]
+        assert msg and msg.startswith("DeepSpeedVersionError"), msg
+        assert f"{owner} has no {hide}" in msg and f"deepspeed{SUPPORTED_DEEPSPEED}" in msg, msg
+    assert out["pipelined_unwrapped"] == [], out
