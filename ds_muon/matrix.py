@@ -20,13 +20,15 @@ SPLIT_ATTR = "ds_muon_split"
 USER_SPLIT_ATTR = "muon_split"
 
 
-def ns_view_shape(shape: Sequence[int]) -> tuple[int, int, int]:
+def ns_view_shape(shape: Sequence[int], conv: bool = False) -> tuple[int, int, int]:
     """The (batch, rows, cols) view Newton–Schulz runs on for a parameter of ``shape``.
 
     * 2-D ``(m, n)`` -> ``(1, m, n)``.
     * 3-D ``(b, m, n)`` (stacked experts) -> a batch of ``b`` matrices ``(b, m, n)``.
     * 4-D and up, conv weights ``(out, in, kh, kw)`` -> ``(1, out, in*kh*kw)``, as in
       Keller Jordan's Muon (https://kellerjordan.github.io/posts/muon/).
+    * ``conv=True`` (a convolution weight ``(out, in, *kernel)``, also a 3-D ``nn.Conv1d`` one):
+      ``(1, out, in*prod(kernel))``, never a stack.
 
     Raises:
         ValueError: for 0-D and 1-D shapes, which Muon does not orthogonalize (use AdamW).
@@ -36,7 +38,7 @@ def ns_view_shape(shape: Sequence[int]) -> tuple[int, int, int]:
         raise ValueError(f"Muon needs a parameter with >= 2 dims, got shape {shape}; 0-D/1-D parameters use AdamW")
     if len(shape) == 2:
         return (1, shape[0], shape[1])
-    if len(shape) == 3:
+    if len(shape) == 3 and not conv:
         return shape  # type: ignore[return-value]
     return (1, shape[0], math.prod(shape[1:]))
 
@@ -75,12 +77,16 @@ class Split:
     Attributes:
         rows, cols: block sizes (elements along that axis, each >= 1), or ``None``.
         label: how the split came about, for the start-up summary (``"gate/up"``, ``"q/k/v"``,
-            ``"per head"``, ``"declared"``).
+            ``"per head"``, ``"declared"``, ``"conv"``, ``"conv per group"``).
+        conv: the parameter is a convolution weight ``(out, in/groups, *kernel)``: its matrix is
+            ``(out, in/groups * prod(kernel))`` (:func:`ns_view_shape` with ``conv=True``), so a 3-D
+            ``nn.Conv1d`` weight is one matrix, not a stack of ``out`` matrices.
     """
 
     rows: Optional[tuple[int, ...]] = None
     cols: Optional[tuple[int, ...]] = None
     label: str = "declared"
+    conv: bool = False
 
     def describe(self) -> str:
         parts = [f"{axis} {_runs_text(sizes)}" for axis, sizes in (("rows", self.rows), ("cols", self.cols)) if sizes]
@@ -175,7 +181,7 @@ class MatrixView:
     @property
     def ns_shape(self) -> tuple[int, int, int]:
         """``(batch, rows, cols)`` of the unsplit view (:func:`ns_view_shape`)."""
-        return ns_view_shape(self.shape)
+        return ns_view_shape(self.shape, conv=self.split is not None and self.split.conv)
 
     @property
     def num_blocks(self) -> int:
@@ -200,8 +206,8 @@ def matrix_view(shape: Sequence[int], split: Optional[Split] = None) -> MatrixVi
     """The :class:`MatrixView` of a parameter of ``shape``, cut by ``split``.
 
     The matrices are those of :func:`ns_view_shape` (2-D: one; 3-D ``(E, m, n)``: ``E``; conv
-    ``(out, in, kh, kw)``: one ``(out, in*kh*kw)``); ``split`` cuts each of them into the grid of
-    its row and column blocks. Blocks of equal shape in one run (consecutive equal row sizes x
+    ``(out, in, kh, kw)``, or any conv weight when ``split.conv``: one ``(out, in*kh*kw)``);
+    ``split`` cuts each of them into the grid of its row and column blocks. Blocks of equal shape in one run (consecutive equal row sizes x
     consecutive equal column sizes, over all stacked matrices) form one :class:`BlockGroup`.
 
     Raises:
@@ -209,7 +215,7 @@ def matrix_view(shape: Sequence[int], split: Optional[Split] = None) -> MatrixVi
             (the message names both).
     """
     shape = tuple(int(s) for s in shape)
-    stack, R, C = ns_view_shape(shape)
+    stack, R, C = ns_view_shape(shape, conv=split is not None and split.conv)
     rows = split.rows if split is not None and split.rows else (R,)
     cols = split.cols if split is not None and split.cols else (C,)
     for axis, sizes, total in (("rows", rows, R), ("cols", cols, C)):
@@ -229,7 +235,8 @@ def matrix_view(shape: Sequence[int], split: Optional[Split] = None) -> MatrixVi
             merged = merged or [(1, R * C)]
             groups.append(BlockGroup(r0 * C + c0, tuple(n for n, _ in merged) + (r, c),
                                      tuple(s for _, s in merged) + (C, 1)))
-    return MatrixView(shape, tuple(groups), split if (split is not None and (split.rows or split.cols)) else None)
+    keep = split is not None and bool(split.rows or split.cols or (split.conv and len(shape) == 3))
+    return MatrixView(shape, tuple(groups), split if keep else None)
 
 
 def orthogonalize_blocks_(flat: "torch.Tensor", view: MatrixView, fn: Callable[["torch.Tensor"], "torch.Tensor"]) -> None:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .config import ConfigError, parse_muon_params
-from .matrix import SPLIT_ATTR, matrix_view, ns_view_shape, orthogonalize_blocks_, update_scale
+from .matrix import SPLIT_ATTR, matrix_view, orthogonalize_blocks_, update_scale
 from .momentum import momentum_update_
 from .newton_schulz import orthogonalize, resolve_ns_dtype
 from .param_groups import split_param_groups
@@ -167,13 +167,13 @@ class MuonAdamW(torch.optim.Optimizer):
         # No gradient, no step (per matrix of the (b, rows, cols) view: one expert of a stack): a block
         # whose gradient is exactly zero keeps its momentum and weights. Every block of the matrix view
         # lies inside one of these b matrices, so the others' update is unaffected.
-        b = ns_view_shape(param_shape(p))[0]
+        view = matrix_view(param_shape(p), getattr(p, SPLIT_ATTR, None))
+        b = view.ns_shape[0]
         idle = g.view(b, -1).eq(0).all(dim=1)  # (b,) bool
         if bool(idle.all()):
             return
         kept = (m.view(b, -1)[idle].clone(), p.data.view(b, -1)[idle].clone()) if bool(idle.any()) else None
         u = momentum_update_(m.view(-1), g, group["momentum"], group["nesterov"])
-        view = matrix_view(param_shape(p), getattr(p, SPLIT_ATTR, None))
         ns_dtype = resolve_ns_dtype(group["ns_dtype"], group["ns_method"], p.device)
 
         def scaled_ns(blocks: torch.Tensor) -> torch.Tensor:  # (1, *batch, rows, cols), one shape

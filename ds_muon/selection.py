@@ -6,8 +6,8 @@ Order of precedence, first match wins:
 2. The config's ``muon_params`` / ``adamw_params`` glob patterns over ``model.named_parameters()``
    names (``adamw_params`` is checked first, so a parameter matched by both goes to AdamW).
 3. The module-type rule: Muon for the >=2-D weights of hidden linear and convolution layers
-   (``nn.Linear``, ``nn.Conv1d/2d/3d``, transposed convs, Hugging Face's GPT-2 ``Conv1D``).
-   AdamW for everything else: embeddings (and any linear tied to one), output heads (below), norms,
+   (``nn.Linear``, ``nn.Conv1d/2d/3d``, transposed convs, Hugging Face's GPT-2 ``Conv1D``), except
+   depthwise convs (one filter row per group, e.g. Mamba's ``conv1d``). AdamW for everything else: embeddings (and any linear tied to one), output heads (below), norms,
    biases, 0-D/1-D parameters, and >=2-D parameters of modules the rule does not recognise (tag
    those yourself; AdamW is never wrong, only possibly slower to train).
    MoE (:data:`MOE_RULE`): the 3-D parameters of an expert container (a module whose >=2-D
@@ -41,13 +41,16 @@ Newton–Schulz orthogonalizes separately. First match: ``param.muon_split``, th
 ``muon_splits`` patterns, a fused gate_up (gate and up apart: dense ``(2I, H)`` next to a down Linear
 with I inputs, or per expert ``(E, 2I, H)`` next to ``(E, H, I)``), a fused QKV (``qkv_proj``/``c_attn``:
 Q, K, V apart) and, with ``per_head_muon``, Q/K/V projections per head (geometry from
-``model.config``). Otherwise one matrix (E for a stacked parameter). docs/selection.md has the rules.
+``model.config``). A conv weight ``(out, in/groups, *kernel)`` is one matrix ``(out, in/groups *
+prod(kernel))``, also at 3-D (``nn.Conv1d``; never a stack), cut per group when ``groups > 1``.
+Otherwise one matrix (E for a stacked parameter). docs/selection.md has the rules.
 
 Shapes come from ``ds_shape`` when the model was built under ``deepspeed.zero.Init`` (there
 ``param.shape`` is a flat placeholder).
 """
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import logging
 from dataclasses import dataclass, field
@@ -71,6 +74,7 @@ _MATRIX_MODULES: tuple[type, ...] = (
     nn.ConvTranspose2d,
     nn.ConvTranspose3d,
 )
+_CONV_MODULES: tuple[type, ...] = _MATRIX_MODULES[1:]
 _EMBEDDING_MODULES: tuple[type, ...] = (nn.Embedding, nn.EmbeddingBag)
 # Hugging Face's GPT-2 style Conv1D is a linear layer with a transposed weight. Matched by class
 # name so transformers stays an optional dependency.
@@ -84,6 +88,7 @@ OUTPUT_HEAD = "output head"
 LOW_DIM = "0-D/1-D (norm, bias, scalar)"
 UNRECOGNISED = ">=2-D parameter of an unrecognised module"
 EXPERTS = "stacked experts (one matrix per expert)"
+DEPTHWISE = "depthwise conv weight (a 1 x kernel filter per channel)"
 ROUTER = "MoE router/gate"
 
 
@@ -166,7 +171,8 @@ class Selection:
         for n, u in self.use_muon.items():
             if not u or len(self.shapes[n]) < 2:
                 continue
-            split, stacked = self.splits.get(n), len(self.shapes[n]) == 3
+            split = self.splits.get(n)
+            stacked = len(self.shapes[n]) == 3 and not (split is not None and split.conv)
             if split is None and not stacked:
                 continue
             kind = ("stacked, " if stacked else "") + (split.label if split else "one matrix each")
@@ -348,6 +354,16 @@ def find_output_heads(model: nn.Module) -> OutputHeads:
     return heads
 
 
+def _is_depthwise_conv(m: nn.Module) -> bool:
+    """A grouped convolution whose per-group matrix has one row (weight ``(C, 1, *kernel)`` with
+    ``groups == C``, e.g. Mamba's depthwise ``conv1d``): every channel has its own filter and there
+    is no matrix to orthogonalize (Newton–Schulz of one row only normalizes it)."""
+    if not isinstance(m, _CONV_MODULES) or m.groups <= 1:
+        return False
+    rows = m.in_channels if isinstance(m, nn.modules.conv._ConvTransposeNd) else m.out_channels
+    return rows // m.groups == 1
+
+
 def _is_matrix_module(m: nn.Module) -> bool:
     return isinstance(m, _MATRIX_MODULES) or type(m).__name__ in _MATRIX_CLASS_NAMES
 
@@ -423,6 +439,8 @@ def select_muon_params(model: nn.Module,
             choice, reason = False, ROUTER
         elif id(p) in expert_ids:
             choice, reason = True, EXPERTS
+        elif _is_depthwise_conv(owner[id(p)]):
+            choice, reason = False, DEPTHWISE
         elif _is_matrix_module(owner[id(p)]):
             choice, reason = True, HIDDEN_MATRIX
         else:
@@ -670,7 +688,16 @@ def _assign_views(model: nn.Module, sel: "Selection", per_head: bool, splits: di
         declared = _declared_split(name, p, splits, used)
         shape = param_shape(p)
         split = declared
-        if split is None and len(shape) == 3:  # per expert gate_up: (E, 2I, H) next to down (E, H, I)
+        conv = isinstance(module, _CONV_MODULES) and leaf_param == "weight"
+        if conv:  # (out, in/groups, *kernel): one matrix (out, in/groups*prod(kernel)), per group if grouped
+            groups = int(getattr(module, "groups", 1) or 1)
+            if split is not None:
+                split = dataclasses.replace(split, conv=True)
+            elif groups > 1:
+                split = Split(rows=(shape[0] // groups,) * groups, conv=True, label="conv per group")
+            elif len(shape) == 3:
+                split = Split(conv=True, label="conv")
+        elif split is None and len(shape) == 3:  # per expert gate_up: (E, 2I, H) next to down (E, H, I)
             siblings = [param_shape(q) for n, q in module.named_parameters(recurse=False) if n != leaf_param]
             split = _gate_up_split(leaf_param, shape, siblings, sel.notes, name)
         elif split is None and len(shape) == 2 and module_name and _is_matrix_module(module):

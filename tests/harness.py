@@ -87,13 +87,18 @@ def train_engine(engine, steps: int, rank: int, gas: int, micro_batch: int = 2) 
 
 
 def reference_model(init: dict[str, torch.Tensor], tags: dict[str, bool], model_fn: Callable = ParityNet):
-    """A plain model holding ``init`` with the engine's ``use_muon`` tags copied by name."""
+    """A plain model holding ``init`` with the engine's ``use_muon`` tags copied by name, and the
+    matrix views (``ds_muon_split``: conv weights, fused and MoE splits) the engine's default
+    selection gives; an oracle built from the module (``MuonAdamW(model, **params)``) re-tags them
+    with its own config."""
+    from ds_muon.selection import tag_model
     torch.manual_seed(0)
     model = model_fn()
     for name, p in model.named_parameters():
         p.data.copy_(init[name])
         if name in tags:
             p.use_muon = tags[name]
+    tag_model(model, log=False)  # the tags above are explicit and stay; this adds the views
     return model
 
 

@@ -12,11 +12,11 @@ class ParityNet(nn.Module):
     """A tiny LM-shaped model covering every case the parity tests need.
 
     Muon matrices of mixed shapes (11 of them, so the count is not divisible by W = 2, 3, 4):
-    GQA-like q (24x24) / k, v (12x24), o (24x24), kv_proj (24x12), a conv weight (24, 24, 3, 1)
-    seen as (24, 72), up (41x24) / down (24x41) with odd numels, a 3-D stacked-expert parameter
+    GQA-like q (24x24) / k, v (12x24), o (24x24), kv_proj (24x12), an ``nn.Conv1d`` weight (24, 24, 3)
+    seen as one (24, 72) matrix, up (41x24) / down (24x41) with odd numels, a 3-D stacked-expert parameter
     (3, 24, 16) tagged ``use_muon=True``, expert_out (24x16), and ``extra`` (24x24), which gets no
-    gradient when ``use_extra`` is False (``conv=False`` drops the conv: DeepSpeed 0.19.8's
-    built-in Muon fails on 4-D weights, and the comparison in test_comm_accounting needs it to run). AdamW: the embedding (tied to the output head), two
+    gradient when ``use_extra`` is False (``conv=False`` drops the conv: the DeepSpeed 0.19.8
+    built-in Muon comparison in test_comm_accounting runs without it). AdamW: the embedding (tied to the output head), two
     LayerNorms, biases. ``frozen`` does not train.
 
     ``dim``/``vocab`` scale it up (the data still uses the first ``VOCAB`` tokens): :func:`wide_parity_net`
@@ -35,7 +35,7 @@ class ParityNet(nn.Module):
         self.v = nn.Linear(dim, half, bias=True)
         self.o = nn.Linear(dim, dim, bias=False)
         self.kv_proj = nn.Linear(half, dim, bias=False)
-        self.conv = nn.Conv2d(dim, dim, kernel_size=(3, 1), padding=(1, 0)) if conv else None
+        self.conv = nn.Conv1d(dim, dim, kernel_size=3, padding=1) if conv else None
         self.up = nn.Linear(dim, hidden)
         self.down = nn.Linear(hidden, dim)
         self.experts = nn.Parameter(torch.randn(3, dim, expert) * 0.2)
@@ -61,7 +61,7 @@ class ParityNet(nn.Module):
         h = self.norm1(x)
         h = x + self.o(F.silu(self.q(h))) + self.kv_proj(self.k(h) * F.silu(self.v(h)))
         if self.conv is not None:
-            h = h + self.conv(h.transpose(1, 2).unsqueeze(-1)).squeeze(-1).transpose(1, 2)
+            h = h + self.conv(h.transpose(1, 2)).transpose(1, 2)
         h = h + self.down(F.gelu(self.up(h)))
         e = torch.einsum("btd,edf->btef", h, self.experts).mean(2)
         h = h + self.expert_out(F.silu(e))

@@ -402,3 +402,71 @@ def test_fused_and_unfused_twins_train_identically(per_head):
     unsplit = fused_to_unfused(results["fused-unsplit"])
     worst = max((unsplit[k] - v).norm() / v.norm() for k, v in results["unfused"].items() if "qkv" in k or "proj" in k)
     assert worst > 1e-3
+
+
+# ------------------------------------------------------------------------------------------------
+# convolution weights: one matrix (out, in/groups * kernel), also at 3-D; per group; depthwise AdamW
+# ------------------------------------------------------------------------------------------------
+def _whisper():
+    cfg = transformers.WhisperConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                                     decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                                     num_mel_bins=8, vocab_size=100, max_source_positions=16,
+                                     max_target_positions=16, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                     decoder_start_token_id=1)
+    return transformers.WhisperForConditionalGeneration(cfg)
+
+
+def test_conv1d_weight_is_one_matrix_not_a_stack():
+    """Whisper's encoder conv1/conv2 (nn.Conv1d, weights (32, 8, 3) and (32, 32, 3)) are one matrix
+    (out, in*k) each, as a 4-D conv weight is, not 32 stacked (in, k) matrices; the oracle's step on
+    them equals Newton–Schulz of the flattened matrix with that matrix's update scale."""
+    torch.manual_seed(0)
+    model = _whisper()
+    sel = tag_model(model, log=False)
+    params = dict(model.named_parameters())
+    for name, (out, cols) in {"model.encoder.conv1.weight": (32, 24), "model.encoder.conv2.weight": (32, 96)}.items():
+        assert sel.use_muon[name] and sel.splits[name].conv
+        assert sel.view(name).ns_shape == (1, out, cols) and sel.view(name).describe() == f"1 block of {out}x{cols}"
+    w = params["model.encoder.conv1.weight"]
+    opt = MuonAdamW([w], lr=0.1, momentum=0.5, nesterov=False, weight_decay=0.0, ns_dtype="float32")
+    m = torch.zeros(w.shape)
+    for step in range(2):
+        w0 = w.detach().clone()
+        w.grad = torch.randn(w.shape)
+        if step == 1:
+            w.grad[0] = 0  # one output channel without gradient: the matrix still has one, so it all steps
+        m = 0.5 * m + w.grad
+        opt.step()
+        want = w0 - 0.1 * scaled_ns(m.reshape(32, 24)).reshape(w.shape)
+        torch.testing.assert_close(w.detach(), want, rtol=1e-5, atol=1e-6)
+    assert "conv: 2 params -> 2 blocks" in sel.summary()
+
+
+def test_grouped_conv_per_group_and_depthwise_conv_adamw():
+    """A grouped conv is one matrix per group (rows out/groups); a depthwise conv (Mamba's conv1d,
+    one filter row per channel) goes to AdamW with its reason; a declared split keeps the conv view."""
+    cfg = transformers.MambaConfig(vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=1, expand=2,
+                                   conv_kernel=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    mamba = transformers.MambaForCausalLM(cfg)
+    sel = select_muon_params(mamba)
+    name = "backbone.layers.0.mixer.conv1d.weight"
+    assert sel.shapes[name] == (32, 1, 4) and not sel.use_muon[name]
+    assert sel.reasons[name] == selection.DEPTHWISE
+    assert sel.use_muon["backbone.layers.0.mixer.in_proj.weight"]
+
+    net = nn.Sequential(nn.Conv1d(8, 12, 3, groups=2), nn.Conv1d(12, 12, 3))
+    net[1].weight.muon_split = [6, 6]
+    for conv in net:
+        conv.weight.use_muon = True  # no config: the last matrix would be guessed as an output head
+    sel = select_muon_params(net)
+    assert sel.splits["0.weight"] == Split(rows=(6, 6), conv=True, label="conv per group")
+    assert sel.view("0.weight").describe() == "2 blocks of 6x12"
+    assert sel.splits["1.weight"].conv and sel.view("1.weight").describe() == "2 blocks of 6x36"
+    w = net[0].weight
+    setattr(w, SPLIT_ATTR, sel.splits["0.weight"])
+    w0 = w.detach().clone()
+    w.grad = torch.randn(w.shape)
+    MuonAdamW([w], lr=0.1, momentum=0.0, nesterov=False, weight_decay=0.0, ns_dtype="float32").step()
+    g = w.grad.reshape(12, 12)
+    want = torch.cat([scaled_ns(g[:6]), scaled_ns(g[6:])]).reshape(w.shape)
+    torch.testing.assert_close(w.detach(), w0 - 0.1 * want, rtol=1e-5, atol=1e-6)
