@@ -81,7 +81,27 @@ def _universal_folder(path: str, tag: str | None) -> str | None:
     return None
 
 
+#: Other projects' Newton–Schulz, measured on the same momenta where installed (their own precision, bf16;
+#: heavyball's fixed 5 steps with its 5 tuned coefficient triples, run eagerly here; torch.optim.Muon's
+#: quintic with Keller Jordan's coefficients, one matrix at a time).
+PEERS = ("heavyball", "torch.optim.Muon")
+
+
+def _peer(name: str, steps: int):
+    if name == "heavyball":
+        import heavyball.utils as hb
+        if steps != 5:
+            return None  # heavyball's iteration has exactly 5 steps
+        hb.compile_mode = None  # eager: its inductor graph does not build on CPU (torch 2.13)
+        return lambda x: hb.zeropower_via_newtonschulz5(x.bfloat16(), 5)
+    from torch.optim import _muon
+    coeffs = getattr(_muon, "DEFAULT_NS_COEFFICIENTS", (3.4445, -4.775, 2.0315))
+    return lambda x: torch.stack([_muon._zeropower_via_newtonschulz(m, coeffs, steps, 1e-7) for m in x])
+
+
 def _dtype(name: str, method: str) -> torch.dtype:
+    if method in PEERS:
+        return torch.bfloat16
     return resolve_ns_dtype("auto", method, "cuda") if name == "half" else resolve_ns_dtype(name, method, "cpu")
 
 
@@ -91,7 +111,8 @@ def ortho_errors(momenta: dict[str, torch.Tensor], methods=NS_METHODS, steps=(4,
 
     Args:
         momenta: ``{parameter name: tensor}`` of Muon parameters (>= 2-D; viewed with ``ns_view_shape``).
-        methods: ds_muon ``NS_METHODS``. steps: iteration counts. dtypes: ``"half"`` (ds_muon's GPU
+        methods: ds_muon ``NS_METHODS`` or ``PEERS`` (bf16 whatever ``dtypes``; heavyball at 5 steps only).
+            steps: iteration counts. dtypes: ``"half"`` (ds_muon's GPU
             precision per method) or ``NS_DTYPES`` names.
         spread: also the smallest/largest singular value of the output (one float64 SVD per output).
 
@@ -113,9 +134,12 @@ def ortho_errors(momenta: dict[str, torch.Tensor], methods=NS_METHODS, steps=(4,
         polar_norm = torch.linalg.matrix_norm(polar)
         for method in methods:
             for k in steps:
-                for dname in dtypes:
+                peer = _peer(method, k) if method in PEERS else None
+                if method in PEERS and peer is None:
+                    continue
+                for dname in dtypes[:1] if peer else dtypes:
                     dtype = _dtype(dname, method)
-                    o = orthogonalize(x, method, k, dtype).double()
+                    o = (peer(x) if peer else orthogonalize(x, method, k, dtype)).double()
                     err = torch.linalg.matrix_norm(o - polar) / polar_norm
                     sv = torch.linalg.svdvals(o) if spread else None
                     for i in range(b):
@@ -189,7 +213,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="ds_muon ZeRO-3 checkpoint directory (or a universal one)")
     ap.add_argument("--tag", default=None)
-    ap.add_argument("--methods", default=",".join(NS_METHODS))
+    ap.add_argument("--methods", default=",".join(NS_METHODS),
+                    help=f"ds_muon methods {NS_METHODS} and peers {PEERS} (where installed)")
     ap.add_argument("--steps", default="4,5,6")
     ap.add_argument("--dtypes", default="half,float32", help="half (ds_muon's GPU precision: bf16, gram fp16), "
                                                              "bfloat16, float16, float32")
