@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -246,7 +247,7 @@ def ns_microbenchmark(out_path: str, steps: int = 5, shapes=NS_SHAPES, variants=
                            ortho_error=orthogonality_error(out, x),
                            graphs=int(counters["stats"].get("unique_graphs", 0)) - graphs0)
             except Exception as err:  # noqa: BLE001 - one broken variant must not lose the others' rows
-                row["error"] = f"{type(err).__name__}: {err}"[:300]
+                row["error"] = " ".join(f"{type(err).__name__}: {err}".split())[:300]
             result["rows"].append(row)
             print(_ns_row_text(row), flush=True)
             with open(out_path, "w") as f:
@@ -425,11 +426,13 @@ def main() -> None:
             print(NS_TABLE_HEADER, flush=True)
             cmd = [sys.executable, __file__, "--ns-worker", "--out", out, "--ns-shapes", args.ns_shapes,
                    "--ns-variants", args.ns_variants, "--ns-iters", str(args.ns_iters)]
-            proc = subprocess.Popen(cmd + (["--ns-device", args.ns_device] if args.ns_device else []))
+            # its own process group, so a timeout also ends inductor's compile workers (they share stdout)
+            proc = subprocess.Popen(cmd + (["--ns-device", args.ns_device] if args.ns_device else []),
+                                    start_new_session=True)
             try:
                 status = f"exit {proc.wait(timeout=args.ns_timeout)}"
             except subprocess.TimeoutExpired:
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 status = f"stopped after --ns-timeout {args.ns_timeout:g} s"
             if os.path.exists(out):  # also what a run cut short measured
