@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -57,54 +58,63 @@ def ds_config(kind: str, micro_batch: int) -> dict:
     return cfg
 
 
-def matmul_tflops(device) -> float:
-    """Measured dense bf16 matmul rate (TFLOP/s) on 8192^3."""
+def matmul_tflops(device, size: int = 8192, dtype=None) -> float:
+    """Measured dense matmul rate (TFLOP/s) on ``size``^3 in ``dtype`` (default bf16) on ``device``."""
     import torch
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    device = torch.device(device)
+    dtype = torch.bfloat16 if dtype is None else dtype
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
     for _ in range(3):
         a @ b
-    torch.cuda.synchronize()
+    _sync(device)
     t = time.perf_counter()
     n = 20
     for _ in range(n):
         a @ b
-    torch.cuda.synchronize()
-    return 2 * 8192**3 * n / (time.perf_counter() - t) / 1e12
+    _sync(device)
+    return 2 * size**3 * n / (time.perf_counter() - t) / 1e12
+
+
+def _sync(device) -> None:
+    import torch
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 NS_SHAPES = ((16, 2048, 2048), (16, 5440, 2048), (16, 2048, 5440))  # (batch, rows, cols) of the 934M model
+#: What ``--ns-micro`` times by default, in this order (the GPU run's priorities first). ``method[opts]``
+#: is ds_muon's ``orthogonalize(method)`` with ``opts`` (see ``ns_variant``); other names are peers.
+NS_VARIANTS = ("standard", "heavyball", "torch.optim.Muon", "standard[autotune]", "standard[autotune,dynamic]",
+               "standard[fused,autotune]", "polar_express[autotune]", "gram[autotune]", "standard[fused]",
+               "standard[static]")
+PEERS = ("heavyball", "torch.optim.Muon")
+AUTOTUNE = "max-autotune-no-cudagraphs"  # heavyball's torch.compile mode for its Newton-Schulz
 
 
-def _peer_kernels(steps: int) -> dict:
-    """Other projects' Newton–Schulz on a ``(b, m, n)`` batch, where installed: torch.optim.Muon's own
-    iteration (eager, as torch.optim.Muon runs it) and heavyball's (compiled by heavyball itself)."""
+def _peer_kernel(name: str, steps: int):
+    """Another project's Newton–Schulz on a ``(b, m, n)`` batch: torch.optim.Muon's own iteration
+    (eager, one matrix at a time, as torch.optim.Muon runs it) or heavyball's (compiled by heavyball
+    itself: ``max-autotune-no-cudagraphs``, static shapes). Raises ImportError if not installed."""
     import torch
-    peers = {}
-    try:
+    if name == "torch.optim.Muon":
         from torch.optim import _muon
         coeffs = getattr(_muon, "DEFAULT_NS_COEFFICIENTS", (3.4445, -4.775, 2.0315))
         fn = _muon._zeropower_via_newtonschulz
-        peers["torch.optim.Muon"] = lambda x: torch.stack([fn(m, coeffs, steps, 1e-7) for m in x])
-    except (ImportError, AttributeError) as err:
-        print(f"torch.optim.Muon's Newton-Schulz not available: {err}", file=sys.stderr)
-    try:
+        return lambda x: torch.stack([fn(m, coeffs, steps, 1e-7) for m in x])
+    if name == "heavyball":
         from heavyball.utils import zeropower_via_newtonschulz5
-        peers["heavyball"] = lambda x: zeropower_via_newtonschulz5(x, steps)
-    except ImportError as err:
-        print(f"heavyball not available: {err}", file=sys.stderr)
-    return peers
+        return lambda x: zeropower_via_newtonschulz5(x, steps)
+    raise ValueError(f"unknown peer {name!r}; peers: {PEERS}")
 
 
-def _quintic_forms() -> dict:
-    """Other ways to write ds_muon's standard quintic (same normalization and orientation as
-    ``orthogonalize``, compiled the same way), for the microbenchmark: ``baddbmm`` is ds_muon's form
-    before 2026-12-01 (``X <- baddbmm(X, baddbmm(A, A, A), X)``: the sums in the matmuls' fp32
-    epilogues), ``hybrid`` computes ``bA + cA^2`` in one baddbmm on the small side and the long-side
-    product as a plain matmul (half the bf16 deviation of the plain form, tests/test_newton_schulz.py).
-    ds_muon itself runs the plain form (``standard`` rows)."""
-    import functools
-
+def _quintic_form(form: str):
+    """Rejected ways to write ds_muon's standard quintic (same normalization and orientation as
+    ``orthogonalize``), kept for the microbenchmark: ``baddbmm`` is ds_muon's form before 2026-12-01
+    (``X <- baddbmm(X, baddbmm(A, A, A), X)``: the sums in the matmuls' fp32 epilogues), ``hybrid``
+    computes ``bA + cA^2`` in one baddbmm on the small side and the long-side product as a plain
+    matmul (half the bf16 deviation of the plain form, tests/test_newton_schulz.py). Returns
+    ``run(x, dtype, steps)``."""
     import torch
     from ds_muon.newton_schulz import QUINTIC_COEFFS, _normalize
 
@@ -118,16 +128,65 @@ def _quintic_forms() -> dict:
         B.diagonal(dim1=-2, dim2=-1).add_(a)
         return torch.bmm(B, X)
 
-    def run(x, step, steps=5):
-        X = _normalize(x, 1.0).to(torch.bfloat16)
+    step = {"baddbmm": baddbmm, "hybrid": hybrid}[form]
+
+    def run(x, dtype, steps):
+        X = _normalize(x, 1.0).to(dtype)
         tall = X.shape[-2] > X.shape[-1]
         X = X.mT if tall else X
         for _ in range(steps):
             X = step(X, *QUINTIC_COEFFS)
         return X.mT if tall else X
 
-    return {f"standard[{name}]": torch.compile(functools.partial(run, step=fn), dynamic=True)
-            for name, fn in (("baddbmm", baddbmm), ("hybrid", hybrid))}
+    return run
+
+
+_OPTS = ("eager", "static", "dynamic", "autotune", "fused", "plain", "baddbmm", "hybrid")
+
+
+def ns_variant(name: str, steps: int, device, backend: str = "inductor"):
+    """``(fn, flops_method, dtype)`` for a microbenchmark variant ``name``.
+
+    ``name`` is a peer (``PEERS``) or ``method[opt,...]`` with ``method`` in ds_muon's ``NS_METHODS``
+    and options: ``eager`` (not compiled), ``static`` (``dynamic=False``), ``dynamic``
+    (``dynamic=True``), ``autotune`` (``mode="max-autotune-no-cudagraphs"``, static unless
+    ``dynamic``), ``fused``/``plain`` (``QUINTIC_FORMS``), ``baddbmm``/``hybrid`` (rejected forms of
+    the standard quintic, ``_quintic_form``). No options: ``compiled_orthogonalize(method)`` as ds_muon
+    runs it (``COMPILE_MODE``, ``COMPILE_DYNAMIC``, ``QUINTIC_FORM``). Compute dtype: bf16 (gram:
+    fp16, as ``resolve_ns_dtype``'s ``auto``); float32 on CPU. ``backend`` other than inductor
+    (tests: ``"eager"``) drops ``autotune``."""
+    import functools
+
+    import torch
+    from ds_muon.newton_schulz import NS_METHODS, compiled_orthogonalize, orthogonalize, resolve_ns_dtype
+    if name in PEERS:
+        return _peer_kernel(name, steps), "standard", torch.bfloat16
+    method, _, rest = name.partition("[")
+    opts = [o.strip() for o in rest.rstrip("]").split(",") if o.strip()] if rest else []
+    if method not in NS_METHODS or not rest.endswith("]") and rest or any(o not in _OPTS for o in opts):
+        raise ValueError(f"bad Newton-Schulz variant {name!r}: a peer {PEERS} or method[opt,...] with method in "
+                         f"{NS_METHODS} and opts in {_OPTS}")
+    dtype = resolve_ns_dtype("auto", method, "cuda") if torch.device(device).type != "cpu" else torch.float32
+    forms = [o for o in opts if o in ("fused", "plain", "baddbmm", "hybrid")]
+    form = forms[0] if forms else None
+    if "eager" in opts:
+        if form in ("baddbmm", "hybrid"):
+            return functools.partial(_quintic_form(form), dtype=dtype, steps=steps), method, dtype
+        return functools.partial(orthogonalize, method=method, steps=steps, dtype=dtype, form=form), method, dtype
+    kw = {}
+    if "autotune" in opts and backend == "inductor":
+        kw["mode"] = AUTOTUNE
+    if "dynamic" in opts:
+        kw["dynamic"] = True
+    elif "static" in opts or "autotune" in opts:
+        kw["dynamic"] = False
+    if form in ("baddbmm", "hybrid"):
+        if method != "standard":
+            raise ValueError(f"bad Newton-Schulz variant {name!r}: {form} is a form of the standard quintic")
+        fn = torch.compile(functools.partial(_quintic_form(form), dtype=dtype, steps=steps), backend=backend,
+                           dynamic=kw.get("dynamic", True), mode=kw.get("mode"))
+        return fn, method, dtype
+    return compiled_orthogonalize(method, steps, dtype, backend, form=form, **kw), method, dtype
 
 
 def orthogonality_error(out, x) -> float:
@@ -138,48 +197,74 @@ def orthogonality_error(out, x) -> float:
     return float(torch.linalg.matrix_norm(out[0].float() - polar) / torch.linalg.matrix_norm(polar))
 
 
-def ns_microbenchmark(out_path: str, steps: int = 5) -> None:
-    """Achieved TFLOP/s of Newton–Schulz (bf16, batched) per shape and method, eager and compiled, and
-    of the peers' kernels (``_peer_kernels``) on the same inputs, against the bf16 matmul rate measured
-    in the same process, with each output's orthogonality error; one GPU. The input is a captured-like
-    momentum: a random matrix with a decaying spectrum (singular values 1/(1+i)), bf16."""
+def ns_microbenchmark(out_path: str, steps: int = 5, shapes=NS_SHAPES, variants=NS_VARIANTS, device=None,
+                      iters: int = 10, backend: str = "inductor") -> dict:
+    """Achieved TFLOP/s of Newton–Schulz (batched) per shape and variant (``ns_variant``: ds_muon's
+    kernels compiled several ways, and the peers' kernels), against the dense matmul rate measured in
+    the same process, with each output's orthogonality error, the first call's seconds (compile and
+    autotune) and the torch.compile graphs it added; one device. The input is a captured-like
+    momentum: a random matrix with a decaying spectrum (singular values 1/(1+i)), bf16. Rows go to
+    stdout and ``out_path`` (JSON) as they are measured, so a run cut short keeps what it measured.
+    A variant that fails (e.g. a peer not installed) is reported as a row with ``error``."""
     import torch
+    from torch._dynamo.utils import counters
     sys.path.insert(0, REPO)
-    from ds_muon.newton_schulz import compiled_orthogonalize, ns_flops, orthogonalize
-    device = torch.device("cuda", 0)
-    rate = matmul_tflops(device)
-    rows = []
+    from ds_muon.newton_schulz import ns_flops
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cpu = device.type == "cpu"
+    rate = matmul_tflops(device, 256 if cpu else 8192, torch.float32 if cpu else torch.bfloat16)
+    result = {"matmul_tflops": rate, "device": str(device), "torch": torch.__version__, "rows": []}
+    print(f"dense matmul rate {rate:.3g} TFLOP/s on {device}", flush=True)
     gen = torch.Generator(device=device).manual_seed(0)
-    for b, m, n in NS_SHAPES:
+    inputs = {}
+    for b, m, n in shapes:
         k = min(m, n)
         u = torch.linalg.qr(torch.randn(b, m, k, device=device, generator=gen)).Q
         v = torch.linalg.qr(torch.randn(b, n, k, device=device, generator=gen)).Q
         s = 1.0 / (1.0 + torch.arange(k, device=device, dtype=torch.float32))
-        x = ((u * s) @ v.mT).to(torch.bfloat16)
-        candidates = []
-        for method in ("standard", "gram", "polar_express"):
-            dtype = torch.float16 if method == "gram" else torch.bfloat16
-            candidates.append((method, "eager", lambda t, md=method, dt=dtype: orthogonalize(t, md, steps, dt),
-                               ns_flops(m, n, steps, method, batch=b)))
-            candidates.append((method, "compiled", compiled_orthogonalize(method, steps, dtype),
-                               ns_flops(m, n, steps, method, batch=b)))
-        for form, fn in _quintic_forms().items():
-            candidates.append((form, "compiled", fn, ns_flops(m, n, steps, "standard", batch=b)))
-        for peer, fn in _peer_kernels(steps).items():
-            candidates.append((peer, "peer", fn, ns_flops(m, n, steps, "standard", batch=b)))
-        for method, label, fn, flops in candidates:
-            for _ in range(3):
+        inputs[b, m, n] = ((u * s) @ v.mT).to(torch.bfloat16)
+    # variants outer, shapes inner: a run cut short (--ns-timeout) keeps the first variants on every shape
+    for name in variants:
+        for (b, m, n), x in inputs.items():
+            row = dict(method=name, shape=[b, m, n])
+            try:
+                graphs0 = int(counters["stats"].get("unique_graphs", 0))
+                fn, flops_method, _ = ns_variant(name, steps, device, backend)
+                flops = ns_flops(m, n, steps, flops_method, batch=b)
+                t0 = time.perf_counter()
                 out = fn(x)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(10):
-                fn(x)
-            torch.cuda.synchronize()
-            sec = (time.perf_counter() - t0) / 10
-            rows.append(dict(method=method, shape=[b, m, n], mode=label, seconds=sec, tflops=flops / sec / 1e12,
-                             fraction_of_matmul=flops / sec / 1e12 / rate, ortho_error=orthogonality_error(out, x)))
-    with open(out_path, "w") as f:
-        json.dump({"matmul_tflops": rate, "rows": rows}, f)
+                _sync(device)
+                row["first_call_s"] = time.perf_counter() - t0
+                for _ in range(2):
+                    out = fn(x)
+                _sync(device)
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    fn(x)
+                _sync(device)
+                sec = (time.perf_counter() - t0) / iters
+                row.update(seconds=sec, tflops=flops / sec / 1e12, fraction_of_matmul=flops / sec / 1e12 / rate,
+                           ortho_error=orthogonality_error(out, x),
+                           graphs=int(counters["stats"].get("unique_graphs", 0)) - graphs0)
+            except Exception as err:  # noqa: BLE001 - one broken variant must not lose the others' rows
+                row["error"] = " ".join(f"{type(err).__name__}: {err}".split())[:300]
+            result["rows"].append(row)
+            print(_ns_row_text(row), flush=True)
+            with open(out_path, "w") as f:
+                json.dump(result, f)
+    return result
+
+
+def _ns_row_text(r: dict) -> str:
+    shape = "x".join(map(str, r["shape"]))
+    if "error" in r:
+        return f"| {r['method']} | {shape} | failed: {r['error']} | | | | | |"
+    return (f"| {r['method']} | {shape} | {r['seconds'] * 1e3:.2f} | {r['tflops']:.3g} | {r['fraction_of_matmul']:.0%} | "
+            f"{r['ortho_error']:.3f} | {r['first_call_s']:.1f} | {r['graphs']} |")
+
+
+NS_TABLE_HEADER = ("| variant | shape | ms | TFLOP/s | of matmul rate | orthogonality error | first call s | graphs |\n"
+                   "|---|---|---|---|---|---|---|---|")
 
 
 def profile_steps(engine, vocab: int, args, g, device, steps: int = 3) -> str:
@@ -300,12 +385,26 @@ def main() -> None:
                     help="also profile 3 ds_muon steps with torch.profiler and print the summary table")
     ap.add_argument("--ns-micro", action=argparse.BooleanOptionalAction, default=True,
                     help="also run the Newton-Schulz microbenchmark (one GPU)")
+    ap.add_argument("--ns-shapes", default=",".join("x".join(map(str, s)) for s in NS_SHAPES),
+                    help="Newton-Schulz microbenchmark shapes BxMxN, comma-separated (CPU smoke test: 2x64x64,...)")
+    ap.add_argument("--ns-variants", default=",".join(NS_VARIANTS),
+                    help="what the microbenchmark times, in order: peers (heavyball, torch.optim.Muon) and "
+                         "ds_muon's method[opt,...] with opts eager/static/dynamic/autotune/fused/plain/baddbmm/hybrid "
+                         "(see ns_variant); variant names contain commas inside [], so separate them with ';' "
+                         "when any has more than one option")
+    ap.add_argument("--ns-iters", type=int, default=10, help="timed calls per variant and shape (after 3 untimed)")
+    ap.add_argument("--ns-device", default=None, help="device of the microbenchmark (default: cuda if available)")
+    ap.add_argument("--ns-timeout", type=float, default=None,
+                    help="stop the microbenchmark after this many seconds and report the rows measured so far")
     ap.add_argument("--ns-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    ns_args = dict(shapes=parse_shapes(args.ns_shapes), variants=split_variants(args.ns_variants),
+                   device=args.ns_device, iters=args.ns_iters)
     if args.ns_worker:
-        return ns_microbenchmark(args.out)
+        ns_microbenchmark(args.out, **ns_args)
+        return
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -324,24 +423,75 @@ def main() -> None:
                 results[opt] = {"error": f"exit {proc.returncode}"}
         if args.ns_micro:
             out = os.path.join(tmp, "ns.json")
-            proc = subprocess.run([sys.executable, __file__, "--ns-worker", "--out", out])
-            if proc.returncode == 0:
+            print(NS_TABLE_HEADER, flush=True)
+            cmd = [sys.executable, __file__, "--ns-worker", "--out", out, "--ns-shapes", args.ns_shapes,
+                   "--ns-variants", args.ns_variants, "--ns-iters", str(args.ns_iters)]
+            # its own process group, so a timeout also ends inductor's compile workers (they share stdout)
+            proc = subprocess.Popen(cmd + (["--ns-device", args.ns_device] if args.ns_device else []),
+                                    start_new_session=True)
+            try:
+                status = f"exit {proc.wait(timeout=args.ns_timeout)}"
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                status = f"stopped after --ns-timeout {args.ns_timeout:g} s"
+            if os.path.exists(out):  # also what a run cut short measured
                 with open(out) as f:
                     results["ns_micro"] = json.load(f)
+                if status != "exit 0":
+                    results["ns_micro"]["error"] = status
     print_table({k: v for k, v in results.items() if k != "ns_micro"})
     if results.get("ds_muon", {}).get("profile"):
         print("\ntorch.profiler, 3 ds_muon steps, rank 0:\n" + results["ds_muon"]["profile"])
     if "ns_micro" in results:
-        ns = results["ns_micro"]
-        print(f"\nNewton-Schulz, 5 steps, bf16 (gram: fp16); bf16 matmul rate {ns['matmul_tflops']:.0f} TFLOP/s")
-        print("| method | shape | mode | ms | TFLOP/s | of matmul rate | orthogonality error |")
-        print("|---|---|---|---|---|---|---|")
-        for r in ns["rows"]:
-            print(f"| {r['method']} | {'x'.join(map(str, r['shape']))} | {r['mode']} | {r['seconds'] * 1e3:.2f} | "
-                  f"{r['tflops']:.0f} | {r['fraction_of_matmul']:.0%} | {r.get('ortho_error', float('nan')):.3f} |")
+        print_ns_table(results["ns_micro"])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
+
+
+def parse_shapes(text: str) -> tuple[tuple[int, int, int], ...]:
+    """``"16x2048x2048,2x64x96"`` -> ``((16, 2048, 2048), (2, 64, 96))``; ValueError names a bad entry."""
+    shapes = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        dims = item.lower().split("x")
+        if len(dims) != 3 or not all(d.isdigit() and int(d) > 0 for d in dims):
+            raise ValueError(f"--ns-shapes: {item!r} is not BxMxN with positive ints (e.g. 16x2048x5440)")
+        shapes.append(tuple(int(d) for d in dims))
+    return tuple(shapes)
+
+
+def split_variants(text: str) -> tuple[str, ...]:
+    """Split ``--ns-variants`` at ``;`` or at commas outside ``[...]``."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == ";" or (ch == "," and depth == 0):
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    out.append(cur.strip())
+    return tuple(v for v in out if v)
+
+
+def print_ns_table(ns: dict) -> None:
+    """The microbenchmark's rows as a markdown table, each variant against heavyball's and
+    torch.optim.Muon's time on the same shape."""
+    print(f"\nNewton-Schulz, 5 steps, bf16 (gram: fp16; CPU: fp32); dense matmul rate {ns['matmul_tflops']:.3g} "
+          f"TFLOP/s on {ns.get('device')}, torch {ns.get('torch')}")
+    print(NS_TABLE_HEADER.replace("| graphs |", "| graphs | time / heavyball | time / torch.optim.Muon |")
+          .replace("|---|---|---|---|---|---|---|---|", "|---|---|---|---|---|---|---|---|---|---|"))
+    peers = {(r["method"], tuple(r["shape"])): r["seconds"] for r in ns["rows"] if "error" not in r}
+    for r in ns["rows"]:
+        ratios = ""
+        for peer in PEERS:
+            p = peers.get((peer, tuple(r["shape"])))
+            ratios += f" {r['seconds'] / p:.3f} |" if p and "error" not in r else " |"
+        print(_ns_row_text(r) + ratios)
+    if ns.get("error"):
+        print(f"(microbenchmark cut short: {ns['error']})")
 
 
 def print_table(results: dict) -> None:

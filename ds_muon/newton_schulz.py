@@ -26,6 +26,7 @@ Singular-value bands after 5 steps (float64 scalar map, checked on matrices in
 from __future__ import annotations
 
 import functools
+from fractions import Fraction
 
 import torch
 
@@ -42,10 +43,39 @@ __all__ = [
     "polar_express_coeffs",
     "gram_restart_points",
     "ns_flops",
+    "ns_kernel",
+    "ns_seconds",
+    "NS_EFFICIENCY",
+    "QUINTIC_FORMS",
+    "QUINTIC_FORM",
+    "COMPILE_MODE",
+    "COMPILE_DYNAMIC",
 ]
 
 NS_METHODS: tuple[str, ...] = ("standard", "gram", "polar_express")
 NS_DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float16", "float32")
+
+#: How one quintic iteration ``X <- (a I + b A + c A^2) X`` (``A = X X^T``) is written; the same
+#: polynomial and the same 3 matmuls of ``ns_flops`` either way (``_quintic_iterations``):
+#:
+#: * ``"plain"``: ``B = c A + b I``; ``P = B A + a I``; ``X <- P X``. Element-wise work on the
+#:   ``(m, m)`` side between the matmuls (one pass for ``B``, the ``+ a I`` on the diagonal).
+#: * ``"fused"``: ``P = c (A A) + b A + a I`` as one element-wise expression over the product ``A A``
+#:   (the identity as ``torch.eye``, not an in-place diagonal add), then ``X <- P X``. Under
+#:   ``torch.compile(mode="max-autotune...")`` inductor can then fold the whole expression into the
+#:   epilogue of the ``A A`` matmul template (no separate pass over ``(m, m)``), and in half precision
+#:   the compiled form rounds ``P`` once instead of ``B`` and ``P``.
+QUINTIC_FORMS: tuple[str, ...] = ("plain", "fused")
+#: The form ``orthogonalize`` uses when none is given. To be chosen by the GPU microbenchmark
+#: (``python benchmarks/step_time.py --optimizers '' --ns-micro``, docs/benchmarks.md).
+QUINTIC_FORM: str = "plain"
+#: ``torch.compile`` ``mode`` and ``dynamic`` of ``compiled_orthogonalize`` when none is given (the
+#: owner step's Newton–Schulz). ``None``/``True``: inductor's default mode, dynamic shapes (few graphs
+#: per model, cuBLAS matmuls). heavyball compiles its Newton–Schulz with ``"max-autotune-no-cudagraphs"``
+#: and static shapes (inductor benchmarks Triton matmul templates against cuBLAS per shape and can fuse
+#: the element-wise work into the matmuls' epilogues); the microbenchmark times both.
+COMPILE_MODE: str | None = None
+COMPILE_DYNAMIC: bool | None = True
 
 #: Keller Jordan's quintic, https://kellerjordan.github.io/posts/muon/
 QUINTIC_COEFFS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
@@ -144,25 +174,39 @@ def resolve_ns_dtype(ns_dtype: str, method: str, device: torch.device | str) -> 
 # ----------------------------------------------------------------------------------------------
 # kernels: expect the normalized matrix (spectral norm <= 1), best in wide orientation (m <= n)
 # ----------------------------------------------------------------------------------------------
-def _quintic_iterations(x: torch.Tensor, coeffs: list[tuple[float, float, float]]) -> torch.Tensor:
-    # X <- (a I + b A + c A^2) X = ((c A + b I) A + a I) X with A = X X^T: 3 plain matmuls per
-    # iteration, the scalars on the small (m, m) side. Measured on H200 (bf16, docs/benchmarks.md):
-    # 80% of the matmul rate against 67-73% for the same polynomial as baddbmm with alpha/beta
-    # epilogues (X <- baddbmm(X, baddbmm(A, A, A), X)), at the same orthogonality error. In half
-    # precision it rounds the (m, m) polynomial matrix before it multiplies X (tests/test_newton_schulz.py,
-    # "half precision"); in fp32 it is as exact as the baddbmm form.
+def _check_form(form: str | None) -> str:
+    form = QUINTIC_FORM if form is None else form
+    if form not in QUINTIC_FORMS:
+        raise ValueError(f"quintic form must be one of {QUINTIC_FORMS}, got {form!r}")
+    return form
+
+
+def _quintic_iterations(x: torch.Tensor, coeffs: list[tuple[float, float, float]],
+                        form: str | None = None) -> torch.Tensor:
+    # X <- (a I + b A + c A^2) X with A = X X^T: 3 matmuls per iteration, the scalars on the small
+    # (m, m) side, in one of the QUINTIC_FORMS (see there). "plain", measured on H200 (bf16,
+    # docs/benchmarks.md): 80% of the matmul rate eager against 67-73% for the same polynomial as
+    # baddbmm with alpha/beta epilogues (X <- baddbmm(X, baddbmm(A, A, A), X)), at the same
+    # orthogonality error. In half precision "plain" rounds the (m, m) polynomial matrix before it
+    # multiplies X (tests/test_newton_schulz.py, "half precision"); in fp32 every form is as exact
+    # as the baddbmm form.
+    form = _check_form(form)
     X = _as_batch(x)
+    eye = torch.eye(X.shape[-2], dtype=X.dtype, device=X.device) if form == "fused" else None
     for a, b, c in coeffs:
         A = torch.bmm(X, X.mT)
-        B = A * c
-        B.diagonal(dim1=-2, dim2=-1).add_(b)
-        B = torch.bmm(B, A)
-        B.diagonal(dim1=-2, dim2=-1).add_(a)
-        X = torch.bmm(B, X)
+        if form == "fused":
+            P = torch.bmm(A, A) * c + A * b + eye * a
+        else:
+            P = A * c
+            P.diagonal(dim1=-2, dim2=-1).add_(b)
+            P = torch.bmm(P, A)
+            P.diagonal(dim1=-2, dim2=-1).add_(a)
+        X = torch.bmm(P, X)
     return X.reshape(x.shape)
 
 
-def newton_schulz_quintic(x: torch.Tensor, steps: int) -> torch.Tensor:
+def newton_schulz_quintic(x: torch.Tensor, steps: int, form: str | None = None) -> torch.Tensor:
     """Keller Jordan's quintic Newton–Schulz iteration (the Muon default).
 
     ``steps`` times ``X <- a X + b (X X^T) X + c (X X^T)^2 X`` with
@@ -175,15 +219,17 @@ def newton_schulz_quintic(x: torch.Tensor, steps: int) -> torch.Tensor:
             its spectral norm is <= 1 (``orthogonalize`` divides by the Frobenius norm). Wide
             orientation (``m <= n``) is cheapest; a tall matrix gives the same result at more cost.
         steps: number of iterations, >= 1.
+        form: one of ``QUINTIC_FORMS`` (default ``QUINTIC_FORM``): how the iteration is written,
+            the same polynomial either way.
 
     Returns:
         ``(..., m, n)`` in ``x.dtype``.
 
     Raises:
-        ValueError: ``steps`` is not an int >= 1.
+        ValueError: ``steps`` is not an int >= 1, or ``form`` not in ``QUINTIC_FORMS``.
     """
     _check_steps(steps)
-    return _quintic_iterations(x, [QUINTIC_COEFFS] * steps)
+    return _quintic_iterations(x, [QUINTIC_COEFFS] * steps, form)
 
 
 def polar_express_coeffs(steps: int) -> list[tuple[float, float, float]]:
@@ -200,7 +246,7 @@ def polar_express_coeffs(steps: int) -> list[tuple[float, float, float]]:
     return table[:steps] + [table[-1]] * max(0, steps - len(table))
 
 
-def polar_express(x: torch.Tensor, steps: int) -> torch.Tensor:
+def polar_express(x: torch.Tensor, steps: int, form: str | None = None) -> torch.Tensor:
     """Polar Express (Amsel, Persson, Musco, Gower, arXiv:2505.16932, degree 5).
 
     Like ``newton_schulz_quintic`` but iteration ``t`` uses its own minimax-optimal quintic
@@ -213,14 +259,15 @@ def polar_express(x: torch.Tensor, steps: int) -> torch.Tensor:
             prescribes: ``X / (1.01 * ||X||_F)`` (``orthogonalize`` does this). Wide
             orientation (``m <= n``) is cheapest.
         steps: number of iterations, >= 1.
+        form: one of ``QUINTIC_FORMS`` (default ``QUINTIC_FORM``), as in ``newton_schulz_quintic``.
 
     Returns:
         ``(..., m, n)`` in ``x.dtype``.
 
     Raises:
-        ValueError: ``steps`` is not an int >= 1.
+        ValueError: ``steps`` is not an int >= 1, or ``form`` not in ``QUINTIC_FORMS``.
     """
-    return _quintic_iterations(x, polar_express_coeffs(steps))
+    return _quintic_iterations(x, polar_express_coeffs(steps), form)
 
 
 def gram_restart_points(steps: int) -> tuple[int, ...]:
@@ -315,8 +362,78 @@ def _gram_flops(s: int, l: int, steps: int) -> int:
     return long_side + small
 
 
-def _use_gram(s: int, l: int, steps: int) -> bool:
-    return _gram_flops(s, l, steps) < _standard_flops(s, l, steps)
+#: Measured fraction of the bf16 matmul rate each Newton–Schulz kernel reaches, compiled as
+#: ``compiled_orthogonalize`` compiles it, counting the FLOPs of ``ns_flops``: the cost model's
+#: parameters. From the 1xH200 microbenchmark of 2026-12-01 (docs/benchmarks.md, "Performance II":
+#: torch 2.11, inductor default mode, dynamic shapes; 16x5440x2048 and 16x2048x5440): the standard
+#: quintic (plain form) 75% and 74%, Gram Newton–Schulz (fp16) 75% and 74%. Polar Express runs the
+#: standard kernel. Re-measure with ``python benchmarks/step_time.py --optimizers '' --ns-micro``
+#: when ``COMPILE_MODE``/``QUINTIC_FORM`` change.
+NS_EFFICIENCY: dict[str, float] = {"standard": 0.745, "gram": 0.745}
+
+
+def _gram_pays(s: int, l: int, steps: int) -> bool:
+    # gram_time < standard_time with time = FLOPs / (efficiency * rate); integer arithmetic (the
+    # efficiencies as a ratio of ints), so under torch.compile's dynamic shapes the choice is an
+    # integer guard on the symbolic sizes.
+    ratio = Fraction(NS_EFFICIENCY["standard"] / NS_EFFICIENCY["gram"]).limit_denominator(1000)
+    return _gram_flops(s, l, steps) * ratio.numerator < _standard_flops(s, l, steps) * ratio.denominator
+
+
+def ns_kernel(m: int, n: int, steps: int, method: str = "standard") -> str:
+    """The kernel ``orthogonalize(x, method, steps)`` runs on an ``(..., m, n)`` input: the per-shape
+    choice of the cost model.
+
+    ``"polar_express"`` and ``"standard"`` run themselves. ``"gram"`` runs ``gram_newton_schulz``
+    where its predicted time is below the standard kernel's, else the standard quintic (the same
+    polynomial either way): predicted time = ``ns_flops`` of the kernel / (``NS_EFFICIENCY`` of the
+    kernel x matmul rate), the efficiencies measured on one H200. With equal efficiencies that is
+    ``max(m, n) > 1.5 min(m, n)`` at 5 steps (``8 s^2 l + 28 s^3 < 20 s^2 l + 10 s^3``).
+
+    Args:
+        m, n: matrix shape, >= 1. steps: >= 1. method: one of ``NS_METHODS``.
+
+    Returns:
+        ``"standard"``, ``"gram"`` or ``"polar_express"``.
+
+    Raises:
+        ValueError: bad ``method`` (names the allowed values), ``steps``, ``m`` or ``n``.
+    """
+    _check_method(method)
+    _check_steps(steps)
+    _check_dims(m=m, n=n)
+    if method == "gram" and not _gram_pays(min(m, n), max(m, n), steps):
+        return "standard"
+    return method
+
+
+def ns_seconds(m: int, n: int, steps: int, method: str = "standard", batch: int = 1,
+               matmul_tflops: float = 1.0) -> float:
+    """Predicted seconds of one ``orthogonalize(x, method, steps)`` call on a ``(batch, m, n)`` input:
+    ``ns_flops / (NS_EFFICIENCY[ns_kernel(...)] * matmul_tflops * 1e12)``.
+
+    Args:
+        m, n, steps, method, batch: as ``ns_flops``. matmul_tflops: the device's measured dense
+            matmul rate in TFLOP/s (> 0; ``benchmarks/step_time.py`` measures it on 8192^3 bf16).
+
+    Returns:
+        A ``float`` (seconds).
+
+    Raises:
+        ValueError: as ``ns_flops``, or ``matmul_tflops`` not > 0.
+    """
+    if not matmul_tflops > 0:
+        raise ValueError(f"matmul_tflops must be > 0, got {matmul_tflops!r}")
+    kernel = ns_kernel(m, n, steps, method)
+    return ns_flops(m, n, steps, method, batch) / (NS_EFFICIENCY["gram" if kernel == "gram" else "standard"]
+                                                    * matmul_tflops * 1e12)
+
+
+def _check_dims(**dims: int) -> None:
+    for name, v in dims.items():
+        lo = 0 if name == "batch" else 1
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
 
 
 def ns_flops(m: int, n: int, steps: int, method: str = "standard", batch: int = 1) -> int:
@@ -329,9 +446,9 @@ def ns_flops(m: int, n: int, steps: int, method: str = "standard", batch: int = 
     * gram: what ``gram_newton_schulz`` does: ``4 s^2 l`` (first Gram product and final ``Q X``)
       ``+ 4 s^2 l`` per restart, plus per iteration ``2 s^3`` (``R^2``), ``2 s^3`` (``Q P``, not
       right after a (re)start) and ``4 s^3`` (``P R P``, not before a restart or at the end).
-      For 5 steps: ``8 s^2 l + 28 s^3``. Where that is not below the standard count
-      (``l <= 1.5 s`` at 5 steps), ``orthogonalize`` runs the standard kernel and this returns
-      the standard count.
+      For 5 steps: ``8 s^2 l + 28 s^3``. Where the cost model (``ns_kernel``) picks the standard
+      kernel instead (``l <= 1.5 s`` at 5 steps with the measured efficiencies),
+      ``orthogonalize`` runs it and this returns the standard count.
 
     Used by the owner-balancing plan and the benchmarks.
 
@@ -346,11 +463,9 @@ def ns_flops(m: int, n: int, steps: int, method: str = "standard", batch: int = 
     """
     _check_method(method)
     _check_steps(steps)
-    for name, v, lo in (("m", m, 1), ("n", n, 1), ("batch", batch, 0)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+    _check_dims(m=m, n=n, batch=batch)
     s, l = min(m, n), max(m, n)
-    if method == "gram" and _use_gram(s, l, steps):
+    if ns_kernel(m, n, steps, method) == "gram":
         return batch * _gram_flops(s, l, steps)
     return batch * _standard_flops(s, l, steps)
 
@@ -359,7 +474,8 @@ def ns_flops(m: int, n: int, steps: int, method: str = "standard", batch: int = 
 # entry point
 # ----------------------------------------------------------------------------------------------
 def orthogonalize(
-    x: torch.Tensor, method: str = "standard", steps: int = 5, dtype: torch.dtype | None = None
+    x: torch.Tensor, method: str = "standard", steps: int = 5, dtype: torch.dtype | None = None,
+    form: str | None = None,
 ) -> torch.Tensor:
     """Approximate polar factor ``U V^T`` of every matrix in ``x`` (``x = U S V^T``, reduced SVD).
 
@@ -371,9 +487,10 @@ def orthogonalize(
     ``m > n``; run the kernel; transpose back. Methods:
 
     * ``"standard"``: ``newton_schulz_quintic`` (https://kellerjordan.github.io/posts/muon/).
-    * ``"gram"``: ``gram_newton_schulz`` (https://tridao.me/blog/2026/gram-newton-schulz/) when it
-      needs fewer matmul FLOPs than the standard kernel (``max(m,n) > 1.5 min(m,n)`` at 5 steps),
-      else the standard kernel: the same polynomial either way. ``ns_flops`` counts the same choice.
+    * ``"gram"``: ``gram_newton_schulz`` (https://tridao.me/blog/2026/gram-newton-schulz/) where the
+      cost model predicts it faster than the standard kernel (``ns_kernel``: FLOPs over measured
+      efficiency; ``max(m,n) > 1.5 min(m,n)`` at 5 steps), else the standard kernel: the same
+      polynomial either way. ``ns_flops`` counts the same choice.
     * ``"polar_express"``: ``polar_express`` (arXiv:2505.16932).
 
     Args:
@@ -381,6 +498,8 @@ def orthogonalize(
         method: one of ``NS_METHODS``.
         steps: iterations, >= 1.
         dtype: compute dtype (see ``resolve_ns_dtype``); default ``x.dtype``.
+        form: how the standard and Polar Express iterations are written, one of ``QUINTIC_FORMS``
+            (default ``QUINTIC_FORM``); the same polynomial, differing only in rounding.
 
     Returns:
         ``(..., m, n)`` in the compute dtype, also inside a ``torch.autocast`` region (autocast is
@@ -388,12 +507,13 @@ def orthogonalize(
         contiguous).
 
     Raises:
-        ValueError: bad ``method`` or ``steps`` (names the allowed values), ``x`` not floating or
-            not of shape ``(..., m, n)`` with ``m, n >= 1``, ``dtype`` not floating.
+        ValueError: bad ``method``, ``steps`` or ``form`` (names the allowed values), ``x`` not
+            floating or not of shape ``(..., m, n)`` with ``m, n >= 1``, ``dtype`` not floating.
         TypeError: ``x`` is not a tensor.
     """
     _check_method(method)
     _check_steps(steps)
+    form = _check_form(form)
     _check_matrix(x)
     dtype = x.dtype if dtype is None else dtype
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -409,12 +529,12 @@ def orthogonalize(
     # An enclosing torch.autocast region (an optimizer step called inside the user's autocast) would
     # otherwise run the matmuls in its own dtype, not in ``dtype``.
     with torch.autocast(device_type=x.device.type, enabled=False):
-        if method == "standard" or (method == "gram" and not _use_gram(s, l, steps)):
-            out = newton_schulz_quintic(X, steps)
+        if method == "standard" or (method == "gram" and not _gram_pays(s, l, steps)):
+            out = newton_schulz_quintic(X, steps, form)
         elif method == "gram":
             out = gram_newton_schulz(X, steps)
         else:
-            out = polar_express(X, steps)
+            out = polar_express(X, steps, form)
     return out.mT if tall else out
 
 
@@ -443,35 +563,57 @@ def _normalize(x: torch.Tensor, k: float) -> torch.Tensor:
 COMPILE_GRAPH_LIMIT = 64
 
 
-@functools.lru_cache(maxsize=None)
-def compiled_orthogonalize(method: str = "standard", steps: int = 5, dtype: torch.dtype | None = None,
-                           backend: str = "inductor"):
-    """``orthogonalize`` with ``method``, ``steps`` and ``dtype`` fixed, compiled by ``torch.compile``.
+_DEFAULT = "default"  # compiled_orthogonalize: "use the module-level setting"
 
-    Compiled with dynamic shapes, so a new batch count or matrix shape mostly reuses a graph; torch
+
+def compiled_orthogonalize(method: str = "standard", steps: int = 5, dtype: torch.dtype | None = None,
+                           backend: str = "inductor", *, mode: str | None = _DEFAULT,
+                           dynamic: bool | None = _DEFAULT, form: str | None = None):
+    """``orthogonalize`` with ``method``, ``steps``, ``dtype`` and ``form`` fixed, compiled by ``torch.compile``.
+
+    By default (``COMPILE_DYNAMIC``) compiled with dynamic shapes, so a new batch count or matrix shape
+    mostly reuses a graph; torch
     still specializes on a batch of 1 against more, square against rectangular, wide against tall,
-    and for ``"gram"`` on whether the Gram kernel pays (``ns_flops``), so a model's set of shapes
-    needs a handful of graphs. torch.compile's default ``recompile_limit`` (8) is shared by every
+    and for ``"gram"`` on whether the Gram kernel pays (``ns_kernel``), so a model's set of shapes
+    needs a handful of graphs (with ``dynamic=False``: one graph per input shape). torch.compile's
+    default ``recompile_limit`` (8) is shared by every
     compiled function of the process and was hit in practice (it then silently falls back to
     eager); each call here runs under ``recompile_limit = COMPILE_GRAPH_LIMIT`` instead (see
     there). ``benchmarks/step_time.py`` counts the graphs. The compiled region fuses the
     normalization (no fp32 copy of the whole batch) and the element-wise parts of each iteration
-    around the matmuls. Meant for accelerators.
+    around the matmuls. Meant for accelerators. One compiled function per distinct argument tuple
+    (cached).
 
     Args:
-        method, steps, dtype: as ``orthogonalize``'s. backend: ``torch.compile``'s backend (the
-            tests use ``"eager"``, which has the same guards and compiles in milliseconds).
+        method, steps, dtype, form: as ``orthogonalize``'s (``form`` ``None``: ``QUINTIC_FORM``).
+        backend: ``torch.compile``'s backend (the tests use ``"eager"``, which has the same guards
+            and compiles in milliseconds).
+        mode: ``torch.compile``'s ``mode`` (inductor only), e.g. ``"max-autotune-no-cudagraphs"``;
+            default ``COMPILE_MODE``.
+        dynamic: ``torch.compile``'s ``dynamic``; default ``COMPILE_DYNAMIC``.
 
     Returns:
         ``fn(x) -> tensor`` with ``orthogonalize``'s contract.
 
     Raises:
-        ValueError: bad ``method`` or ``steps`` (checked eagerly here).
+        ValueError: bad ``method``, ``steps`` or ``form`` (checked eagerly here), or a ``mode`` with
+            a backend other than inductor.
     """
     _check_method(method)
     _check_steps(steps)
-    compiled = torch.compile(functools.partial(orthogonalize, method=method, steps=steps, dtype=dtype),
-                             dynamic=True, backend=backend)
+    form = _check_form(form)
+    mode = COMPILE_MODE if mode == _DEFAULT else mode
+    dynamic = COMPILE_DYNAMIC if dynamic == _DEFAULT else dynamic
+    if mode is not None and backend != "inductor":
+        raise ValueError(f"a torch.compile mode ({mode!r}) needs backend='inductor', got {backend!r}")
+    return _compiled(method, steps, dtype, backend, mode, dynamic, form)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(method: str, steps: int, dtype: torch.dtype | None, backend: str, mode: str | None,
+              dynamic: bool | None, form: str):
+    compiled = torch.compile(functools.partial(orthogonalize, method=method, steps=steps, dtype=dtype, form=form),
+                             dynamic=dynamic, backend=backend, mode=mode)
 
     # torch < 2.7 calls the limit cache_size_limit
     limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
@@ -481,3 +623,6 @@ def compiled_orthogonalize(method: str = "standard", steps: int = 5, dtype: torc
             return compiled(x)
 
     return fn
+
+
+compiled_orthogonalize.cache_clear = _compiled.cache_clear  # type: ignore[attr-defined]

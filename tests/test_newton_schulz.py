@@ -593,3 +593,78 @@ def test_autocast_region_does_not_change_the_compute_dtype():
         got = orthogonalize(x, "standard", 5, torch.float32)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# quintic forms, the per-shape cost model, compile settings
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("method", ["standard", "polar_express"])
+def test_quintic_forms_are_the_same_polynomial(method):
+    # "fused" writes P = c A^2 + b A + a I over the product A A; "plain" B = c A + b I, P = B A + a I.
+    # In fp64 both are the polynomial to rounding; each against the exact singular-value map.
+    x = torch.randn(3, 12, 30, generator=_gen(21), dtype=F64)
+    plain, fused = (orthogonalize(x, method, 5, form=f) for f in ns.QUINTIC_FORMS)
+    assert rel_err(fused, plain) < 1e-12
+    assert torch.equal(orthogonalize(x, method, 5), orthogonalize(x, method, 5, form=ns.QUINTIC_FORM))
+    with pytest.raises(ValueError, match="quintic form must be one of"):
+        orthogonalize(x, method, 5, form="bogus")
+
+
+def test_cost_model_picks_the_kernel_by_flops_over_measured_efficiency(monkeypatch):
+    from torch.utils.flop_counter import FlopCounterMode
+    # equal efficiencies: gram where its FLOPs are fewer (5 steps: max > 1.5 min)
+    monkeypatch.setattr(ns, "NS_EFFICIENCY", {"standard": 0.75, "gram": 0.75})
+    assert ns.ns_kernel(16, 24, 5, "gram") == "standard" and ns.ns_kernel(16, 25, 5, "gram") == "gram"
+    assert ns.ns_kernel(40, 16, 5, "gram") == "gram" and ns.ns_kernel(32, 32, 5, "gram") == "standard"
+    assert ns.ns_kernel(16, 40, 5, "standard") == "standard" and ns.ns_kernel(16, 40, 5, "polar_express") == "polar_express"
+    # 16x40: gram 8*16^2*40 + 28*16^3 = 196608 FLOP-units vs standard 20*16^2*40 + 10*16^3 = 245760 (0.8x).
+    # A Gram kernel measured at 0.7x the standard's efficiency would take 0.8/0.7 = 1.14x as long: standard.
+    monkeypatch.setattr(ns, "NS_EFFICIENCY", {"standard": 0.75, "gram": 0.75 * 0.7})
+    assert ns.ns_kernel(16, 40, 5, "gram") == "standard"
+    assert ns.ns_kernel(16, 200, 5, "gram") == "gram"  # far wider: gram's FLOPs 0.44x, still pays
+    assert ns_flops(16, 40, 5, "gram") == ns_flops(16, 40, 5, "standard")  # counts what runs
+    # orthogonalize runs the kernel the model picked (the FLOPs it does, and the standard kernel's output)
+    x = torch.randn(2, 16, 40, generator=_gen(22))
+    with FlopCounterMode(display=False) as counter:
+        out = orthogonalize(x, "gram", 5)
+    assert counter.get_total_flops() == ns_flops(16, 40, 5, "standard", batch=2)
+    assert torch.equal(out, orthogonalize(x, "standard", 5))
+    monkeypatch.setattr(ns, "NS_EFFICIENCY", {"standard": 0.75, "gram": 0.75})
+    with FlopCounterMode(display=False) as counter:
+        orthogonalize(x, "gram", 5)
+    assert counter.get_total_flops() == ns_flops(16, 40, 5, "gram", batch=2) < ns_flops(16, 40, 5, "standard", batch=2)
+    # predicted seconds: FLOPs / (efficiency of the kernel that runs * rate)
+    assert ns.ns_seconds(16, 40, 5, "gram", batch=2, matmul_tflops=1e-6) == pytest.approx(
+        ns_flops(16, 40, 5, "gram", batch=2) / (0.75 * 1e6))
+    with pytest.raises(ValueError, match="matmul_tflops"):
+        ns.ns_seconds(16, 40, 5, "gram", matmul_tflops=0)
+    with pytest.raises(ValueError, match="m must be"):
+        ns.ns_kernel(0, 4, 5, "gram")
+
+
+def test_recorded_efficiencies_match_the_documented_measurement():
+    # NS_EFFICIENCY is the 1xH200 measurement recorded in docs/benchmarks.md (16x5440x2048 and
+    # 16x2048x5440: standard 75%/74%, gram 75%/74%): at the measured 795 TFLOP/s it predicts the
+    # measured gram times (11.42 and 11.56 ms) within 2%.
+    for shape, ms in (((5440, 2048), 11.42), ((2048, 5440), 11.56)):
+        assert ns.ns_seconds(*shape, 5, "gram", batch=16, matmul_tflops=795) * 1e3 == pytest.approx(ms, rel=0.02)
+
+
+def test_compiled_orthogonalize_settings():
+    from ds_muon.newton_schulz import compiled_orthogonalize
+    with pytest.raises(ValueError, match="needs backend='inductor'"):
+        compiled_orthogonalize("standard", 5, torch.float32, backend="eager", mode="max-autotune-no-cudagraphs")
+    with pytest.raises(ValueError, match="quintic form"):
+        compiled_orthogonalize("standard", 5, torch.float32, backend="eager", form="bogus")
+    # the defaults resolve to the module settings: the same cached function as spelling them out
+    assert compiled_orthogonalize("standard", 5, torch.float32, backend="eager") is compiled_orthogonalize(
+        "standard", 5, torch.float32, backend="eager", mode=ns.COMPILE_MODE, dynamic=ns.COMPILE_DYNAMIC,
+        form=ns.QUINTIC_FORM)
+    torch._dynamo.reset()
+    try:
+        fn = compiled_orthogonalize("polar_express", 5, torch.float32, backend="eager", dynamic=False, form="fused")
+        x = torch.randn(2, 8, 20, generator=_gen(23))
+        torch.testing.assert_close(fn(x), orthogonalize(x, "polar_express", 5, torch.float32, form="fused"),
+                                   rtol=1e-5, atol=1e-6)
+    finally:
+        torch._dynamo.reset()
