@@ -30,8 +30,10 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # ds_muon_eager: ns_compile false; ds_muon_gram: ns_method "gram" (Gram Newton–Schulz, fp16, bf16 exchange);
 # ds_muon_bf16mom: momentum_dtype "bfloat16" (half the momentum memory, as the built-in keeps it)
+# ds_muon_autotune: ns_autotune true (Newton-Schulz compiled with max-autotune, static shapes)
 # adam_mini: ds_muon's ZeRO-3 Adam-mini ("type": "AdamMini", AdamW's hyperparameters), against adamw
-OPTIMIZERS = ("adamw", "builtin_muon", "ds_muon", "ds_muon_eager", "ds_muon_gram", "ds_muon_bf16mom", "adam_mini")
+OPTIMIZERS = ("adamw", "builtin_muon", "ds_muon", "ds_muon_eager", "ds_muon_gram", "ds_muon_bf16mom", "ds_muon_autotune",
+              "adam_mini")
 
 
 def ds_config(kind: str, micro_batch: int) -> dict:
@@ -55,6 +57,8 @@ def ds_config(kind: str, micro_batch: int) -> dict:
             cfg["optimizer"]["params"].update(ns_method="gram", exchange_dtype="bfloat16")
         if kind == "ds_muon_bf16mom":
             cfg["optimizer"]["params"]["momentum_dtype"] = "bfloat16"
+        if kind == "ds_muon_autotune":
+            cfg["optimizer"]["params"]["ns_autotune"] = True
     return cfg
 
 
@@ -89,7 +93,7 @@ NS_VARIANTS = ("standard", "heavyball", "torch.optim.Muon", "standard[autotune]"
                "standard[fused,autotune]", "polar_express[autotune]", "gram[autotune]", "standard[fused]",
                "standard[static]")
 PEERS = ("heavyball", "torch.optim.Muon")
-AUTOTUNE = "max-autotune-no-cudagraphs"  # heavyball's torch.compile mode for its Newton-Schulz
+AUTOTUNE = "max-autotune-no-cudagraphs"  # heavyball's torch.compile mode for its Newton-Schulz; ds_muon's ns_autotune (test_ns_micro)
 
 
 def _peer_kernel(name: str, steps: int):
@@ -514,6 +518,7 @@ def print_table(results: dict) -> None:
     # ds_muon variants against the default, each differing in one knob: (variant, knob, variant's label, default's)
     for variant, knob, theirs, ours in (("ds_muon_gram", "ns_method", "gram", "standard"),
                                         ("ds_muon_eager", "ns_compile", "eager", "compiled"),
+                                        ("ds_muon_autotune", "ns_autotune", "autotuned", "default"),
                                         ("ds_muon_bf16mom", "momentum_dtype", "bfloat16", "float32")):
         if "ds_muon" in ok and variant in ok:
             v, c = ok[variant], ok["ds_muon"]

@@ -277,6 +277,13 @@ class MuonOptimizerParams(BaseModel):
                      "device, and run the element-wise momentum step and update apply of the ZeRO-3 Muon step as "
                      "one compiled pass each there; on CPU all of it runs eagerly. Source: ds_muon; the gains are "
                      "measured by benchmarks/step_time.py and benchmarks/elementwise.py."))
+    ns_autotune: bool = Field(
+        False,
+        description=("With ns_compile on CUDA, compile Newton-Schulz as heavyball does: torch.compile mode "
+                     "'max-autotune-no-cudagraphs' with static shapes (one graph per (batch, rows, cols) of the owner "
+                     "plan, 4-9 s of Triton autotuning each on the first step). Measured on one H200, bf16, 5 steps: "
+                     "83-85% of the matmul rate against 77-80% without (docs/benchmarks.md). Pays on long runs; "
+                     "off by default for the start-up time. Source: ds_muon, benchmarks/step_time.py --ns-micro."))
     update_scale: Literal["shape", "rms_match"] = Field(
         "shape",
         description=("Dimensionless multiplier of the orthogonalized update of a (rows, cols) matrix (conv "
@@ -443,6 +450,13 @@ class MuonOptimizerParams(BaseModel):
             raise _custom(f"pattern(s) {both} are in both muon_params and adamw_params",
                           key="adamw_params", value=self.adamw_params,
                           allowed="each pattern in one list only")
+        return self
+
+    @model_validator(mode="after")
+    def _autotune_needs_compile(self) -> "MuonOptimizerParams":
+        if self.ns_autotune and not self.ns_compile:
+            raise _custom("ns_autotune tunes the compiled Newton-Schulz, but ns_compile is false",
+                          key="ns_autotune", value=True, allowed="false, or set ns_compile: true")
         return self
 
     # ---- resolved settings -------------------------------------------------------------------

@@ -50,6 +50,7 @@ __all__ = [
     "QUINTIC_FORM",
     "COMPILE_MODE",
     "COMPILE_DYNAMIC",
+    "AUTOTUNE_COMPILE",
 ]
 
 NS_METHODS: tuple[str, ...] = ("standard", "gram", "polar_express")
@@ -76,6 +77,11 @@ QUINTIC_FORM: str = "plain"
 #: the element-wise work into the matmuls' epilogues); the microbenchmark times both.
 COMPILE_MODE: str | None = None
 COMPILE_DYNAMIC: bool | None = True
+#: ``compiled_orthogonalize``'s ``mode``/``dynamic`` with the config key ``ns_autotune`` (opt-in):
+#: heavyball's settings. Measured on one H200 (docs/benchmarks.md, 2026-12-01, bf16, 5 steps):
+#: 83-85% of the matmul rate against 77-80% with the defaults, at the price of one graph per
+#: ``(batch, rows, cols)`` and 4-9 s of autotuning per graph on first use.
+AUTOTUNE_COMPILE: dict = {"mode": "max-autotune-no-cudagraphs", "dynamic": False}
 
 #: Keller Jordan's quintic, https://kellerjordan.github.io/posts/muon/
 QUINTIC_COEFFS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)

@@ -38,7 +38,7 @@ from .config import ConfigError, resolve_exchange_dtype
 from .exchange import BufferPool, OwnerExchange
 from .matrix import SPLIT_ATTR, update_scale
 from .momentum import apply_update_, fused_apply_update_, fused_momentum_update_, momentum_update_
-from .newton_schulz import compiled_orthogonalize, orthogonalize, resolve_ns_dtype
+from .newton_schulz import AUTOTUNE_COMPILE, compiled_orthogonalize, orthogonalize, resolve_ns_dtype
 from .ownership import BucketedPlan, ParamInfo, build_bucketed_plan
 from .qk_clip import check_recorded, factor_vector, find_clip_targets, partition_ranges, take_max_logits
 from .reference import MOMENTUM_KEY
@@ -984,7 +984,8 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                                                                              group["nesterov"])
         method, steps, mode = group["ns_method"], group["ns_steps"], group["update_scale"]
         if self.optimizer.config.ns_compile and exchange.device.type == "cuda":
-            ns = compiled_orthogonalize(method, steps, exchange.compute_dtype)
+            ns = compiled_orthogonalize(method, steps, exchange.compute_dtype,
+                                        **(AUTOTUNE_COMPILE if self.optimizer.config.ns_autotune else {}))
         else:
             ns = functools.partial(orthogonalize, method=method, steps=steps, dtype=exchange.compute_dtype)
 

@@ -52,3 +52,15 @@ def test_ns_microbenchmark_on_cpu(tmp_path):
         assert errs["polar_express[static]"] < errs["standard"]
     # compiled variants report the graphs they added; the eager one none
     assert rows["standard[eager]", shapes[0]]["graphs"] == 0 and rows["polar_express[static]", shapes[0]]["graphs"] == 1
+
+
+def test_ns_autotune_runs_the_measured_variant():
+    """The config key ns_autotune compiles Newton–Schulz with the settings of the microbenchmark's
+    ``standard[autotune]`` row (mode and static shapes), and needs ns_compile."""
+    from ds_muon.config import ConfigError, parse_muon_params
+    from ds_muon.newton_schulz import AUTOTUNE_COMPILE
+    assert AUTOTUNE_COMPILE == {"mode": step_time.AUTOTUNE, "dynamic": False}
+    assert parse_muon_params({"ns_autotune": True}).ns_autotune
+    assert not parse_muon_params({}).ns_autotune
+    with pytest.raises(ConfigError, match="ns_autotune.*ns_compile: true"):
+        parse_muon_params({"ns_autotune": True, "ns_compile": False})
