@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -271,29 +271,77 @@ class AdamMini(torch.optim.Optimizer):
 # ------------------------------------------------------------------------------------------------
 # The shard step (used by the ZeRO-3 optimizer on one rank's flat fp32 partition)
 # ------------------------------------------------------------------------------------------------
-def block_square_sums(grad: torch.Tensor, lengths: torch.Tensor, real: torch.Tensor, ids: torch.Tensor,
-                      n_blocks: int) -> torch.Tensor:
-    """Per-block partial sums of ``grad**2`` over one rank's shard.
+CHUNK_ELEMENTS = 1 << 24  # elements of the shard stepped at once (64 MiB of fp32 temporaries)
+
+
+@dataclass(frozen=True)
+class ShardChunk:
+    """One window of a rank's flat shard, as the chunked Adam-mini step reads it.
+
+    Attributes:
+        start: first element of the window in the shard.
+        numel: elements in the window (at most the chunk size).
+        lengths: ``(k,)`` int64, lengths of the pieces of the :class:`ds_muon.blocks.BlockMap` segments
+            that fall in the window (tiling it; a segment cut by a window boundary appears in both).
+        block: ``(k,)`` int64, the block id of each piece, ``n_blocks`` for padding.
+    """
+
+    start: int
+    numel: int
+    lengths: torch.Tensor
+    block: torch.Tensor
+
+
+def shard_chunks(lengths: Sequence[int], block_of_segment: Sequence[int], n_blocks: int, device: torch.device,
+                 chunk: Optional[int] = None) -> list[ShardChunk]:
+    """Cut a shard's segments (a :class:`ds_muon.blocks.BlockMap`'s ``lengths``/``block_of_segment``, padding
+    ``-1``) into windows of at most ``chunk`` elements (default :data:`CHUNK_ELEMENTS`), built once per
+    sub-group.
+
+    Returns:
+        The windows in order; together they tile the shard exactly (an empty shard gives none).
+    """
+    chunk = int(chunk or CHUNK_ELEMENTS)
+    out, seg, used, pos, total = [], 0, 0, 0, sum(lengths)
+    while pos < total:
+        end, start, pieces, blocks = min(total, pos + chunk), pos, [], []
+        while pos < end:
+            take = min(lengths[seg] - used, end - pos)
+            if take > 0:
+                pieces.append(take)
+                blocks.append(n_blocks if block_of_segment[seg] < 0 else block_of_segment[seg])
+            pos, used = pos + take, used + take
+            if used == lengths[seg]:
+                seg, used = seg + 1, 0
+        out.append(ShardChunk(start, end - start, torch.tensor(pieces, dtype=torch.int64, device=device),
+                              torch.tensor(blocks, dtype=torch.int64, device=device)))
+    return out
+
+
+def block_square_sums(grad: torch.Tensor, chunks: Sequence[ShardChunk], n_blocks: int) -> torch.Tensor:
+    """Per-block partial sums of ``grad**2`` over one rank's shard, one window at a time.
 
     Args:
         grad: ``(shard numel,)`` fp32, the local gradient shard.
-        lengths: ``(n segments,)`` int64, segment lengths tiling the shard (a :class:`ds_muon.blocks.BlockMap`).
-        real: ``(k,)`` int64, indices of the segments that are not padding.
-        ids: ``(k,)`` int64, the block id of each of those segments.
+        chunks: the shard's windows (:func:`shard_chunks`).
         n_blocks: blocks in the sub-group (global numbering).
 
     Returns:
         ``(n_blocks,)`` fp32: the sum of ``g**2`` over this rank's elements of each block (0 for blocks
         with no element here); summed over the ranks (all_reduce SUM) it is the whole block's sum.
+        Temporaries: one window's ``g**2`` (at most the chunk size), never the shard's.
     """
-    seg = torch.segment_reduce(grad.square(), "sum", lengths=lengths, unsafe=True, initial=0)
-    return torch.zeros(n_blocks, dtype=torch.float32, device=grad.device).index_add_(0, ids, seg[real].float())
+    sums = torch.zeros(n_blocks + 1, dtype=torch.float32, device=grad.device)  # the last one collects padding
+    for c in chunks:
+        piece = torch.segment_reduce(grad.narrow(0, c.start, c.numel).square(), "sum", lengths=c.lengths, unsafe=True,
+                                     initial=0)
+        sums.index_add_(0, c.block, piece.float())
+    return sums[:n_blocks]
 
 
 def adam_mini_shard_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, block_v: torch.Tensor,
-                            block_sq_sum: torch.Tensor, block_numel: torch.Tensor, lengths: torch.Tensor,
-                            segment_block: torch.Tensor, step: int, lr: float, betas: tuple[float, float], eps: float,
-                            weight_decay: float) -> None:
+                            block_sq_sum: torch.Tensor, block_numel: torch.Tensor, chunks: Sequence[ShardChunk],
+                            step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
     """The Adam-mini update of one rank's shard, in place, given the blocks' global sums of ``g**2``.
 
     Args:
@@ -301,16 +349,18 @@ def adam_mini_shard_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: to
         block_v: ``(n_blocks,)`` fp32, the second moments (updated in place; the same on every rank).
         block_sq_sum: ``(n_blocks,)`` fp32, the sum of ``g**2`` over each whole block (all ranks).
         block_numel: ``(n_blocks,)`` fp32, each block's global element count.
-        lengths: ``(n segments,)`` int64 segment lengths tiling the shard.
-        segment_block: ``(n segments,)`` int64 block id per segment, ``n_blocks`` for padding.
+        chunks: the shard's windows (:func:`shard_chunks`); the per-element denominator is built one
+            window at a time, so no temporary of the shard's size is allocated.
         step: the step number ``t`` after this step (1 for the first).
         lr, betas, eps, weight_decay: the group's hyperparameters.
     """
     beta1, beta2 = betas
     block_v.mul_(beta2).add_(block_sq_sum / block_numel, alpha=1 - beta2)
     denom = (block_v.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
-    denom = torch.cat([denom, denom.new_ones(1)])  # padding segments divide by 1 (their m is 0)
-    per_element = torch.repeat_interleave(denom[segment_block], lengths, output_size=param.numel())
-    exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
-    param.mul_(1 - lr * weight_decay)
-    param.addcdiv_(exp_avg, per_element, value=-lr / (1 - beta1**step))
+    denom = torch.cat([denom, denom.new_ones(1)])  # padding divides by 1 (its m is 0)
+    for c in chunks:
+        p, g, m = (t.narrow(0, c.start, c.numel) for t in (param, grad, exp_avg))
+        per_element = torch.repeat_interleave(denom[c.block], c.lengths, output_size=c.numel)
+        m.mul_(beta1).add_(g, alpha=1 - beta1)
+        p.mul_(1 - lr * weight_decay)
+        p.addcdiv_(m, per_element, value=-lr / (1 - beta1**step))

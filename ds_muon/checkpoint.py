@@ -34,7 +34,10 @@ Universal layout written by :func:`convert_to_universal` (``OUT_DIR/<tag>/``)::
 
     zero/<param name>/fp32.pt             {"param": fp32 tensor of the parameter's shape}
     zero/<param name>/momentum_buffer.pt  Muon parameters: momentum (its saved dtype: fp32, or bf16), the parameter's shape
-    zero/<param name>/exp_avg.pt          AdamW parameters (and exp_avg_sq.pt): fp32, the parameter's shape
+    zero/<param name>/exp_avg.pt          AdamW parameters (and exp_avg_sq.pt): fp32, the parameter's shape;
+                                          Adam-mini parameters: exp_avg only
+    zero/<param name>/block_exp_avg_sq.pt Adam-mini block parameters: fp32 (numel / block,), one second
+                                          moment per block of this parameter (rank-independent)
     zero/optimizer_state.pt               DeepSpeed's global optimizer state (loss scaler, param groups,
                                           AdamW step) plus ds_muon's metadata under "ds_muon"
     *_model_states.pt                     copied from the source (lr scheduler, global step, ...)
@@ -67,6 +70,7 @@ from deepspeed.checkpoint.constants import (FP32_FLAT_GROUPS, OPTIMIZER_STATE_DI
                                             PARTITION_COUNT)
 from deepspeed.utils import logger
 
+from .adam_mini import BLOCK_ATTR, BLOCK_STATE_KEY
 from .reference import MOMENTUM_KEY
 
 __all__ = ["CheckpointError", "CONVERT_COMMAND", "DS_MUON_KEY", "zero_metadata", "add_metadata", "restore_step_count",
@@ -107,8 +111,11 @@ def zero_metadata(opt) -> dict:
 
     Returns a dict of plain Python types: ``version``; ``world_size`` (the ZeRO partition count);
     ``muon_step_count``; ``sub_groups``, one entry per ZeRO sub-group in order: ``group`` (its param
-    group), ``use_muon``, ``adam_mini`` (an Adam-mini block sub-group), ``state_id`` (the key of its state in ``optimizer.state_dict()["state"]``)
-    and ``params``, a list of ``[name, shape]`` in the order of the flat fp32 partition.
+    group), ``use_muon``, ``adam_mini`` (an Adam-mini block sub-group), ``state_id`` (the key of its state in
+    ``optimizer.state_dict()["state"]``), ``params``, a list of ``[name, shape]`` in the order of the flat
+    fp32 partition, and for Adam-mini sub-groups ``blocks`` (elements per block of each parameter, in the
+    same order; the sub-group's blocks are numbered in that order); ``optimizer`` ("Muon" or
+    "AdamMini") and, for AdamMini, ``block_rule``.
     """
     groups = opt.optimizer.param_groups
     sub_to_group = opt.sub_group_to_group_id
@@ -116,11 +123,50 @@ def zero_metadata(opt) -> dict:
     sub_groups = []
     for s, params in enumerate(opt.fp16_groups):
         g = sub_to_group[s]
-        sub_groups.append({"group": int(g), "use_muon": bool(groups[g]["use_muon"]), "state_id": state_id[s],
-                           "adam_mini": bool(groups[g].get("adam_mini", False)),
-                           "params": [[opt.param_names[p], [int(d) for d in p.ds_shape]] for p in params]})
-    return {"version": METADATA_VERSION, "world_size": int(opt.partition_count),
+        entry = {"group": int(g), "use_muon": bool(groups[g]["use_muon"]), "state_id": state_id[s],
+                 "adam_mini": bool(groups[g].get("adam_mini", False)),
+                 "params": [[opt.param_names[p], [int(d) for d in p.ds_shape]] for p in params]}
+        if entry["adam_mini"]:
+            entry["blocks"] = [int(getattr(p, BLOCK_ATTR)) for p in params]
+        sub_groups.append(entry)
+    meta = {"version": METADATA_VERSION, "world_size": int(opt.partition_count),
             "muon_step_count": int(opt.muon_step_count), "sub_groups": sub_groups}
+    block_rule = getattr(opt.optimizer.config, "block_rule", None)  # AdamMini's; Muon's config has none
+    meta["optimizer"] = "Muon" if block_rule is None else "AdamMini"
+    if block_rule is not None:
+        meta["block_rule"] = block_rule
+    return meta
+
+
+def _adam_mini_blocks(meta: dict) -> dict[str, Optional[int]]:
+    """``{name: elements per Adam-mini block, or None (per element)}`` of every parameter in ``meta``
+    (:func:`zero_metadata`'s ``sub_groups``, or a universal header's ``params``)."""
+    if "sub_groups" in meta:
+        return {name: (sg["blocks"][k] if sg.get("adam_mini") else None)
+                for sg in meta["sub_groups"] for k, (name, _) in enumerate(sg["params"])}
+    return {name: p.get("adam_mini_block") for name, p in meta["params"].items()}
+
+
+def _adam_mini_problems(saved: dict, current: dict) -> list[str]:
+    """Lines for an Adam-mini checkpoint loaded with another optimizer, another ``block_rule``, or other
+    blocks (e.g. another head geometry): the per-block second moments would not fit. Checkpoints
+    without the keys (saved before ds_muon recorded them) are not checked."""
+    if "optimizer" not in saved or saved["optimizer"] == current["optimizer"] == "Muon":
+        return []
+    if saved["optimizer"] != current["optimizer"]:
+        return [f"optimizer.type: the checkpoint was saved with {saved['optimizer']}, this run uses "
+                f"{current['optimizer']}; their optimizer states do not carry over; set optimizer.type to "
+                f"{saved['optimizer']!r}"]
+    if saved["block_rule"] != current["block_rule"]:
+        return [f"optimizer.params.block_rule: the checkpoint was saved with {saved['block_rule']!r}, this run has "
+                f"{current['block_rule']!r}; Adam-mini's per-block second moments ('{BLOCK_STATE_KEY}') do not carry "
+                f"over to other blocks; set optimizer.params.block_rule to {saved['block_rule']!r}"]
+    old, new = _adam_mini_blocks(saved), _adam_mini_blocks(current)
+    show = (lambda b: "per-element Adam" if b is None else f"Adam-mini blocks of {b} elements")
+    return [f"parameter '{name}': {show(old[name])} in the checkpoint, {show(b)} in this run (optimizer.params."
+            f"block_rule {current['block_rule']!r} on this model: did its head geometry change, "
+            "num_attention_heads / num_key_value_heads / head_dim?); Adam-mini's per-block second moments do not "
+            "carry over" for name, b in new.items() if name in old and old[name] != b]
 
 
 def add_metadata(opt, state_dict: dict) -> dict:
@@ -210,7 +256,8 @@ def check_zero_state_dict(opt, state_dict: dict, load_optimizer_states: bool = T
 
     Raises:
         CheckpointError: on every rank, listing each parameter whose shape, Muon/AdamW flag or param
-            group differs, parameters missing on either side, a different ZeRO sub-group layout,
+            group differs, parameters missing on either side, another optimizer type, Adam-mini
+            ``block_rule`` or Adam-mini blocks (naming the key), a different ZeRO sub-group layout,
             another world size (naming ``python -m ds_muon.checkpoint to-universal``), a Muon
             parameter without saved momentum in a checkpoint saved after Muon steps, or an fp32
             partition of another size (an empty one: an NVMe checkpoint saved by DeepSpeed alone).
@@ -226,7 +273,7 @@ def check_zero_state_dict(opt, state_dict: dict, load_optimizer_states: bool = T
                         f"{current['world_size']}: ZeRO-3 partitions depend on it; convert it with "
                         f"`{CONVERT_COMMAND}` and load the result with \"checkpoint\": {{\"load_universal\": true}}")
     else:
-        problems = _param_problems(_param_table(saved), _param_table(current))
+        problems = _adam_mini_problems(saved, current) or _param_problems(_param_table(saved), _param_table(current))
         layout = [(sg["group"], [n for n, _ in sg["params"]]) for sg in saved["sub_groups"]]
         if not problems and layout != [(sg["group"], [n for n, _ in sg["params"]]) for sg in current["sub_groups"]]:
             problems.append("the ZeRO sub-groups hold other parameters than when saved (was "
@@ -539,9 +586,6 @@ def convert_to_universal(ckpt_dir: str, out_dir: str, tag: Optional[str] = None)
         raise CheckpointError(f"{files[0]} has no ds_muon metadata: it was not saved by a ds_muon engine, or by a "
                               "ds_muon version older than its checkpoint metadata; resume it at its world size and "
                               "save it again")
-    if any(sg.get("adam_mini") for sg in meta["sub_groups"]):
-        raise CheckpointError(f"{src} was saved by ds_muon's AdamMini, whose per-block second moments the universal "
-                              "conversion does not re-partition yet; resume it at the world size it was saved at")
     world = meta["world_size"]
     if sorted(files) != list(range(world)):
         raise CheckpointError(f"{src}: expected the optimizer state files of ranks 0..{world - 1}, found ranks "
@@ -558,9 +602,11 @@ def convert_to_universal(ckpt_dir: str, out_dir: str, tag: Optional[str] = None)
         if any(f.numel() != sum(partition) for f in flats):
             raise CheckpointError(f"{src}: sub-group {s} holds {[f.numel() for f in flats]} elements per rank, its "
                                   f"parameters need {sum(partition)}; the files do not match their metadata")
-        tensor_keys = sorted(k for k, v in per_rank[0].items()
-                             if torch.is_tensor(v) and v.dim() == 1 and v.numel() == flats[0].numel())
-        scalars = {k: v for k, v in per_rank[0].items() if k not in tensor_keys}
+        tensor_keys = sorted(k for k, v in per_rank[0].items() if k != BLOCK_STATE_KEY
+                             and torch.is_tensor(v) and v.dim() == 1 and v.numel() == flats[0].numel())
+        scalars = {k: v for k, v in per_rank[0].items() if k not in tensor_keys and k != BLOCK_STATE_KEY}
+        if sg.get("adam_mini") and any(BLOCK_STATE_KEY in st for st in per_rank):
+            problems += _block_state_problems(s, sg, per_rank)
         for r, st in enumerate(per_rank[1:], 1):
             if sorted(st) != sorted(per_rank[0]) or any(st.get(k) != v for k, v in scalars.items()):
                 problems.append(f"sub-group {s}: rank {r} holds other optimizer state than rank 0 "
@@ -582,6 +628,16 @@ def convert_to_universal(ckpt_dir: str, out_dir: str, tag: Optional[str] = None)
             params[name] = {"shape": list(shape), "use_muon": sg["use_muon"], "group": sg["group"],
                             "state_keys": tensor_keys, "scalars": scalars}
             offset += pn
+        if sg.get("adam_mini"):  # per-block second moments: one vector per parameter, rank-independent
+            block_state = per_rank[0].get(BLOCK_STATE_KEY)
+            start = 0
+            for (name, _), numel, block in zip(sg["params"], numels, sg["blocks"]):
+                params[name]["adam_mini_block"] = block
+                params[name]["block_state"] = block_state is not None
+                if block_state is not None:
+                    _save(os.path.join(dst, "zero", name, f"{BLOCK_STATE_KEY}.pt"),
+                          {PARAM: block_state[start:start + numel // block].clone()})
+                start += numel // block
 
     groups = [{k: v for k, v in g.items() if k != "params"} for g in first[OPTIMIZER_STATE_DICT][PARAM_GROUPS]]
     adam_step = next((p["scalars"]["step"] for p in params.values() if "step" in p["scalars"]), None)
@@ -591,7 +647,8 @@ def convert_to_universal(ckpt_dir: str, out_dir: str, tag: Optional[str] = None)
                                     PARAM_GROUPS: groups}
     header[PARAM_GROUPS] = groups
     header[DS_MUON_KEY] = {"version": METADATA_VERSION, "format": "universal", "source_world_size": world,
-                           "source_tag": tag, "muon_step_count": meta["muon_step_count"], "params": params}
+                           "source_tag": tag, "muon_step_count": meta["muon_step_count"], "params": params,
+                           **{k: meta[k] for k in ("optimizer", "block_rule") if k in meta}}
     _save(os.path.join(dst, UNIVERSAL_STATE_FILE), header)
     for path in glob.glob(os.path.join(src, "*_model_states.pt")):
         shutil.copy2(path, dst)
@@ -599,6 +656,24 @@ def convert_to_universal(ckpt_dir: str, out_dir: str, tag: Optional[str] = None)
         f.write(tag)
     carry_side_files(ckpt_dir, out_dir)
     return dst
+
+
+def _block_state_problems(s: int, sg: dict, per_rank: list[dict]) -> list[str]:
+    """Lines for an Adam-mini sub-group ``s`` whose per-block second moments are missing on a rank, have
+    another length than its blocks, or differ between ranks (they are replicated: every rank adds the
+    same all-reduced sums)."""
+    n_blocks = sum(math.prod(shape) // block for (_, shape), block in zip(sg["params"], sg["blocks"]))
+    first = per_rank[0].get(BLOCK_STATE_KEY)
+    for r, st in enumerate(per_rank):
+        v = st.get(BLOCK_STATE_KEY)
+        if v is None or v.numel() != n_blocks:
+            return [f"sub-group {s}: rank {r} holds {'no' if v is None else v.numel()} Adam-mini block second "
+                    f"moments ('{BLOCK_STATE_KEY}'), its parameters have {n_blocks} blocks"]
+        if first is None or not torch.equal(v, first):
+            return [f"sub-group {s}: the Adam-mini block second moments ('{BLOCK_STATE_KEY}') of rank {r} differ "
+                    "from rank 0's; they are the same on every rank in a ds_muon run, so the files are not from "
+                    "one save"]
+    return []
 
 
 # Written by DeepSpeed for its own format; not carried into a universal checkpoint folder.
@@ -661,7 +736,8 @@ def _universal_problems(opt, folder: str, names: list[list[str]], load_optimizer
         return None, err.problems
     meta = header[DS_MUON_KEY]
     saved = meta["params"]
-    problems = _param_problems(saved, _param_table(zero_metadata(opt)))
+    current = zero_metadata(opt)
+    problems = _adam_mini_problems(meta, current) or _param_problems(saved, _param_table(current))
     if problems:
         return header, problems
     zero_dir = os.path.join(folder, "zero")
@@ -671,7 +747,8 @@ def _universal_problems(opt, folder: str, names: list[list[str]], load_optimizer
             problems.append(f"parameters {group_names} share a ZeRO sub-group here but were saved with different "
                             f"optimizer state {sorted(kinds)}")
         for n in group_names:
-            for key in ("fp32", *(saved[n]["state_keys"] if load_optimizer_states else ())):
+            block = (BLOCK_STATE_KEY,) if saved[n].get("block_state") else ()
+            for key in ("fp32", *((*saved[n]["state_keys"], *block) if load_optimizer_states else ())):
                 if not os.path.isfile(os.path.join(zero_dir, n, f"{key}.pt")):
                     problems.append(f"parameter '{n}': {os.path.join(zero_dir, n, key + '.pt')} is missing")
             if (load_optimizer_states and saved[n]["use_muon"] and meta["muon_step_count"] > 0
@@ -687,8 +764,10 @@ def load_universal_state(opt, folder: str, load_optimizer_states: bool = True) -
     sub-group, each parameter's full tensors are cut into this rank's partition by DeepSpeed's
     ``load_hp_checkpoint_state`` (``partition_numel = ceil(numel / W)``, this rank's slice, zero
     padding) and concatenated in the sub-group's order: the fp32 partition, ``momentum_buffer``
-    (Muon sub-groups) or ``exp_avg``/``exp_avg_sq`` and ``step`` (AdamW sub-groups), all fp32 on the
-    device of the fp32 partition. Then the param groups' hyperparameters (keys both sides have),
+    (Muon sub-groups), ``exp_avg``/``exp_avg_sq`` and ``step`` (AdamW sub-groups) or ``exp_avg``,
+    ``step`` and ``block_exp_avg_sq`` (Adam-mini sub-groups: the per-parameter vectors of one fp32 per
+    block, concatenated whole, the same on every rank), all fp32 on the device of the fp32 partition.
+    Then the param groups' hyperparameters (keys both sides have),
     the loss scaler and ``muon_step_count`` are restored, and the model's partitions are refreshed
     from fp32 with DeepSpeed's ``_reassign_or_swap_out_partitioned_parameters``. Under NVMe
     optimizer offload each sub-group's loaded fp32 partition and state go through one swap-in and
@@ -698,8 +777,9 @@ def load_universal_state(opt, folder: str, load_optimizer_states: bool = True) -
     Raises:
         CheckpointError: on every rank: not a universal checkpoint or not written by ds_muon (naming
             ``python -m ds_muon.checkpoint to-universal``); a parameter's shape, Muon/AdamW flag or
-            param group differs, or it is missing on either side; a file is missing; a Muon
-            parameter has no momentum after Muon steps.
+            param group differs, or it is missing on either side; another optimizer type, Adam-mini
+            ``block_rule`` or Adam-mini blocks; a file is missing; a Muon parameter has no momentum
+            after Muon steps.
     """
     names = [[opt.param_names[p] for p in params] for params in opt.fp16_groups]
     header, problems = _universal_problems(opt, folder, names, load_optimizer_states)
@@ -726,6 +806,10 @@ def load_universal_state(opt, folder: str, load_optimizer_states: bool = True) -
                 flat.narrow(0, offset, part.numel()).copy_(part)
                 offset += part.numel()
             flats[key] = flat
+        if s in opt.adam_mini_maps and first.get("block_state"):  # per-parameter vectors, in block order
+            flats[BLOCK_STATE_KEY] = torch.cat([
+                torch.load(os.path.join(zero_dir, name, f"{BLOCK_STATE_KEY}.pt"), map_location="cpu",
+                           weights_only=False)[PARAM] for name in names[s]]).to(fp32.device, torch.float32)
         return flats.pop("fp32"), {**flats, **first["scalars"]}
 
     # Under NVMe each sub-group's loaded fp32 partition and state go through one swap-in and swap-out.

@@ -780,6 +780,21 @@ def _nvme_path_problems(section: str, nvme_path: Any) -> list[str]:
     return []
 
 
+def _nvme_offload_problems(offload: dict) -> list[str]:
+    """Problems of an ``offload_optimizer`` with ``device: nvme`` (Muon and AdamMini): ``nvme_path`` must
+    exist, be writable and support O_DIRECT; libaio must be there for DeepSpeed's async_io op, and no
+    stale JIT build lock of that op (:func:`_async_io_build_lock_problem`). One line per problem."""
+    problems = list(_nvme_path_problems("offload_optimizer", offload.get("nvme_path")))
+    if not _async_io_available():
+        problems.append("zero_optimization.offload_optimizer.device: 'nvme' needs DeepSpeed's async_io op, which "
+                        "cannot be built here: libaio is missing; install it (Debian/Ubuntu: apt-get install "
+                        "libaio-dev; RHEL: yum install libaio-devel), or use device 'cpu'")
+    lock_problem = _async_io_build_lock_problem()
+    if lock_problem is not None:
+        problems.append(lock_problem)
+    return problems
+
+
 def validate_ds_config(ds_config: dict) -> Optional[MuonOptimizerParams]:
     """Check the ds_muon-relevant parts of a DeepSpeed config dict.
 
@@ -834,7 +849,7 @@ def validate_ds_config(ds_config: dict) -> Optional[MuonOptimizerParams]:
         device = offload.get("device")
         device = str(getattr(device, "value", device)).lower() if device is not None else None
         if device == "nvme":
-            problems.extend(_nvme_path_problems("offload_optimizer", offload.get("nvme_path")))
+            problems.extend(_nvme_offload_problems(offload))
             if (params is not None and params.momentum_dtype != "float32"
                     and zero.get("save_muon_momentum_buffer_in_memory") is not True):
                 problems.append(f"optimizer.params.momentum_dtype: {params.momentum_dtype!r} with NVMe optimizer "
@@ -846,14 +861,6 @@ def validate_ds_config(ds_config: dict) -> Optional[MuonOptimizerParams]:
         problems.append("zero_optimization.offload_param.device: 'nvme' (parameter offload to NVMe) is not supported "
                         "by ds_muon yet; use offload_param device 'cpu' or none (optimizer offload to NVMe is "
                         "supported: offload_optimizer.device 'nvme')")
-    if device == "nvme" and not _async_io_available():
-        problems.append("zero_optimization.offload_optimizer.device: 'nvme' needs DeepSpeed's async_io op, which "
-                        "cannot be built here: libaio is missing; install it (Debian/Ubuntu: apt-get install "
-                        "libaio-dev; RHEL: yum install libaio-devel), or use device 'cpu'")
-    if device == "nvme":
-        lock_problem = _async_io_build_lock_problem()
-        if lock_problem is not None:
-            problems.append(lock_problem)
 
     if isinstance(offload, dict) and _is_number(offload.get("ratio")) and offload["ratio"] != 1.0:
         problems.append(f"zero_optimization.offload_optimizer.ratio: {offload['ratio']!r} is invalid: DeepSpeed "
@@ -1016,8 +1023,8 @@ def validate_adam_mini_config(ds_config: dict) -> Optional[AdamMiniOptimizerPara
     """Check an AdamMini DeepSpeed config; None when the optimizer is not AdamMini.
 
     Checks ``optimizer.params`` (:func:`parse_adam_mini_params`), ``zero_optimization.stage`` == 3 (the
-    Adam-mini ZeRO-3 step is the only distributed one), no NVMe offload (not parity-tested yet), no
-    partial offload ``ratio``, and ``gradient_clipping`` >= 0.
+    Adam-mini ZeRO-3 step is the only distributed one), no NVMe parameter offload (as for Muon; NVMe
+    optimizer offload is supported), no partial offload ``ratio``, and ``gradient_clipping`` >= 0.
 
     Raises:
         ConfigError: one line per problem.
@@ -1040,9 +1047,13 @@ def validate_adam_mini_config(ds_config: dict) -> Optional[AdamMiniOptimizerPara
     for section in ("offload_optimizer", "offload_param"):
         offload = zero.get(section)
         device = offload.get("device") if isinstance(offload, dict) else None
-        if str(getattr(device, "value", device)).lower() == "nvme":
-            problems.append(f"zero_optimization.{section}.device: 'nvme' is not supported with AdamMini yet (not "
-                            "parity-tested); use device 'cpu' or none")
+        nvme = str(getattr(device, "value", device)).lower() == "nvme"
+        if section == "offload_param" and nvme:
+            problems.append("zero_optimization.offload_param.device: 'nvme' (parameter offload to NVMe) is not "
+                            "supported by ds_muon yet (as with Muon); use offload_param device 'cpu' or none "
+                            "(optimizer offload to NVMe is supported)")
+        elif nvme:  # the same environment checks as Muon's NVMe offload
+            problems.extend(_nvme_offload_problems(offload))
         if section == "offload_optimizer" and isinstance(offload, dict) and _is_number(offload.get("ratio")) \
                 and offload["ratio"] != 1.0:
             problems.append(f"zero_optimization.offload_optimizer.ratio: {offload['ratio']!r} is invalid with AdamMini "

@@ -54,8 +54,8 @@ _ADAM_MINI_HEADER = """
 ## AdamMini
 
 Keys of `"optimizer": {"type": "AdamMini", "params": {...}}` (Adam-mini, one second moment per block;
-see [Adam-mini](adam_mini.md)), validated the same way. It needs `zero_optimization.stage` 3; NVMe
-offload is refused (not parity-tested yet); optimizer offload to CPU works.
+see [Adam-mini](adam_mini.md)), validated the same way. It needs `zero_optimization.stage` 3; optimizer
+offload to CPU or NVMe works (the NVMe checks are Muon's); parameter offload to NVMe is refused, as for Muon.
 
 | key | type | default | allowed | description |
 |---|---|---|---|---|

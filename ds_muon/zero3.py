@@ -30,7 +30,7 @@ from torch.profiler import record_function
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.utils import logger
 
-from .adam_mini import BLOCK_ATTR, BLOCK_STATE_KEY, adam_mini_shard_update_, block_square_sums
+from .adam_mini import BLOCK_ATTR, BLOCK_STATE_KEY, adam_mini_shard_update_, block_square_sums, shard_chunks
 from .blocks import PADDING, BlockMap, build_block_map
 from .checkpoint import (CheckpointError, add_metadata, check_zero_state_dict, load_universal_state,
                          restore_step_count, rigid_load_arguments)
@@ -529,7 +529,8 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
         A swapped sub-group holds one buffer per swapped tensor while resident: fp32 weights,
         gradient, and its state (AdamW: ``exp_avg``, ``exp_avg_sq`` = 4 in all; Muon: ``momentum_buffer``
-        = 3, or 2 with ``save_muon_momentum_buffer_in_memory``). The partitioned swapper holds one
+        = 3, or 2 with ``save_muon_momentum_buffer_in_memory``; Adam-mini: ``exp_avg`` = 3). The
+        partitioned swapper holds one
         sub-group at a time; the pipelined one also the next (``pipeline_read``) and/or the previous
         (``pipeline_write``), so the need is the largest sum over that many consecutive swapped
         sub-groups. (Measured on CPU with DeepSpeed 0.19.8: one Muon and one AdamW sub-group need
@@ -539,12 +540,8 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             the number of buffers (count; each is the largest swapped sub-group's partition in fp32);
             0 when no sub-group is swapped.
         """
-        in_memory = bool(self.save_muon_momentum_buffer_in_memory)
-        counts = []
-        for i in range(len(self.fp16_groups)):
-            if self._swappable_optimizer_subgroup(i):
-                muon = self.optimizer.param_groups[self.sub_group_to_group_id[i]]["use_muon"]
-                counts.append(2 + (0 if in_memory else 1) if muon else 4)
+        counts = [self._swapped_tensors(i) for i in range(len(self.fp16_groups))
+                  if self._swappable_optimizer_subgroup(i)]
         cfg = self.optimizer_swapper.swap_config
         window = 1 + bool(cfg.pipeline_read) + bool(cfg.pipeline_write)
         return max((sum(counts[k:k + window]) for k in range(max(1, len(counts) - window + 1))), default=0)
@@ -559,20 +556,25 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             raise ConfigError(
                 f"zero_optimization.offload_optimizer.buffer_count: {cfg.buffer_count} is too small for this model: "
                 f"{how}, each needing one pinned buffer per swapped tensor (fp32 weights, gradient, and "
-                f"exp_avg + exp_avg_sq for AdamW or the Muon momentum); set buffer_count to at least {needed}")
+                f"exp_avg + exp_avg_sq for AdamW, the Muon momentum or Adam-mini's exp_avg); set buffer_count to "
+                f"at least {needed}")
 
     def swap_bytes_needed(self) -> int:
         """Bytes of NVMe swap files this rank writes: per swapped sub-group, its fp32 partition, gradient and
-        optimizer state (AdamW: 4 fp32 tensors of the partition's size; Muon: 3, or 2 with
-        ``save_muon_momentum_buffer_in_memory``). DeepSpeed's block alignment adds at most a few KiB per file."""
-        in_memory = bool(self.save_muon_momentum_buffer_in_memory)
-        total = 0
-        for i in range(len(self.fp16_groups)):
-            if self._swappable_optimizer_subgroup(i):
-                muon = self.optimizer.param_groups[self.sub_group_to_group_id[i]]["use_muon"]
-                tensors = (2 if in_memory else 3) if muon else 4
-                total += tensors * 4 * int(self.fp16_partitioned_groups_flat_numel[i])
-        return total
+        optimizer state (:meth:`_swapped_tensors` fp32 tensors of the partition's size). DeepSpeed's block
+        alignment adds at most a few KiB per file."""
+        return sum(self._swapped_tensors(i) * 4 * int(self.fp16_partitioned_groups_flat_numel[i])
+                   for i in range(len(self.fp16_groups)) if self._swappable_optimizer_subgroup(i))
+
+    def _swapped_tensors(self, i: int) -> int:
+        """Tensors of the partition's size that a swapped sub-group ``i`` swaps: fp32 weights and gradient,
+        plus AdamW's ``exp_avg`` and ``exp_avg_sq`` (4), Muon's ``momentum_buffer`` (3; 2 with
+        ``save_muon_momentum_buffer_in_memory``) or Adam-mini's ``exp_avg`` (3: its per-block second
+        moments stay in memory)."""
+        group = self._muon_group(i)
+        if group["use_muon"]:
+            return 2 if self.save_muon_momentum_buffer_in_memory else 3
+        return 3 if group.get("adam_mini") else 4
 
     def _check_swap_space(self) -> None:
         """Refuse to start when the NVMe swap directory's filesystem cannot hold the swap files of this node's
@@ -1006,12 +1008,14 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     def _adam_mini_sub_group_step(self, i: int) -> None:
         """Adam-mini on Adam-mini sub-group ``i`` (:mod:`ds_muon.adam_mini`), on the local fp32 shard ``(n,)``:
 
-        1. per-block partial sums of ``g**2`` over this rank's elements (one ``segment_reduce`` over the
-           :class:`~ds_muon.blocks.BlockMap`'s segments; a block may start on one rank and end on another,
-           and padding belongs to no block);
+        1. per-block partial sums of ``g**2`` over this rank's elements (a ``segment_reduce`` over the
+           :class:`~ds_muon.blocks.BlockMap`'s segments, one window of at most
+           :data:`ds_muon.adam_mini.CHUNK_ELEMENTS` at a time; a block may start on one rank and end on
+           another, and padding belongs to no block);
         2. one all_reduce(SUM) of ``n_blocks`` fp32 over the sub-group's partition group;
         3. ``v_B <- beta2*v_B + (1-beta2) * sum_B / |B|`` with ``|B|`` the block's global numel, then the
-           element-wise first moment and update on the shard (:func:`ds_muon.adam_mini.adam_mini_shard_update_`).
+           element-wise first moment and update on the shard, window by window
+           (:func:`ds_muon.adam_mini.adam_mini_shard_update_`): no temporary of the shard's size.
 
         State of the fp32 partition: ``step`` (int), ``exp_avg`` (the shard's length) and
         ``block_exp_avg_sq`` (``(n_blocks,)``, the same on every rank).
@@ -1021,24 +1025,22 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         grad = fp32.grad
         bm = self.adam_mini_maps[i]
         index = self._adam_mini_index.get(i)
-        if index is None or index[0].device != grad.device:
-            real = [k for k, b in enumerate(bm.block_of_segment) if b != PADDING]
+        if index is None or index[1].device != grad.device:
             dev = grad.device
             index = self._adam_mini_index[i] = (
-                torch.tensor(bm.lengths, dtype=torch.int64, device=dev),
-                torch.tensor(real, dtype=torch.int64, device=dev),
-                torch.tensor([bm.block_of_segment[k] for k in real], dtype=torch.int64, device=dev),
-                torch.tensor([bm.n_blocks if b == PADDING else b for b in bm.block_of_segment], dtype=torch.int64,
-                             device=dev),
+                shard_chunks(bm.lengths, bm.block_of_segment, bm.n_blocks, dev),
                 torch.tensor(self._adam_mini_block_numel[i], dtype=torch.float32, device=dev))
-        lengths, real, ids, segment_block, block_numel = index
+        chunks, block_numel = index
         state = self.optimizer.state[fp32]
         if "exp_avg" not in state:
+            # Created in the first step: under NVMe the swapper latches exp_avg (the shard's length) on the
+            # first swap-out; the per-block second moments (4 bytes per block) always stay in memory.
             state["step"] = 0
             state["exp_avg"] = torch.zeros_like(fp32)
             state[BLOCK_STATE_KEY] = torch.zeros(bm.n_blocks, dtype=torch.float32, device=fp32.device)
+            state[BLOCK_STATE_KEY].swappable = False
         with record_function("ds_muon/adam_mini_block_sums"):
-            sums = block_square_sums(grad, lengths, real, ids, bm.n_blocks)
+            sums = block_square_sums(grad, chunks, bm.n_blocks)
             device = torch.device(get_accelerator().current_device_name())
             wire = sums.to(device)
             with _named_collective(f"the Adam-mini block all_reduce of ZeRO sub-group {i}"):
@@ -1046,8 +1048,8 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             sums = wire.to(grad.device)
         state["step"] += 1
         with record_function("ds_muon/adam_mini_update"):
-            adam_mini_shard_update_(fp32, grad, state["exp_avg"], state[BLOCK_STATE_KEY], sums, block_numel, lengths,
-                                    segment_block, state["step"], group["lr"], tuple(group["betas"]), group["eps"],
+            adam_mini_shard_update_(fp32, grad, state["exp_avg"], state[BLOCK_STATE_KEY], sums, block_numel, chunks,
+                                    state["step"], group["lr"], tuple(group["betas"]), group["eps"],
                                     group["weight_decay"])
 
     def _blocks_with_gradient(self, i: int, grad: torch.Tensor) -> torch.Tensor:
@@ -1206,6 +1208,8 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                     cast_momentum_(state, self._muon_group(i))
                 if self._momentum_in_memory and MOMENTUM_KEY in state:
                     state[MOMENTUM_KEY].swappable = False
+                if BLOCK_STATE_KEY in state:  # Adam-mini's per-block second moments: never swapped
+                    state[BLOCK_STATE_KEY].swappable = False
                 self.optimizer.state[fp32] = state
             fp32.data.copy_(flat)
             if refresh_lp:
@@ -1264,11 +1268,9 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
     def _load_universal_checkpoint(self, checkpoint_folder, load_optimizer_states, load_from_fp32_weights):
         """Universal checkpoint (``"checkpoint": {"load_universal": true}``): ds_muon's loader, which
-        knows Muon's ``momentum_buffer`` (:func:`ds_muon.checkpoint.load_universal_state`); weights
+        knows Muon's ``momentum_buffer`` and Adam-mini's ``block_exp_avg_sq``
+        (:func:`ds_muon.checkpoint.load_universal_state`); weights
         only (``load_optimizer_states=False``): DeepSpeed's, after ds_muon's checks."""
-        if self.adam_mini_maps:
-            raise CheckpointError("universal checkpoints are not supported with AdamMini yet (its per-block second "
-                                  "moments are not re-partitioned); resume at the world size the checkpoint was saved at")
         if self.swap_optimizer and not load_optimizer_states:
             raise CheckpointError("loading only the weights of a universal checkpoint (load_module_only / "
                                   "load_optimizer_states=False) is not supported with NVMe optimizer offload: "

@@ -6,7 +6,9 @@ MODE is ``trainer`` (HF Trainer on a tiny Llama), ``peft`` (the same with a PEFT
 ``accelerate`` (Accelerate's native DeepSpeed path with ``DummyOptim``/``DummyScheduler``) or ``trl``
 (TRL's ``SFTTrainer``). Every mode calls ``ds_muon.enable()`` and writes ``DIR/result.json`` on
 rank 0: the optimizer class, Muon step count, per-step losses and the trainable parameters' fp32
-master weights (``DIR/params.pt``, gathered from the ZeRO-3 partitions).
+master weights (``DIR/params.pt``, gathered from the ZeRO-3 partitions); Trainer modes also the
+input_ids every rank trained on (``DIR/batches.pt``). ``--optimizer adam_mini`` runs Trainer with
+``"optimizer": {"type": "AdamMini"}``.
 """
 from __future__ import annotations
 
@@ -41,13 +43,20 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.x[i], "labels": self.x[i]}
 
 
-def ds_config(load_universal: bool = False) -> dict:
+# AdamMini's params as TrainingArguments(learning_rate=3e-3, weight_decay=0.1) and its default betas/eps
+# give them (Trainer refuses a DeepSpeed config whose optimizer params contradict its arguments).
+ADAM_MINI = {"type": "AdamMini", "params": {"lr": 3e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.1}}
+
+
+def ds_config(load_universal: bool = False, adam_mini: bool = False) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
            "gradient_clipping": "auto",
            "optimizer": {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 3e-3, "momentum": 0.95,
                                                     "weight_decay": 0.0, "ns_dtype": "float32",
                                                     "exchange_dtype": "float32"}},
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    if adam_mini:
+        cfg["optimizer"] = json.loads(json.dumps(ADAM_MINI))
     if load_universal:
         cfg["checkpoint"] = {"load_universal": True}
     return cfg
@@ -73,12 +82,18 @@ def write(out: str, rank: int, opt, params: dict, **extra) -> None:
 def run_trainer(args, peft: bool) -> None:
     from transformers import Trainer, TrainingArguments
     model = tiny_llama()
+    adam_mini = args.optimizer == "adam_mini"
+    seen: list[torch.Tensor] = []  # each micro-batch's input_ids on this rank, for the AdamMini reference
+    model.register_forward_pre_hook(lambda _m, _a, kw: seen.append(kw["input_ids"].detach().cpu().clone()),
+                                    with_kwargs=True)
     if peft:
         from peft import LoraConfig, get_peft_model
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                                  lora_dropout=0.0))
-    targs = TrainingArguments(output_dir=args.out, per_device_train_batch_size=args.batch, learning_rate=0.02,
-                              max_steps=args.steps, logging_steps=1, deepspeed=ds_config(args.load_universal),
+    targs = TrainingArguments(output_dir=args.out, per_device_train_batch_size=args.batch,
+                              learning_rate=3e-3 if adam_mini else 0.02, weight_decay=0.1 if adam_mini else 0.0,
+                              max_steps=args.steps, logging_steps=1,
+                              deepspeed=ds_config(args.load_universal, adam_mini),
                               use_cpu=True, report_to=[], save_strategy="steps", save_steps=args.save_steps,
                               log_level="info", seed=0, data_seed=0, lr_scheduler_type="constant",
                               gradient_checkpointing=args.gradient_checkpointing)
@@ -86,10 +101,17 @@ def run_trainer(args, peft: bool) -> None:
     trainer.train(resume_from_checkpoint=args.resume)
     engine = trainer.model_wrapped
     params = master_params(trainer.model)
+    batches = [None] * trainer.args.world_size
+    torch.distributed.all_gather_object(batches, seen)
+    if trainer.args.process_index == 0:
+        os.makedirs(args.out, exist_ok=True)
+        torch.save(batches, os.path.join(args.out, "batches.pt"))  # [rank][micro-batch] -> (batch, SEQ) int64
     write(args.out, trainer.args.process_index, engine.optimizer, params,
+          adam_mini_sub_groups=len(getattr(engine.optimizer, "adam_mini_maps", {})),
           losses={h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h},
           frozen=sorted(n for n, p in trainer.model.named_parameters() if not p.requires_grad),
-          muon=sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad and p.use_muon))
+          muon=sorted(n for n, p in trainer.model.named_parameters()
+                      if p.requires_grad and getattr(p, "use_muon", False)))
 
 
 def run_accelerate(args) -> None:
@@ -151,6 +173,8 @@ def main() -> None:
     ap.add_argument("--resume", default=None, help="checkpoint folder to resume from (Trainer modes)")
     ap.add_argument("--load-universal", action="store_true")
     ap.add_argument("--gradient-checkpointing", action="store_true")
+    ap.add_argument("--optimizer", choices=["muon", "adam_mini"], default="muon",
+                    help="the DeepSpeed config's optimizer (Trainer modes): Muon, or AdamMini (ADAM_MINI)")
     args = ap.parse_args()
     ds_muon.enable()
     if args.mode in ("trainer", "peft"):

@@ -114,6 +114,38 @@ def test_peft_lora_trainer_split_and_resume(tmp_path) -> None:
 # ------------------------------------------------------------------------------------------------
 # Accelerate's native DeepSpeed path, TRL's SFTTrainer
 # ------------------------------------------------------------------------------------------------
+def test_trainer_adam_mini_matches_reference(tmp_path) -> None:
+    """HF Trainer with ``"optimizer": {"type": "AdamMini"}`` at W=2 (3 steps, weight decay, Trainer's
+    gradient clipping at 1.0) against ``ds_muon.AdamMini`` on the same batches (recorded by the job):
+    per-rank mean loss, averaged over the ranks, raw-norm clip, one step. Tolerance: 1e-5 relative to
+    each parameter and 1e-3 relative to its update (tests/harness.py); the result is also far from AdamW's."""
+    import ds_muon
+    from tests.harness import compare
+    from tests.hf_clients import ADAM_MINI, tiny_llama
+    result, params, _ = _job("trainer", tmp_path / "am", 2, "--steps", "3", "--save-steps", "100",
+                             "--optimizer", "adam_mini")
+    assert result["optimizer"] == "MuonZeroOptimizer" and result["adam_mini_sub_groups"] > 0, result
+    batches = torch.load(tmp_path / "am" / "batches.pt")
+    assert len(batches) == 2 and all(len(b) == 3 for b in batches)
+    want = {}
+    for kind in ("adam_mini", "adamw"):
+        model = tiny_llama()
+        init = {n: p.detach().clone() for n, p in model.named_parameters()}
+        hp = dict(ADAM_MINI["params"], betas=tuple(ADAM_MINI["params"]["betas"]))
+        opt = ds_muon.AdamMini(model, **hp) if kind == "adam_mini" else torch.optim.AdamW(model.parameters(), **hp)
+        for step in range(3):
+            opt.zero_grad(set_to_none=True)
+            for rank_batches in batches:
+                x = rank_batches[step]
+                (model(input_ids=x, labels=x).loss / len(batches)).backward()
+            torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0)
+            opt.step()
+        want[kind] = compare(params, {n: p.detach() for n, p in model.named_parameters()}, init)
+    for name, e in want["adam_mini"].items():
+        assert e["moved"] > 0 and e["rel"] <= RTOL and e["rel_update"] <= 1e-3, (name, e)
+    assert any(e["rel_update"] > 1e-2 for e in want["adamw"].values()), "Trainer's AdamMini run equals AdamW's"
+
+
 def test_accelerate_dummy_optim_and_scheduler(tmp_path) -> None:
     result, params, _ = _job("accelerate", tmp_path / "acc", 2, "--steps", "3")
     assert result["optimizer"] == "MuonZeroOptimizer" and result["muon_step_count"] == 3
