@@ -81,8 +81,10 @@ def build_block_map(slots: Sequence, rank: int, shard_numel: int,
         if slot.shard_offset > offset:
             lengths.append(slot.shard_offset - offset)
             blocks.append(PADDING)
-        stack = getattr(slot, "ns_shape", None) or ns_view_shape(slot.shape)  # a slot's view knows conv weights
-        size = block_numel(slot) if block_numel is not None else slot.numel // stack[0]
+        if block_numel is not None:
+            size = block_numel(slot)
+        else:  # one block per matrix of the Newton–Schulz view (the slot's own: it knows conv weights)
+            size = slot.numel // (getattr(slot, "ns_shape", None) or ns_view_shape(slot.shape))[0]
         batch = slot.numel // size
         base = len(names)
         names.extend(f"{slot.name}[{k}]" for k in range(batch))

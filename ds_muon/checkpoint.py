@@ -273,7 +273,9 @@ def check_zero_state_dict(opt, state_dict: dict, load_optimizer_states: bool = T
                         f"{current['world_size']}: ZeRO-3 partitions depend on it; convert it with "
                         f"`{CONVERT_COMMAND}` and load the result with \"checkpoint\": {{\"load_universal\": true}}")
     else:
-        problems = _adam_mini_problems(saved, current) or _param_problems(_param_table(saved), _param_table(current))
+        # a weights-only load takes no optimizer state, so another optimizer or other blocks do not matter
+        problems = ((_adam_mini_problems(saved, current) if load_optimizer_states else [])
+                    or _param_problems(_param_table(saved), _param_table(current)))
         layout = [(sg["group"], [n for n, _ in sg["params"]]) for sg in saved["sub_groups"]]
         if not problems and layout != [(sg["group"], [n for n, _ in sg["params"]]) for sg in current["sub_groups"]]:
             problems.append("the ZeRO sub-groups hold other parameters than when saved (was "
@@ -737,12 +739,14 @@ def _universal_problems(opt, folder: str, names: list[list[str]], load_optimizer
     meta = header[DS_MUON_KEY]
     saved = meta["params"]
     current = zero_metadata(opt)
-    problems = _adam_mini_problems(meta, current) or _param_problems(saved, _param_table(current))
+    problems = ((_adam_mini_problems(meta, current) if load_optimizer_states else [])
+                or _param_problems(saved, _param_table(current)))
     if problems:
         return header, problems
     zero_dir = os.path.join(folder, "zero")
     for group_names in names:
-        kinds = {(tuple(saved[n]["state_keys"]), repr(saved[n]["scalars"])) for n in group_names}
+        kinds = {(tuple(saved[n]["state_keys"]), repr(saved[n]["scalars"]), bool(saved[n].get("block_state")))
+                 for n in group_names}
         if load_optimizer_states and len(kinds) > 1:
             problems.append(f"parameters {group_names} share a ZeRO sub-group here but were saved with different "
                             f"optimizer state {sorted(kinds)}")

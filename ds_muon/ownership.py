@@ -237,6 +237,17 @@ class BucketedPlan:
         """max / mean Newton–Schulz FLOPs over ranks for the whole sub-group."""
         return _imbalance(self.load())
 
+    def ns_call_shapes(self, rank: int) -> set[tuple[int, ...]]:
+        """The input shapes ``(k, *batch, rows, cols)`` of the Newton–Schulz calls ``rank`` makes per step
+        (one per block group of each same-view batch it owns, in every bucket): with static-shape
+        compilation (``ns_autotune``) each distinct one is a graph."""
+        out = set()
+        for bucket in self.buckets:
+            for b in bucket.batches[rank]:
+                view = b.view if b.view is not None else matrix_view(b.ns_shape)
+                out.update((b.count, *g.sizes) for g in view.groups)
+        return out
+
     def sent_elements(self, rank: int) -> int:
         """Elements ``rank`` sends per step in all buckets' exchanges (see ExchangePlan.sent_elements)."""
         return sum(b.sent_elements(rank) for b in self.buckets)

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional
@@ -657,6 +658,12 @@ def _attention_split(leaf: str, module: nn.Module, shape: tuple, cfg, per_head: 
     return None
 
 
+def _refined(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    """Block sizes cut at the boundaries of both ``a`` and ``b`` (two tilings of the same length)."""
+    cuts = sorted(set(itertools.accumulate(a)) | set(itertools.accumulate(b)))
+    return tuple(hi - lo for lo, hi in zip([0] + cuts[:-1], cuts))
+
+
 def _declared_split(name: str, p: torch.Tensor, splits: dict[str, dict], used: set[str]) -> Optional[Split]:
     value = getattr(p, USER_SPLIT_ATTR, None)
     if value is not None:
@@ -691,8 +698,11 @@ def _assign_views(model: nn.Module, sel: "Selection", per_head: bool, splits: di
         conv = isinstance(module, _CONV_MODULES) and leaf_param == "weight"
         if conv:  # (out, in/groups, *kernel): one matrix (out, in/groups*prod(kernel)), per group if grouped
             groups = int(getattr(module, "groups", 1) or 1)
-            if split is not None:
-                split = dataclasses.replace(split, conv=True)
+            if split is not None:  # a declared split, cut at the group boundaries too (groups never mix)
+                rows = split.rows
+                if groups > 1:
+                    rows = _refined(rows or (shape[0],), (shape[0] // groups,) * groups)
+                split = dataclasses.replace(split, rows=rows, conv=True)
             elif groups > 1:
                 split = Split(rows=(shape[0] // groups,) * groups, conv=True, label="conv per group")
             elif len(shape) == 3:

@@ -38,7 +38,7 @@ from .config import ConfigError, resolve_exchange_dtype
 from .exchange import BufferPool, OwnerExchange
 from .matrix import SPLIT_ATTR, update_scale
 from .momentum import apply_update_, fused_apply_update_, fused_momentum_update_, momentum_update_
-from .newton_schulz import AUTOTUNE_COMPILE, compiled_orthogonalize, orthogonalize, resolve_ns_dtype
+from .newton_schulz import AUTOTUNE_COMPILE, COMPILE_GRAPH_LIMIT, compiled_orthogonalize, orthogonalize, resolve_ns_dtype
 from .ownership import BucketedPlan, ParamInfo, build_bucketed_plan
 from .qk_clip import check_recorded, factor_vector, find_clip_targets, partition_ranges, take_max_logits
 from .reference import MOMENTUM_KEY
@@ -620,6 +620,18 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                                                     self._muon_pool)
             if self._get_sub_group_partition_rank(i) == 0:
                 logger.info("ds_muon sub-group %d: %s", i, plan.describe())
+        cfg = self.optimizer.config
+        if cfg.ns_autotune and cfg.ns_compile and device.type == "cuda":
+            # one static graph per call shape; past the limit torch.compile would run the rest eagerly.
+            # Every rank has every plan, so all ranks see the same count and raise together.
+            worst = max((len(set().union(*(p.ns_call_shapes(r) for p in self.muon_plans.values())))
+                         for r in range(max((p.world_size for p in self.muon_plans.values()), default=0))),
+                        default=0)
+            if worst > COMPILE_GRAPH_LIMIT:
+                raise ConfigError(f"optimizer.params.ns_autotune: this model's owner plan makes {worst} distinct "
+                                  f"Newton-Schulz call shapes on one rank, more than the {COMPILE_GRAPH_LIMIT} static "
+                                  "graphs ds_muon lets torch.compile build (the rest would silently run eagerly); "
+                                  "set ns_autotune: false (dynamic shapes, few graphs)")
 
     def _build_adam_mini_maps(self) -> None:
         """The :class:`~ds_muon.blocks.BlockMap` of every Adam-mini sub-group on this rank, from the parameters'

@@ -105,6 +105,19 @@ def test_reference_per_element_is_adamw_and_block_matches_formula() -> None:
     assert mini.state[p_block]["block_exp_avg_sq"].shape == (3,)
 
 
+def test_block_map_of_adam_mini_slots_takes_any_shape() -> None:
+    """build_block_map with Adam-mini's block sizes: 1-D (a norm, one block) and 2-D parameters, never
+    a Muon view (a 1-D shape has none), blocks split by the shard boundary; fails if the Muon view is
+    computed for an Adam-mini slot."""
+    from ds_muon.blocks import build_block_map
+    from ds_muon.zero3 import AdamMiniSlot
+    # W = 2: a (6,) norm as one block (chunk 3) then an (4, 5) weight in blocks of 5 (chunk 10)
+    slots = [AdamMiniSlot("norm", (6,), 6, 3, 0, 6), AdamMiniSlot("w", (4, 5), 20, 10, 3, 5)]
+    for rank, want in ((0, [("norm[0]", 3), ("w[0]", 5), ("w[1]", 5)]), (1, [("norm[0]", 3), ("w[2]", 5), ("w[3]", 5)])):
+        bm = build_block_map(slots, rank, 13, block_numel=lambda s: s.block)
+        assert [(bm.block_names[b], n) for b, n in zip(bm.block_of_segment, bm.lengths)] == want
+
+
 def test_config_errors_name_the_key() -> None:
     from ds_muon.config import ConfigError, parse_adam_mini_params, validate_adam_mini_config
     with pytest.raises(ConfigError, match=r"optimizer.params.betaz: unknown key.*did you mean 'betas'"):
@@ -295,13 +308,15 @@ def _regrouped_heads():
 
 def _load_errors_case(rank: int, world_size: int, case: dict) -> list:
     """Load the "resume" case's checkpoint (block_rule default) with block_rule neuron, and into a model
-    whose heads regroup the same shapes: each must raise CheckpointError on every rank."""
+    whose heads regroup the same shapes: each must raise CheckpointError on every rank; the latter's
+    weights-only load (load_optimizer_states=False) must not."""
     from ds_muon.checkpoint import CheckpointError
     out = []
-    for params, model_fn in (({"block_rule": "neuron"}, llama), ({}, _regrouped_heads)):
+    for params, model_fn, states in (({"block_rule": "neuron"}, llama, True), ({}, _regrouped_heads, True),
+                                     ({}, _regrouped_heads, False)):
         engine, _ = build_engine(mini_config(params=params), model_fn=model_fn)
-        try:
-            engine.load_checkpoint(os.path.join(case["root"], "ckpt-resume"), tag="t")
+        try:  # the third is a weights-only load: no second moments, so other blocks are fine
+            engine.load_checkpoint(os.path.join(case["root"], "ckpt-resume"), tag="t", load_optimizer_states=states)
             out.append(None)
         except CheckpointError as err:
             out.append(str(err))
@@ -462,7 +477,8 @@ def test_zero3_adam_mini_matches_reference(world_size: int, tmp_path, request) -
             continue
         if case["name"] == "load-errors":
             for r in per_rank:
-                rule, heads = r[k]
+                rule, heads, weights_only = r[k]
+                assert weights_only is None, weights_only
                 assert rule and "optimizer.params.block_rule: the checkpoint was saved with 'default', this run has " \
                     "'neuron'" in rule, rule
                 assert heads and "parameter 'model.layers.0.self_attn.q_proj.weight': Adam-mini blocks of 256 " \

@@ -82,3 +82,32 @@ def test_compiled_newton_schulz_graphs_for_model_plans(preset, per_head, methods
     assert all(g <= GRAPH_BUDGET for g, _ in worst.values()), f"{preset}: (graphs, distinct shapes) {worst}"
     # more distinct input shapes than graphs somewhere: the graphs are shared across shapes
     assert any(n > g for g, n in worst.values()), worst
+
+
+@pytest.mark.parametrize("preset,per_head,world_size", [("934m", False, 2), ("2.9b", True, 4), ("moe-1.5b", False, 8)])
+def test_plan_names_the_static_call_shapes(preset, per_head, world_size):
+    """``BucketedPlan.ns_call_shapes(rank)`` (what ``ns_autotune`` counts against ``COMPILE_GRAPH_LIMIT``
+    before the first step) is exactly the set of input shapes the owner replay calls Newton–Schulz with
+    on that rank, and within the limit for the benchmark models."""
+    from model import CausalLM, ModelConfig
+
+    from ds_muon.exchange import OwnerExchange
+    from ds_muon.matrix import SPLIT_ATTR
+    from ds_muon.newton_schulz import COMPILE_GRAPH_LIMIT
+    from ds_muon.ownership import ParamInfo, build_bucketed_plan
+    from ds_muon.selection import param_numel, param_shape, tag_model
+    with torch.device("meta"):
+        model = CausalLM(ModelConfig.preset(preset))
+    tag_model(model, log=False, per_head_muon=per_head)
+    infos = [ParamInfo(n, param_shape(p), param_numel(p), getattr(p, SPLIT_ATTR, None))
+             for n, p in model.named_parameters() if getattr(p, "use_muon", False)]
+    plan = build_bucketed_plan(infos, world_size, 128 * 2**20, 5, "standard")
+    for rank in range(world_size):
+        seen: set = set()
+        exchange = OwnerExchange(None, torch.bfloat16, torch.bfloat16, torch.device("meta"))
+        exchange.world_size, exchange.rank = world_size, rank
+        for bucket in plan.buckets:
+            owner_side = torch.empty(world_size * bucket.split_sizes[rank], dtype=torch.bfloat16, device="meta")
+            exchange._owner_compute(bucket, owner_side, lambda t: (seen.add(tuple(t.shape)), t)[1], "meta")
+        assert plan.ns_call_shapes(rank) == seen
+        assert 0 < len(seen) <= COMPILE_GRAPH_LIMIT, (rank, len(seen))

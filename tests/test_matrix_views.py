@@ -462,6 +462,12 @@ def test_grouped_conv_per_group_and_depthwise_conv_adamw():
     assert sel.splits["0.weight"] == Split(rows=(6, 6), conv=True, label="conv per group")
     assert sel.view("0.weight").describe() == "2 blocks of 6x12"
     assert sel.splits["1.weight"].conv and sel.view("1.weight").describe() == "2 blocks of 6x36"
+    # a declared split on a grouped conv is also cut at the group boundaries: rows of two groups never mix
+    grouped = nn.Conv1d(9, 12, 3, groups=3)
+    grouped.weight.use_muon, grouped.weight.muon_split = True, {"rows": [6, 6]}
+    assert select_muon_params(grouped).splits["weight"].rows == (4, 2, 2, 4)
+    grouped.weight.muon_split = {"cols": [3, 6]}
+    assert select_muon_params(grouped).view("weight").describe() == "3 blocks of 4x3 + 3 blocks of 4x6"
     w = net[0].weight
     setattr(w, SPLIT_ATTR, sel.splits["0.weight"])
     w0 = w.detach().clone()
