@@ -621,7 +621,7 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             if self._get_sub_group_partition_rank(i) == 0:
                 logger.info("ds_muon sub-group %d: %s", i, plan.describe())
         cfg = self.optimizer.config
-        if cfg.ns_autotune and cfg.ns_compile and device.type == "cuda":
+        if self.muon_plans and cfg.ns_autotune and cfg.ns_compile and device.type == "cuda":
             # one static graph per call shape; past the limit torch.compile would run the rest eagerly.
             # Every rank has every plan, so all ranks see the same count and raise together.
             worst = max((len(set().union(*(p.ns_call_shapes(r) for p in self.muon_plans.values())))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -92,7 +93,8 @@ def _free_port() -> int:
 
 
 def _results(out: str) -> list[dict]:
-    return [json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines() if "RESULT " in line]
+    """Every rank's ``RESULT {...}`` (flat JSON objects); the launcher may interleave two ranks' lines."""
+    return [json.loads(m) for m in re.findall(r"RESULT (\{[^{}]*\})", out)]
 
 
 @pytest.fixture(scope="module")
