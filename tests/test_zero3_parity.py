@@ -188,6 +188,10 @@ def _fp16_overflow_case(rank: int, world_size: int, case: dict, nvme_dir: str = 
             out["same_momentum"] = all(torch.equal(momentum[i], opt.optimizer.state[
                 opt.fp32_partitioned_groups_flat[i]]["momentum_buffer"]) for i in opt.muon_plans)
             out["same_weights"] = all(torch.equal(a, b) for a, b in zip(weights, opt.fp32_partitioned_groups_flat))
+            # for the message if not: (sub-group, Muon?, elements changed, of, max |change|)
+            out["changed"] = [(i, i in opt.muon_plans, int((a != b).sum()), a.numel(), float((a - b).abs().max()))
+                              for i, (a, b) in enumerate(zip(weights, opt.fp32_partitioned_groups_flat))
+                              if not torch.equal(a, b)]
             out["muon_steps_across"] = (muon_steps, opt.muon_step_count)
     out["steps"] = opt.muon_step_count
     got = fp32_master_params(model)
@@ -276,7 +280,8 @@ def check_fp16_overflow(case: dict, per_rank: list[dict]) -> None:
     res, name = per_rank[0], case["name"]
     for r in per_rank:
         assert r["skipped"] == [s == FP16_POISONED for s in range(FP16_STEPS)], (name, r["skipped"])
-        assert r["same_momentum"] and r["same_weights"], f"{name}: the overflow step changed the state"
+        assert r["same_momentum"] and r["same_weights"], \
+            f"{name}: the overflow step changed the state (sub-group, Muon, changed, of, max): {r.get('changed')}"
         assert r["muon_steps_across"] == (FP16_POISONED, FP16_POISONED), f"{name}: Muon steps {r['muon_steps_across']}"
         assert r["steps"] == FP16_STEPS - 1, f"{name}: {r['steps']} Muon steps"
     assert res["tags"]["q.weight"] and not res["tags"]["embed.weight"]
