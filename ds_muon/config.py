@@ -780,6 +780,12 @@ def _nvme_path_problems(section: str, nvme_path: Any) -> list[str]:
     return []
 
 
+# Muon and AdamMini alike
+NVME_PARAM_OFFLOAD_PROBLEM = ("zero_optimization.offload_param.device: 'nvme' (parameter offload to NVMe) is not "
+                              "supported by ds_muon yet; use offload_param device 'cpu' or none (optimizer offload to "
+                              "NVMe is supported: offload_optimizer.device 'nvme')")
+
+
 def _nvme_offload_problems(offload: dict) -> list[str]:
     """Problems of an ``offload_optimizer`` with ``device: nvme`` (Muon and AdamMini): ``nvme_path`` must
     exist, be writable and support O_DIRECT; libaio must be there for DeepSpeed's async_io op, and no
@@ -858,9 +864,7 @@ def validate_ds_config(ds_config: dict) -> Optional[MuonOptimizerParams]:
     offload_param = zero.get("offload_param")
     param_device = offload_param.get("device") if isinstance(offload_param, dict) else None
     if str(getattr(param_device, "value", param_device)).lower() == "nvme":
-        problems.append("zero_optimization.offload_param.device: 'nvme' (parameter offload to NVMe) is not supported "
-                        "by ds_muon yet; use offload_param device 'cpu' or none (optimizer offload to NVMe is "
-                        "supported: offload_optimizer.device 'nvme')")
+        problems.append(NVME_PARAM_OFFLOAD_PROBLEM)
 
     if isinstance(offload, dict) and _is_number(offload.get("ratio")) and offload["ratio"] != 1.0:
         problems.append(f"zero_optimization.offload_optimizer.ratio: {offload['ratio']!r} is invalid: DeepSpeed "
@@ -1049,9 +1053,7 @@ def validate_adam_mini_config(ds_config: dict) -> Optional[AdamMiniOptimizerPara
         device = offload.get("device") if isinstance(offload, dict) else None
         nvme = str(getattr(device, "value", device)).lower() == "nvme"
         if section == "offload_param" and nvme:
-            problems.append("zero_optimization.offload_param.device: 'nvme' (parameter offload to NVMe) is not "
-                            "supported by ds_muon yet (as with Muon); use offload_param device 'cpu' or none "
-                            "(optimizer offload to NVMe is supported)")
+            problems.append(NVME_PARAM_OFFLOAD_PROBLEM)
         elif nvme:  # the same environment checks as Muon's NVMe offload
             problems.extend(_nvme_offload_problems(offload))
         if section == "offload_optimizer" and isinstance(offload, dict) and _is_number(offload.get("ratio")) \

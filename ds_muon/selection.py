@@ -7,7 +7,8 @@ Order of precedence, first match wins:
    names (``adamw_params`` is checked first, so a parameter matched by both goes to AdamW).
 3. The module-type rule: Muon for the >=2-D weights of hidden linear and convolution layers
    (``nn.Linear``, ``nn.Conv1d/2d/3d``, transposed convs, Hugging Face's GPT-2 ``Conv1D``), except
-   depthwise convs (one filter row per group, e.g. Mamba's ``conv1d``). AdamW for everything else: embeddings (and any linear tied to one), output heads (below), norms,
+   depthwise convs (one filter row per group, e.g. Mamba's ``conv1d``).
+   AdamW for everything else: embeddings (and any linear tied to one), output heads (below), norms,
    biases, 0-D/1-D parameters, and >=2-D parameters of modules the rule does not recognise (tag
    those yourself; AdamW is never wrong, only possibly slower to train).
    MoE (:data:`MOE_RULE`): the 3-D parameters of an expert container (a module whose >=2-D
@@ -75,7 +76,8 @@ _MATRIX_MODULES: tuple[type, ...] = (
     nn.ConvTranspose2d,
     nn.ConvTranspose3d,
 )
-_CONV_MODULES: tuple[type, ...] = _MATRIX_MODULES[1:]
+_CONV_TRANSPOSE_MODULES: tuple[type, ...] = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_CONV_MODULES: tuple[type, ...] = (nn.Conv1d, nn.Conv2d, nn.Conv3d) + _CONV_TRANSPOSE_MODULES
 _EMBEDDING_MODULES: tuple[type, ...] = (nn.Embedding, nn.EmbeddingBag)
 # Hugging Face's GPT-2 style Conv1D is a linear layer with a transposed weight. Matched by class
 # name so transformers stays an optional dependency.
@@ -361,7 +363,7 @@ def _is_depthwise_conv(m: nn.Module) -> bool:
     is no matrix to orthogonalize (Newton–Schulz of one row only normalizes it)."""
     if not isinstance(m, _CONV_MODULES) or m.groups <= 1:
         return False
-    rows = m.in_channels if isinstance(m, nn.modules.conv._ConvTransposeNd) else m.out_channels
+    rows = m.in_channels if isinstance(m, _CONV_TRANSPOSE_MODULES) else m.out_channels
     return rows // m.groups == 1
 
 
@@ -698,13 +700,12 @@ def _assign_views(model: nn.Module, sel: "Selection", per_head: bool, splits: di
         conv = isinstance(module, _CONV_MODULES) and leaf_param == "weight"
         if conv:  # (out, in/groups, *kernel): one matrix (out, in/groups*prod(kernel)), per group if grouped
             groups = int(getattr(module, "groups", 1) or 1)
+            group_rows = (shape[0] // groups,) * groups if groups > 1 else None
             if split is not None:  # a declared split, cut at the group boundaries too (groups never mix)
-                rows = split.rows
-                if groups > 1:
-                    rows = _refined(rows or (shape[0],), (shape[0] // groups,) * groups)
+                rows = _refined(split.rows or (shape[0],), group_rows) if group_rows else split.rows
                 split = dataclasses.replace(split, rows=rows, conv=True)
-            elif groups > 1:
-                split = Split(rows=(shape[0] // groups,) * groups, conv=True, label="conv per group")
+            elif group_rows:
+                split = Split(rows=group_rows, conv=True, label="conv per group")
             elif len(shape) == 3:
                 split = Split(conv=True, label="conv")
         elif split is None and len(shape) == 3:  # per expert gate_up: (E, 2I, H) next to down (E, H, I)

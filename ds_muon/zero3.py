@@ -620,18 +620,27 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                                                     self._muon_pool)
             if self._get_sub_group_partition_rank(i) == 0:
                 logger.info("ds_muon sub-group %d: %s", i, plan.describe())
+        self._check_autotune_graphs(device)
+
+    def _check_autotune_graphs(self, device: torch.device) -> None:
+        """With ``ns_autotune`` on CUDA: every distinct Newton–Schulz call shape of a rank is a static graph;
+        refuse more than ``COMPILE_GRAPH_LIMIT`` of them (past it torch.compile would run the rest eagerly).
+        Every rank has every plan, so all ranks see the same count and raise together.
+
+        Raises:
+            ConfigError: naming ``optimizer.params.ns_autotune`` and the count.
+        """
         cfg = self.optimizer.config
-        if self.muon_plans and cfg.ns_autotune and cfg.ns_compile and device.type == "cuda":
-            # one static graph per call shape; past the limit torch.compile would run the rest eagerly.
-            # Every rank has every plan, so all ranks see the same count and raise together.
-            worst = max((len(set().union(*(p.ns_call_shapes(r) for p in self.muon_plans.values())))
-                         for r in range(max((p.world_size for p in self.muon_plans.values()), default=0))),
-                        default=0)
-            if worst > COMPILE_GRAPH_LIMIT:
-                raise ConfigError(f"optimizer.params.ns_autotune: this model's owner plan makes {worst} distinct "
-                                  f"Newton-Schulz call shapes on one rank, more than the {COMPILE_GRAPH_LIMIT} static "
-                                  "graphs ds_muon lets torch.compile build (the rest would silently run eagerly); "
-                                  "set ns_autotune: false (dynamic shapes, few graphs)")
+        if not (self.muon_plans and cfg.ns_autotune and cfg.ns_compile and device.type == "cuda"):
+            return
+        plans = list(self.muon_plans.values())
+        worst = max(len(set().union(*(p.ns_call_shapes(r) for p in plans)))
+                    for r in range(max(p.world_size for p in plans)))
+        if worst > COMPILE_GRAPH_LIMIT:
+            raise ConfigError(f"optimizer.params.ns_autotune: this model's owner plan makes {worst} distinct "
+                              f"Newton-Schulz call shapes on one rank, more than the {COMPILE_GRAPH_LIMIT} static "
+                              "graphs ds_muon lets torch.compile build (the rest would silently run eagerly); "
+                              "set ns_autotune: false (dynamic shapes, few graphs)")
 
     def _build_adam_mini_maps(self) -> None:
         """The :class:`~ds_muon.blocks.BlockMap` of every Adam-mini sub-group on this rank, from the parameters'

@@ -132,6 +132,9 @@ def test_config_errors_name_the_key() -> None:
         validate_adam_mini_config(dict(base, zero_optimization={"stage": 3, "zenflow": {"topk_ratio": 0.1}}))
     with pytest.raises(ConfigError, match=r"tensor_parallel.autotp_size: 2 is invalid"):
         validate_adam_mini_config(dict(base, tensor_parallel={"autotp_size": 2}))
+    with pytest.raises(ConfigError, match=r"zero_optimization\.offload_param\.device: 'nvme' \(parameter offload "
+                                          r"to NVMe\) is not supported by ds_muon yet"):
+        validate_adam_mini_config(dict(base, zero_optimization={"stage": 3, "offload_param": {"device": "nvme"}}))
 
 
 def test_zero_d_parameter_is_refused_before_the_engine() -> None:

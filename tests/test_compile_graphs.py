@@ -111,3 +111,39 @@ def test_plan_names_the_static_call_shapes(preset, per_head, world_size):
             exchange._owner_compute(bucket, owner_side, lambda t: (seen.add(tuple(t.shape)), t)[1], "meta")
         assert plan.ns_call_shapes(rank) == seen
         assert 0 < len(seen) <= COMPILE_GRAPH_LIMIT, (rank, len(seen))
+
+
+def test_ns_autotune_refuses_more_static_graphs_than_the_limit(monkeypatch):
+    """``MuonZeroOptimizer._check_autotune_graphs``: with ns_autotune on CUDA, a plan of more distinct call
+    shapes on some rank than ``COMPILE_GRAPH_LIMIT`` is a ConfigError naming the key; at the limit, on CPU,
+    or without ns_autotune nothing is raised (the per-head 2.9B plan at W=1: 11 shapes on rank 0)."""
+    import types
+
+    import ds_muon.zero3 as zero3
+    from ds_muon.config import ConfigError, parse_muon_params
+    from model import CausalLM, ModelConfig
+
+    from ds_muon.matrix import SPLIT_ATTR
+    from ds_muon.ownership import ParamInfo, build_bucketed_plan
+    from ds_muon.selection import param_numel, param_shape, tag_model
+    with torch.device("meta"):
+        model = CausalLM(ModelConfig.preset("2.9b"))
+    tag_model(model, log=False, per_head_muon=True)
+    infos = [ParamInfo(n, param_shape(p), param_numel(p), getattr(p, SPLIT_ATTR, None))
+             for n, p in model.named_parameters() if getattr(p, "use_muon", False)]
+    plan = build_bucketed_plan(infos, 1, 128 * 2**20, 5, "standard")
+    shapes = len(plan.ns_call_shapes(0))
+    cuda = torch.device("cuda")  # only the device type is read
+
+    def fake(**params):
+        return types.SimpleNamespace(muon_plans={0: plan},
+                                     optimizer=types.SimpleNamespace(config=parse_muon_params(params)))
+
+    check = zero3.MuonZeroOptimizer._check_autotune_graphs
+    monkeypatch.setattr(zero3, "COMPILE_GRAPH_LIMIT", shapes - 1)
+    with pytest.raises(ConfigError, match=rf"optimizer.params.ns_autotune: .* {shapes} distinct .* set ns_autotune: false"):
+        check(fake(ns_autotune=True), cuda)
+    check(fake(ns_autotune=True), torch.device("cpu"))
+    check(fake(ns_autotune=False), cuda)
+    monkeypatch.setattr(zero3, "COMPILE_GRAPH_LIMIT", shapes)
+    check(fake(ns_autotune=True), cuda)
