@@ -82,6 +82,9 @@ def main() -> None:
             "weight_change": change,  # ||w_after - w_before|| / ||w_before||
         }), flush=True)
     ds_muon.disable()
+    if torch.distributed.is_initialized():  # a clean teardown: gloo can abort at interpreter exit otherwise
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -183,6 +183,11 @@ def main() -> None:
         run_accelerate(args)
     else:
         run_trl(args)
+    # A clean teardown: a rank that leaves while another is still writing can abort in gloo's destructors at
+    # interpreter exit ("terminate called without an active exception", SIGABRT; seen once in CI).
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
