@@ -31,40 +31,38 @@ def auto_enabled_by_env() -> bool:
 
 
 class _AfterLoad:  # a Loader by duck type (importlib.abc costs milliseconds at start-up)
-    """Wraps ``deepspeed``'s own loader: runs it unchanged, then activates ds_muon."""
+    """Wraps a module's own loader: runs it unchanged, then removes its finder and runs the finder's callback."""
 
-    def __init__(self, loader) -> None:
-        self._loader = loader
+    def __init__(self, loader, finder: "_AfterImport") -> None:
+        self._loader, self._finder = loader, finder
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
 
     def exec_module(self, module) -> None:
         self._loader.exec_module(module)
-        # deepspeed is imported now: the finder has done its job (it stays until here because
+        # the module is imported now: the finder has done its job (it stays until here because
         # importlib.util.find_spec("deepspeed"), as Accelerate's is_deepspeed_available() calls it,
         # asks finders without importing)
-        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _DeepSpeedFinder)]
-        if not auto_enabled_by_env():  # DS_MUON=0 set after start-up (e.g. by a test suite's conftest)
-            return
-        try:
-            from .integration import auto_enable
-            auto_enable()
-        except Exception as err:  # never break `import deepspeed`; say loudly that ds_muon is off
-            import warnings
-            warnings.warn(f"ds_muon: automatic activation failed ({type(err).__name__}: {err}); DeepSpeed's "
-                          "built-in Muon will be used. Call ds_muon.enable() to see the full error, or set "
-                          f"{ENV}=0 to silence this.", RuntimeWarning, stacklevel=2)
+        sys.meta_path[:] = [f for f in sys.meta_path if f is not self._finder]
+        self._finder.callback()
 
     def __getattr__(self, name: str):  # get_resource_reader, is_package, get_code, ... of the real loader
         return getattr(self._loader, name)
 
 
-class _DeepSpeedFinder:  # a MetaPathFinder by duck type
-    """Meta-path finder for the top-level ``deepspeed`` module; removed once deepspeed is imported."""
+class _AfterImport:  # a MetaPathFinder by duck type
+    """Meta-path finder for one module (``fullname``): lets the normal import run, then calls ``callback()``.
+
+    It finds nothing itself: it asks the other finders for the spec and wraps the loader, so the module
+    is the one the import would have loaded anyway. Removed from ``sys.meta_path`` once the module is
+    imported."""
+
+    def __init__(self, fullname: str, callback) -> None:
+        self.fullname, self.callback = fullname, callback
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != "deepspeed":
+        if fullname != self.fullname:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -76,8 +74,34 @@ class _DeepSpeedFinder:  # a MetaPathFinder by duck type
             return None
         loader = spec.loader
         if loader is not None and hasattr(loader, "exec_module") and not isinstance(loader, _AfterLoad):
-            spec.loader = _AfterLoad(loader)
+            spec.loader = _AfterLoad(loader, self)
         return spec
+
+
+def after_import(fullname: str, callback) -> None:
+    """Call ``callback()`` right after the module ``fullname`` is first imported (at once if it already is).
+
+    One pending hook per module name: a second call for a name that is still pending keeps the first
+    callback. The callback must not raise (it runs inside the importer's ``import`` statement).
+    """
+    if fullname in sys.modules:
+        callback()
+    elif not any(isinstance(f, _AfterImport) and f.fullname == fullname for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(fullname, callback))
+
+
+def _activate() -> None:
+    """The callback for ``deepspeed``: :func:`ds_muon.integration.auto_enable`, never breaking the import."""
+    if not auto_enabled_by_env():  # DS_MUON=0 set after start-up (e.g. by a test suite's conftest)
+        return
+    try:
+        from .integration import auto_enable
+        auto_enable()
+    except Exception as err:  # never break `import deepspeed`; say loudly that ds_muon is off
+        import warnings
+        warnings.warn(f"ds_muon: automatic activation failed ({type(err).__name__}: {err}); DeepSpeed's "
+                      "built-in Muon will be used. Call ds_muon.enable() to see the full error, or set "
+                      f"{ENV}=0 to silence this.", RuntimeWarning, stacklevel=2)
 
 
 def install() -> None:
@@ -90,5 +114,5 @@ def install() -> None:
     if "deepspeed" in sys.modules:
         from .integration import auto_enable
         auto_enable()
-    elif not any(isinstance(f, _DeepSpeedFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _DeepSpeedFinder())
+    else:
+        after_import("deepspeed", _activate)

@@ -28,6 +28,7 @@ import inspect
 import logging
 import sys
 import threading
+import warnings
 import weakref
 from typing import Any, Iterator
 
@@ -40,6 +41,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import logger as ds_logger
 
 from .checkpoint import install_load_checks
+from ._autoload import after_import
 from .adam_mini import adam_mini_param_groups, adam_mini_plan, adam_mini_summary
 from .config import ADAM_MINI_TYPE, ConfigError, load_ds_config, validate_adam_mini_config, validate_ds_config
 from .frameworks import ZERO_STAGE_FIX, detect_framework, for_framework
@@ -223,19 +225,31 @@ def _swapped(obj: Any, name: str, value: Any) -> Iterator[None]:
         setattr(obj, name, old)
 
 
+def _register_attention() -> None:
+    """:func:`ds_muon.attention.register_attention`, or a warning: it runs inside the user's transformers import."""
+    try:
+        from .attention import register_attention
+        register_attention()
+    except ImportError as err:  # a transformers without AttentionInterface / AttentionMaskInterface (< 4.48)
+        ds_logger.info(f"ds_muon: attn_implementation='ds_muon_sdpa' not registered ({err})")
+    except Exception as err:  # never break the user's `import transformers...`
+        warnings.warn(f"ds_muon: could not register attn_implementation='ds_muon_sdpa' ({type(err).__name__}: "
+                      f"{err}); call ds_muon.register_attention() to see the full error", RuntimeWarning,
+                      stacklevel=2)
+
+
 def enable() -> None:
     """From now on, ``deepspeed.initialize`` with optimizer ``"Muon"`` and ZeRO-3 uses ds_muon.
 
     For frameworks that call ``deepspeed.initialize`` themselves (HF Trainer, Accelerate). Other
-    configs are untouched. Calls nest: each ``enable()`` needs its ``disable()``. When transformers
-    is already imported, also registers ``attn_implementation="ds_muon_sdpa"``
-    (:func:`ds_muon.attention.register_attention`; not undone by :func:`disable`).
+    configs are untouched. Calls nest: each ``enable()`` needs its ``disable()``. Also registers
+    ``attn_implementation="ds_muon_sdpa"`` (:func:`ds_muon.attention.register_attention`; not undone
+    by :func:`disable`): at once when transformers' modeling code (``transformers.modeling_utils``) is
+    already imported, else right after its import. ``enable()`` never imports transformers itself
+    (``import deepspeed`` runs it, from the start-up hook).
     """
     global _depth
-    if "transformers" in sys.modules:  # never import transformers here: `import deepspeed` runs this
-        with contextlib.suppress(ImportError):  # a transformers without AttentionInterface (< 4.48)
-            from .attention import register_attention
-            register_attention()
+    after_import("transformers.modeling_utils", _register_attention)
     with _lock:
         if _depth == 0:
             _originals["set_optimizer_flags"] = deepspeed.set_optimizer_flags

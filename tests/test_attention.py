@@ -103,3 +103,31 @@ def test_enable_registers_when_transformers_is_imported():
     ds_muon.disable()
     assert transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS["ds_muon_sdpa"] is attention.ds_muon_sdpa
     assert "ds_muon_sdpa" in ALL_MASK_ATTENTION_FUNCTIONS
+
+
+@pytest.mark.parametrize("first_import", ["from transformers import LlamaConfig, LlamaForCausalLM",
+                                          "import transformers.masking_utils", "from transformers import Trainer"])
+def test_enable_before_transformers_registers_at_its_import(first_import):
+    """``ds_muon.enable()`` before transformers is imported (the start-up hook's case: ``import deepspeed`` runs
+    it) imports no transformers, and ``ds_muon_sdpa`` is registered once transformers' modeling code loads,
+    whichever transformers module the script imports first; a model then builds with it (fresh interpreter)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = (
+        "import sys, ds_muon; ds_muon.enable(); assert 'transformers' not in sys.modules, 'enable imported it'\n"
+        f"{first_import}\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS as M\n"
+        "from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as A\n"
+        "from ds_muon.attention import ds_muon_sdpa\n"
+        "assert A['ds_muon_sdpa'] is ds_muon_sdpa and 'ds_muon_sdpa' in M, 'not registered'\n"
+        "cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,\n"
+        "                  num_attention_heads=4, num_key_value_heads=2)\n"
+        "m = LlamaForCausalLM._from_config(cfg, attn_implementation='ds_muon_sdpa')\n"
+        "assert m.config._attn_implementation == 'ds_muon_sdpa'; print('OK')\n")
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(repo)))
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]

@@ -177,7 +177,7 @@ def test_hook_survives_find_spec_before_import() -> None:
     code = ("import importlib.util, sys; from ds_muon import _autoload as a; a.install(); "
             "assert importlib.util.find_spec('deepspeed') is not None; assert 'deepspeed' not in sys.modules; "
             "import deepspeed; from ds_muon import integration as i; assert i.is_enabled(), 'not enabled'; "
-            "assert not any(isinstance(f, a._DeepSpeedFinder) for f in sys.meta_path); print('OK')")
+            "assert not any(isinstance(f, a._AfterImport) and f.fullname == 'deepspeed' for f in sys.meta_path); print('OK')")
     _python_prints_ok(code)
 
 
