@@ -202,6 +202,12 @@ class QKClipParams(BaseModel):
         0.5, ge=0, le=1, allow_inf_nan=False,
         description=("Balance of the clip between query and key: W_q rows of the head *= gamma^alpha, W_k rows of "
                      "its key head *= gamma^(1-alpha) (dimensionless). Source: Kimi K2 (alpha = 0.5 there)."))
+    monitor_per_head: bool = Field(
+        True,
+        description=("Also write each query head's max logit of the step to DeepSpeed's monitor "
+                     "(Train/ds_muon/qk_clip/max_logit/<module>/head_<h>: layers x heads events per step, besides the "
+                     "per-layer and whole-model maxima and the clipped-head count, which are always written). Turn "
+                     "off for models with thousands of heads. Source: ds_muon."))
 
 
 class MuonOptimizerParams(BaseModel):
@@ -397,7 +403,8 @@ class MuonOptimizerParams(BaseModel):
 
     qk_clip: QKClipParams = Field(
         default_factory=QKClipParams,
-        description=("MuonClip's QK-clip: {\"enabled\": bool, \"threshold\": tau > 0, \"alpha\": in [0, 1]}. After the "
+        description=("MuonClip's QK-clip: {\"enabled\": bool, \"threshold\": tau > 0, \"alpha\": in [0, 1], "
+                     "\"monitor_per_head\": bool}. After the "
                      "optimizer step, for each attention head h whose max logit S_h of the step (all micro-batches, "
                      "all data-parallel ranks) exceeds tau: gamma = tau/S_h, the head's W_q rows (and q bias) *= "
                      "gamma^alpha, its key head's W_k rows (and k bias) *= gamma_kv^(1-alpha), gamma_kv from the "

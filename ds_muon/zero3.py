@@ -697,8 +697,10 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         group's lr) and ``Train/ds_muon/adam_lr`` (the first element-wise AdamW group's: per-element blocks).
         With ``qk_clip`` enabled: ``Train/ds_muon/qk_clip/heads_clipped`` (query heads whose max logit of the
         step exceeded the threshold, a count over all layers), ``Train/ds_muon/qk_clip/max_logit`` (the largest
-        pre-softmax logit of the step, all layers and ranks) and ``Train/ds_muon/qk_clip/max_logit/<module>``
-        per attention module (the global max over its heads).
+        pre-softmax logit of the step, all layers and ranks), ``Train/ds_muon/qk_clip/max_logit/<module>``
+        per attention module (the global max over its heads) and, unless ``qk_clip.monitor_per_head`` is off,
+        ``Train/ds_muon/qk_clip/max_logit/<module>/head_<h>`` per query head ``h`` (the head's max over the
+        step's micro-batches and ranks, ``S_h``; ``-inf`` for a head that saw no allowed key).
         After each step skipped for a non-finite gradient norm: ``Train/ds_muon/skipped_steps`` (skipped steps
         so far in this process, a count).
         """
@@ -734,7 +736,10 @@ class MuonZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         return ([("Train/ds_muon/qk_clip/heads_clipped", stats["heads_clipped"], step),
                  ("Train/ds_muon/qk_clip/max_logit", stats["max_logit"], step)]
                 + [(f"Train/ds_muon/qk_clip/max_logit/{name}", value, step)
-                   for name, value in stats["max_logit_per_layer"].items()])
+                   for name, value in stats["max_logit_per_layer"].items()]
+                + ([(f"Train/ds_muon/qk_clip/max_logit/{name}/head_{h}", value, step)
+                    for name, values in stats["max_logit_per_head"].items() for h, value in enumerate(values)]
+                   if self.optimizer.config.qk_clip.monitor_per_head else []))
 
     # ---- step ----------------------------------------------------------------------------
     def step(self, closure=None):

@@ -154,10 +154,12 @@ def test_refusals():
 
 def test_config_errors_name_key_and_allowed_values():
     from ds_muon.config import ConfigError, parse_muon_params
-    assert parse_muon_params({}).qk_clip.model_dump() == {"enabled": False, "threshold": 100.0, "alpha": 0.5}
+    assert parse_muon_params({}).qk_clip.model_dump() == {"enabled": False, "threshold": 100.0, "alpha": 0.5,
+                                                          "monitor_per_head": True}
     for bad, match in (({"threshold": 0}, r"qk_clip\.threshold: 0 is invalid.*allowed: a number > 0"),
                        ({"alpha": 1.5}, r"qk_clip\.alpha: 1\.5 is invalid.*allowed: a number in \[0, 1\]"),
                        ({"enabled": "yes"}, r"qk_clip\.enabled: 'yes' is invalid.*allowed: true or false"),
+                       ({"monitor_per_head": 1}, r"qk_clip\.monitor_per_head: 1 is invalid.*allowed: true or false"),
                        ({"treshold": 5}, r"qk_clip\.treshold: unknown key.*did you mean 'threshold'"),
                        (3, r"qk_clip: 3 is invalid.*enabled \(true or false\), threshold")):
         with pytest.raises(ConfigError, match=match):
@@ -215,6 +217,9 @@ def test_oracle_clip_scales_heads_and_bounds_logits(name, alpha):
     torch.testing.assert_close(s_new, s * scale, rtol=1e-5, atol=0)
     clipped = s > tau
     assert (s_new[clipped] <= tau * (1 + 1e-5)).all(), (s, s_new)
+    # the stats' max logit after the clip is that recomputed forward's (what examples/train.py --metrics logs)
+    torch.testing.assert_close(torch.tensor(opt.qk_clip_stats["max_logit_after_clip"]), s_new.max(), rtol=1e-5, atol=0)
+    assert opt.qk_clip_stats["max_logit_after_clip"] <= tau * (1 + 1e-6) < opt.qk_clip_stats["max_logit"]
     if target.num_kv_heads == target.num_heads:  # no GQA: exactly tau
         torch.testing.assert_close(s_new[clipped], torch.full_like(s_new[clipped], tau), rtol=1e-5, atol=0)
 
@@ -228,6 +233,16 @@ class _Monitor:
 
     def write_events(self, events):
         self.events.extend(events)
+
+
+def _events_by_step(monitor: _Monitor, marker: str, per_head: bool) -> list[dict]:
+    """``[{event name: value}]`` per monitor step of the QK-clip events whose name contains ``marker``:
+    per-head events (``.../head_<h>``) or the per-layer ones."""
+    steps: dict[int, dict] = {}
+    for name, value, step in monitor.events:
+        if "qk_clip" in name and marker in name and ("/head_" in name) == per_head:
+            steps.setdefault(step, {})[name] = value
+    return [steps[k] for k in sorted(steps)]
 
 
 def _train(engine, steps: int, rank: int, start: int = 0) -> list:
@@ -252,7 +267,8 @@ def _clip_case(rank: int, world_size: int, case: dict, tmp: str) -> dict | None:
         offload["nvme_path"] = swap_dir_for(tmp + "-swap")
         os.makedirs(offload["nvme_path"], exist_ok=True)
     params = cfg["optimizer"]["params"]
-    params.update(qk_clip={"enabled": True, "threshold": TAU, "alpha": case.get("alpha", 0.5)}, **case.get("params", {}))
+    params.update(qk_clip={"enabled": True, "threshold": TAU, "alpha": case.get("alpha", 0.5),
+                           "monitor_per_head": case.get("monitor_per_head", True)}, **case.get("params", {}))
     if case.get("bf16"):
         cfg["bf16"] = {"enabled": True}
     engine, model = build_engine(cfg, zero_init=case.get("zero_init", False), model_fn=model_fn)
@@ -282,7 +298,11 @@ def _clip_case(rank: int, world_size: int, case: dict, tmp: str) -> dict | None:
     got = fp32_master_params(model) if case.get("bf16") else gathered_params(model)
     result.update(stats=[(s["heads_clipped"], s["max_logit"]) for s in stats],
                   events=sorted({e[0] for e in monitor.events if "qk_clip" in e[0]}),
-                  clipped_events=[e[1] for e in monitor.events if e[0] == "Train/ds_muon/qk_clip/heads_clipped"])
+                  clipped_events=[e[1] for e in monitor.events if e[0] == "Train/ds_muon/qk_clip/heads_clipped"],
+                  per_head=[s["max_logit_per_head"] for s in stats],
+                  # the monitor's per-layer and per-head events, one dict per applied step, in write order
+                  layer_events=_events_by_step(monitor, "/max_logit/", per_head=False),
+                  head_events=_events_by_step(monitor, "/max_logit/", per_head=True))
     engine.destroy()
     if rank != 0:
         return result
@@ -295,7 +315,8 @@ def _clip_case(rank: int, world_size: int, case: dict, tmp: str) -> dict | None:
                         after_step=(lambda o=opt: ref_stats.append(o.qk_clip_stats)) if enabled else None)
         runs[label] = compare(got, {n: p.detach().clone() for n, p in ref.named_parameters()}, init)
     result.update(errors=runs["oracle"], alt=runs["no_clip"],
-                  ref_stats=[(s["heads_clipped"], s["max_logit"]) for s in ref_stats])
+                  ref_stats=[(s["heads_clipped"], s["max_logit"]) for s in ref_stats],
+                  ref_per_head=[s["max_logit_per_head"] for s in ref_stats])
     return result
 
 
@@ -347,7 +368,7 @@ CASES = {
         dict(name="w2-fp16-overflow-step-does-not-clip", model="declared", fp16_overflow=True),
         # resume: exact AdamW betas (see tests/test_checkpoint.py) so the resumed run is bit-identical
         dict(name="w2-llama-resume", model="llama", resume=True, params=dict(betas=[0.5, 0.75]))],
-    3: [dict(name="w3-llama", model="llama"),
+    3: [dict(name="w3-llama-no-per-head-events", model="llama", monitor_per_head=False),
         dict(name="w3-phi3-cpu-offload", model="phi3", zero=dict(offload_optimizer={"device": "cpu"})),
         # zero.Init: parameters are partitioned at construction, geometry from ds_shape (a transformers model
         # cannot be built directly under zero.Init: its weight init indexes the empty placeholders)
@@ -389,6 +410,23 @@ def check_case(case: dict, per_rank: list[dict]) -> None:
                                rtol=case.get("stats_rtol", 1e-5), atol=0)
     assert res["events"][:2] == ["Train/ds_muon/qk_clip/heads_clipped", "Train/ds_muon/qk_clip/max_logit"], res["events"]
     assert res["clipped_events"] == clipped, (name, res["clipped_events"])
+    # per-head max logits: the same on every rank, the oracle's per head, and on the monitor per layer and per head
+    assert all(r["per_head"] == res["per_head"] for r in per_rank), name
+    per_head_events = case.get("monitor_per_head", True)
+    head_events = res["head_events"] if per_head_events else [{}] * len(res["per_head"])
+    assert per_head_events or not res["head_events"], (name, "per-head events written with monitor_per_head off")
+    assert len(res["per_head"]) == len(res["ref_per_head"]) == len(head_events) == len(res["layer_events"])
+    for step, (got, want, heads, layers) in enumerate(zip(res["per_head"], res["ref_per_head"], head_events,
+                                                          res["layer_events"])):
+        assert list(got) == list(want) and got, (name, step, list(got), list(want))
+        for module, values in got.items():
+            torch.testing.assert_close(torch.tensor(values), torch.tensor(want[module]),
+                                       rtol=case.get("stats_rtol", 1e-5), atol=0)
+            if per_head_events:
+                assert [heads[f"Train/ds_muon/qk_clip/max_logit/{module}/head_{h}"]
+                        for h in range(len(values))] == values, (name, module)
+            assert layers[f"Train/ds_muon/qk_clip/max_logit/{module}"] == max(values), (name, module)
+        assert len(heads) == per_head_events * sum(map(len, got.values())) and len(layers) == len(got), (name, step)
     if case.get("resume"):
         assert all(r["resume_identical"] and r["resume_stats_identical"] for r in per_rank), name
     if case.get("zero", {}).get("offload_optimizer", {}).get("device") == "nvme":  # Muon (q/k) and AdamW (q bias)
