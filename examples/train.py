@@ -14,15 +14,19 @@ to ``--save-dir`` at the end (and every ``--save-every`` steps).
 Resuming: ``--resume`` continues from the latest checkpoint in ``--save-dir`` (``--resume DIR``: in DIR) up to
 ``--steps`` in all: weights, optimizer state, lr schedule, step count and the data sampler's position. A
 checkpoint saved at another number of processes is first converted to a universal one (``DIR/universal/``,
-by ``ds_muon.checkpoint.convert_to_universal``) and loaded through it. ``--metrics FILE`` appends one JSON
-line per step (train loss, lrs, grad norm, the step's max attention logit) and per validation, so a resumed
-run's curve continues the file.
+by ``ds_muon.checkpoint.convert_to_universal``) and loaded through it. The data come in ``--data-streams``
+sample streams (default: the number of processes of the first run, kept by every resume): each process
+draws its share of them and the gradient accumulation grows to match, so a resume at another number of
+processes keeps the global batch and the samples of every step. ``--metrics FILE`` appends one JSON line per
+step (train loss, lrs, grad norm, the step's max attention logit, resident memory) and per validation, so a
+resumed run's curve continues the file.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 import warnings
@@ -66,9 +70,14 @@ def parse_args() -> argparse.Namespace:
                    help="continue from the latest checkpoint in DIR (default: --save-dir), at this or another "
                         "number of processes; --steps counts from the start of the first run")
     p.add_argument("--metrics", default=None, metavar="FILE",
-                   help="append per-step JSON lines (step, loss, lr, grad_norm, max_logit; val_loss at validations) "
-                        "to FILE")
+                   help="append per-step JSON lines (step, loss, lr, grad_norm, max_logit, with QK-clip also "
+                        "max_logit_after_clip; val_loss at validations) to FILE")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--data-streams", type=int, default=None, metavar="N",
+                   help="sample streams of the global batch (default: the number of processes, or the resumed run's "
+                        "value): stream s draws micro-batches seeded with seed + s; W processes draw N/W streams "
+                        "each, with gradient_accumulation_steps multiplied by N/W (N must be a multiple of W), so "
+                        "the global batch and the samples of each step do not depend on W")
     p.add_argument("--adamw", action="store_true",
                    help="baseline: replace the config's optimizer by AdamW (lr = the config's adam_lr)")
     p.add_argument("--adam-mini", nargs="?", const="default", default=None, choices=("default", "neuron"),
@@ -95,11 +104,24 @@ def load_config(args: argparse.Namespace) -> dict:
     return config
 
 
+def saved_data_streams(tag_dir: str) -> Optional[int]:
+    """The ``--data-streams`` of the run that saved ``tag_dir`` (its client state's args; the saved world size
+    for checkpoints written before the option existed), or None when the tag has no model-states file."""
+    import glob
+    files = sorted(f for f in glob.glob(os.path.join(tag_dir, "*model_states.pt"))
+                   if not os.path.basename(f).startswith("layer_"))
+    if not files:
+        return None
+    state = torch.load(files[0], map_location="cpu", mmap=True, weights_only=False)
+    return (state.get("args") or {}).get("data_streams") or state.get("dp_world_size")
+
+
 def prepare_resume(args: argparse.Namespace, config: dict, world: int) -> Optional[tuple[str, str]]:
     """``(load_dir, tag)`` of the checkpoint to resume from, or None when ``--resume``'s directory has none yet.
 
     The tag is the one in ``DIR/latest``. A checkpoint saved at another world size is converted (rank 0,
     once) to a universal checkpoint in ``DIR/universal`` and ``config`` gets ``checkpoint.load_universal``.
+    Sets ``args.saved_data_streams`` (the saved run's ``--data-streams``).
 
     Raises:
         FileNotFoundError: the directory does not exist (a mistyped path must not start a fresh run).
@@ -112,6 +134,7 @@ def prepare_resume(args: argparse.Namespace, config: dict, world: int) -> Option
         return None
     with open(latest) as f:
         tag = f.read().strip()
+    args.saved_data_streams = saved_data_streams(os.path.join(load_dir, tag))
     saved = saved_world_size(os.path.join(load_dir, tag))
     if saved is None or saved == world:
         return load_dir, tag
@@ -130,6 +153,50 @@ def write_metrics(path: Optional[str], record: dict) -> None:
             f.write(json.dumps(record) + "\n")
 
 
+def apply_data_streams(args: argparse.Namespace, config: dict, world: int, log) -> int:
+    """Set ``args.data_streams`` and multiply the config's gradient accumulation by streams/world; returns the
+    streams per process. Default: the resumed run's streams when they divide among ``world`` processes, else
+    ``world`` (said in the log: the global batch then changes).
+
+    Raises:
+        ValueError: an explicit ``--data-streams`` that is not a multiple of ``world``.
+    """
+    saved = getattr(args, "saved_data_streams", None)
+    if args.data_streams is None:
+        args.data_streams = saved if saved and saved % world == 0 else world
+        if saved and saved != args.data_streams:
+            log(f"the saved run's {saved} data streams do not divide among {world} processes: {world} streams "
+                f"from here on (the global batch changes by {world}/{saved}; --data-streams sets it)")
+    if args.data_streams % world:
+        raise ValueError(f"--data-streams {args.data_streams} is not a multiple of the {world} processes: each "
+                         "process draws the same number of sample streams")
+    per_process = args.data_streams // world
+    config["gradient_accumulation_steps"] = int(config.get("gradient_accumulation_steps", 1)) * per_process
+    return per_process
+
+
+def step_batches(corpus: ByteCorpus, split: str, streams: list[int], micro_per_stream: int, batch_size: int,
+                 seq_len: int, seed: int, device, skip_steps: int = 0):
+    """Endless micro-batches of this process: per optimizer step, ``micro_per_stream`` from each stream in
+    ``streams`` in turn (stream ``s`` seeded ``seed + s``), after skipping ``skip_steps`` steps' worth."""
+    its = [corpus.batches(split, batch_size, seq_len, seed=seed + s, device=device,
+                          skip=skip_steps * micro_per_stream) for s in streams]
+    while True:
+        for it in its:
+            for _ in range(micro_per_stream):
+                yield next(it)
+
+
+def rss_mib(device: torch.device) -> tuple[float, float]:
+    """``(resident, peak resident)`` memory in MiB, the largest over the ranks (all ranks call this)."""
+    with open("/proc/self/statm") as f:
+        now = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    values = torch.tensor([now, peak], dtype=torch.float64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return float(values[0]), float(values[1])
+
+
 def step_max_logit(attns: list, device: torch.device) -> float:
     """The step's largest pre-softmax attention logit over layers, heads and ranks (all ranks call this).
 
@@ -142,18 +209,19 @@ def step_max_logit(attns: list, device: torch.device) -> float:
 
 
 @torch.no_grad()
-def evaluate(engine, corpus: ByteCorpus, args, batch_size: int, seq_len: int) -> float:
-    """Mean validation loss over ``eval_batches`` fixed micro-batches per rank, averaged across ranks."""
+def evaluate(engine, corpus: ByteCorpus, args, streams: list[int], batch_size: int, seq_len: int) -> float:
+    """Mean validation loss over ``eval_batches`` fixed micro-batches per data stream, averaged over the
+    ``args.data_streams`` streams (this process evaluates ``streams``)."""
     engine.eval()
-    rank = dist.get_rank()
-    batches = corpus.batches("val", batch_size, seq_len, seed=10_000 + args.seed + rank, device=engine.device)
     total = torch.zeros((), device=engine.device)
-    for _ in range(args.eval_batches):
-        x, y = next(batches)
-        total += engine(x, y).float()
+    for s in streams:
+        batches = corpus.batches("val", batch_size, seq_len, seed=10_000 + args.seed + s, device=engine.device)
+        for _ in range(args.eval_batches):
+            x, y = next(batches)
+            total += engine(x, y).float()
     dist.all_reduce(total)
     engine.train()
-    return total.item() / (args.eval_batches * dist.get_world_size())
+    return total.item() / (args.eval_batches * args.data_streams)
 
 
 def main() -> None:
@@ -167,6 +235,8 @@ def main() -> None:
     log = print if rank == 0 else (lambda *a, **k: None)
     config = load_config(args)
     resume = prepare_resume(args, config, world) if args.resume is not None else None
+    per_process = apply_data_streams(args, config, world, log)
+    streams = list(range(rank * per_process, (rank + 1) * per_process))  # this process's sample streams
 
     # per-head max logits (examples/model.py, ds_muon.max_logits): needed by QK-clip and logged by --metrics;
     # otherwise off (measured cost on one H200, 934M model: +10% step time; docs/qk_clip.md)
@@ -200,7 +270,8 @@ def main() -> None:
                                opt.declared_splits()).summary())
     muon = [p for p in model.parameters() if getattr(p, "use_muon", False)]
     other = [p for p in model.parameters() if not getattr(p, "use_muon", False)]
-    log(f"model {args.model}: {count_params(model.parameters()):,} params | world {world} | device {engine.device}")
+    log(f"model {args.model}: {count_params(model.parameters()):,} params | world {world} | data streams "
+        f"{args.data_streams} ({per_process} per process) | device {engine.device}")
     log(f"optimizer {config['optimizer']['type']}: Muon {len(muon)} tensors / {count_params(muon):,} elements, "
         f"AdamW {len(other)} tensors / {count_params(other):,} elements")
 
@@ -208,13 +279,13 @@ def main() -> None:
     log(corpus)
     mbs, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     tokens_per_step = mbs * gas * world * seq_len
-    train_batches = corpus.batches("train", mbs, seq_len, seed=args.seed + rank, device=engine.device,
-                                   skip=(start - 1) * gas)
+    train_batches = step_batches(corpus, "train", streams, gas // per_process, mbs, seq_len, args.seed,
+                                 engine.device, skip_steps=start - 1)
     metrics = args.metrics if rank == 0 else None
     attns = [layer.attn for layer in model.layers if layer.attn.record_max_logits]  # per-head max logits (MuonClip)
     max_logit = None
 
-    val_losses = [(start - 1, evaluate(engine, corpus, args, mbs, seq_len))]
+    val_losses = [(start - 1, evaluate(engine, corpus, args, streams, mbs, seq_len))]
     log(f"step {start - 1}: val loss {val_losses[-1][1]:.4f}")
     write_metrics(metrics, {"step": start - 1, "val_loss": val_losses[-1][1]})
     train_losses, train_time = [], 0.0
@@ -239,14 +310,20 @@ def main() -> None:
             train_time += time.perf_counter() - t0
         grad_norm = engine.get_global_grad_norm()
         lrs = sorted(set(engine.get_lr()), reverse=True)
-        write_metrics(metrics, {"step": step, "loss": train_losses[-1], "lr": lrs,
-                                "grad_norm": None if grad_norm is None else float(grad_norm), "max_logit": max_logit})
+        record = {"step": step, "loss": train_losses[-1], "lr": lrs,
+                  "grad_norm": None if grad_norm is None else float(grad_norm), "max_logit": max_logit}
+        if args.metrics:                         # resident / peak resident memory, the largest over the ranks
+            record["rss_mib"], record["peak_rss_mib"] = rss_mib(engine.device)
+        clip_stats = getattr(engine.optimizer, "qk_clip_stats", None)
+        if qk_clip and clip_stats is not None:   # the same inputs' largest logit with the clipped weights (<= tau)
+            record["max_logit_after_clip"] = clip_stats["max_logit_after_clip"]
+        write_metrics(metrics, record)
         bar.set_postfix({"loss": f"{train_losses[-1]:.3f}",           # a dict keeps this order
                          "tok/s": f"{tokens_per_step * (step - start) / train_time:,.0f}" if train_time else "-",
                          "gnorm": f"{float(grad_norm):.3f}" if grad_norm is not None else "-",
                          "lr": "/".join(f"{lr:.3g}" for lr in lrs)})
         if step == args.steps or (args.eval_every and step % args.eval_every == 0):
-            val_losses.append((step, evaluate(engine, corpus, args, mbs, seq_len)))
+            val_losses.append((step, evaluate(engine, corpus, args, streams, mbs, seq_len)))
             write_metrics(metrics, {"step": step, "val_loss": val_losses[-1][1]})
             if rank == 0:
                 bar.write(f"step {step}: train loss {train_losses[-1]:.4f}, val loss {val_losses[-1][1]:.4f}")

@@ -174,7 +174,12 @@ def test_plot_qk_clip_draws_from_metrics(tmp_path, monkeypatch):
         with open(tmp_path / f"arm{arm}.jsonl", "w") as f:
             f.write(json.dumps({"step": 0, "val_loss": 5.6}) + "\n")
             for step in range(1, 6):
-                f.write(json.dumps({"step": step, "loss": 5.0 - step / 10, "max_logit": 10.0 * step ** (2 - arm)}) + "\n")
+                rec = {"step": step, "loss": 5.0 - step / 10, "max_logit": 10.0 * step ** (2 - arm)}
+                if arm == 1:  # the QK-clip arm also logs the logit after the clip
+                    rec["max_logit_after_clip"] = min(rec["max_logit"], 30.0)
+                f.write(json.dumps(rec) + "\n")
+    assert plot.read(str(tmp_path / "arm0.jsonl"))[3] is None
+    assert plot.read(str(tmp_path / "arm1.jsonl"))[3] == [10.0, 20.0, 30.0, 30.0, 30.0]
     out = tmp_path / "qk.png"
     monkeypatch.setattr(sys, "argv", ["plot_qk_clip.py", "--reuse", "--workdir", str(tmp_path), "--out", str(out)])
     plot.main()
@@ -182,3 +187,30 @@ def test_plot_qk_clip_draws_from_metrics(tmp_path, monkeypatch):
     (tmp_path / "arm1.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0, "max_logit": None}) + "\n")
     with pytest.raises(SystemExit, match="no per-step max_logit"):
         plot.main()
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_default_chunks_keep_the_score_budget(monkeypatch, is_causal):
+    """With the default chunk size no score tensor larger than ``CHUNK_ELEMENTS`` (``B * H * chunk * Sk``)
+    is ever formed, far less than the full ``(B, H, Sq, Sk)`` matrix, and the result is still exact.
+    The budget is shrunk to 4,096 elements so that tiny shapes need many chunks; every matmul's output
+    is recorded."""
+    import ds_muon.max_logits as ml
+    assert ml.CHUNK_ELEMENTS == 1 << 24  # the documented budget (32 MiB of bf16 scores)
+    monkeypatch.setattr(ml, "CHUNK_ELEMENTS", 4096)
+    q, k = qk(B=2, H=4, Hkv=2, Sq=256, Sk=256)
+    sizes = []
+    matmul = torch.matmul
+
+    def recording(a, b, *args, **kwargs):
+        out = matmul(a, b, *args, **kwargs)
+        sizes.append(out.numel())
+        return out
+
+    monkeypatch.setattr(torch, "matmul", recording)
+    got = max_logits_per_head(q, k, 0.25, is_causal=is_causal)
+    monkeypatch.setattr(torch, "matmul", matmul)
+    want = brute_force(q, k, 0.25, causal(256, 256) if is_causal else None)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    full = 2 * 4 * 256 * 256
+    assert len(sizes) > 8 and max(sizes) <= 4096 < full, (len(sizes), max(sizes))
