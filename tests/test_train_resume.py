@@ -5,9 +5,11 @@ Its ``latest`` is then pointed at step 2 and the run resumed from there:
 * at W=2 (the ZeRO files directly), steps 3 and 4 must repeat the uninterrupted run's losses: step 3
   exactly (same weights, optimizer state, lr schedule and data position), step 4 to 1e-5 relative
   (DeepSpeed's CPU Adam computes ``beta^t`` differently after a restart, see docs/checkpointing.md);
-* at W=1 (converted to a universal checkpoint in ``DIR/universal`` by train.py), the first resumed loss
-  must be the trained model's (near the uninterrupted step-3 loss), not a fresh model's; W=1 draws only
-  rank 0's micro-batch, so the losses are not equal.
+* at W=1 (converted to a universal checkpoint in ``DIR/universal`` by train.py): the one process draws the saved
+  run's 2 data streams with gradient accumulation 2, the same global batch and samples, so steps 3 and 4 repeat
+  the uninterrupted losses to 1e-5;
+* at W=3, where the 2 streams do not divide: 3 streams from there on, said in the log, and the first resumed
+  loss is the trained model's (near the uninterrupted step-3 loss), not a fresh model's.
 """
 from __future__ import annotations
 
@@ -30,12 +32,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train(nproc: int, cwd: str, *args: str) -> None:
+def _train(nproc: int, cwd: str, *args: str) -> str:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_port", str(_free_port()), TRAIN, *COMMON, *args]
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc.stdout
 
 
 def _losses(path: str, key: str = "loss") -> dict[int, float]:
@@ -64,5 +67,14 @@ def test_resume_continues_loss_curve(tmp_path):
     w1 = _losses(tmp_path / "w1.jsonl")
     assert sorted(w1) == [3, 4]
     assert os.path.isfile(tmp_path / "ck" / "universal" / "global_step2" / "zero" / "optimizer_state.pt")
-    assert w1[3] == pytest.approx(full[3], rel=0.06)      # the trained model, another micro-batch
-    assert w1[3] < full[1] - 0.5 * (full[1] - full[3])     # well below a fresh model's loss
+    # the saved run's 2 data streams, both drawn by the one process (gradient accumulation 2): the same global
+    # batch and samples, so the same losses up to the reordered sums (measured: identical)
+    assert w1[3] == pytest.approx(full[3], rel=1e-5)
+    assert w1[4] == pytest.approx(full[4], rel=1e-5)
+
+    out = _train(3, cwd, "--resume", "ck", "--save-dir", "ck_w3", "--metrics", "w3.jsonl")
+    assert "the saved run's 2 data streams do not divide among 3 processes: 3 streams" in out, out[-3000:]
+    w3 = _losses(tmp_path / "w3.jsonl")
+    assert sorted(w3) == [3, 4]
+    assert w3[3] == pytest.approx(full[3], rel=0.06)      # the trained model, other samples
+    assert w3[3] < full[1] - 0.5 * (full[1] - full[3])     # well below a fresh model's loss
