@@ -23,10 +23,14 @@ the oracle (W=2, CPU, gloo, one process group for all cases).
   noise (1e-7 relative: the gradient reduction sums in another order) and straddle a bf16 rounding
   boundary, the two forwards see values one bf16 step (2^-8 relative) apart, and every later
   gradient moves by ~1e-3 (measured: 2 such elements of ``extra`` after step 0, from a reassociated
-  but equally exact Newton–Schulz, put all Muon weights 1e-4..5e-4 apart after step 2). So the
-  oracle's forward takes the engine's bf16 values (:func:`_forward_values`), and each step first checks
-  that the engine's masters are within the fp32 tolerance of the oracle's and that the two bf16
-  roundings differ only by such neighbouring values.
+  but equally exact Newton–Schulz, put all Muon weights 1e-4..5e-4 apart after step 2). The fp32
+  parameters of the forward (norms) do the same through the activations autocast rounds to bf16: fp32
+  noise in a LayerNorm weight flips a rounded activation, and on a machine with AMX-BF16 that put
+  ``extra.weight`` 1.7e-5 from the oracle (3e-4 of its update). So the oracle's forward takes the
+  engine's values of every parameter (bf16-rounded for the lower-precision-safe modules, fp32 as they
+  are for the others; :func:`_forward_values`), and each step first checks that the engine's masters are
+  within the fp32 tolerance of the oracle's and that the two bf16 roundings differ only by such
+  neighbouring values.
 """
 from __future__ import annotations
 
@@ -70,8 +74,9 @@ def _autocast_oracle(model, optimizer, steps: int, world_size: int, clip: float,
     reduce-scatter), others summed in fp32; clipped by the global norm; one step.
 
     ``engine_masters[step]``: the engine's fp32 parameters (by name) at the start of ``step``; the
-    forward then rounds those instead of the oracle's own masters (:func:`_forward_values`, see the
-    module docstring). Returns the per-step check records of :func:`_forward_values`."""
+    forward then takes those instead of the oracle's own masters (rounded to bf16 for the
+    lower-precision-safe ones; :func:`_forward_values`, see the module docstring). Returns the per-step
+    check records of :func:`_forward_values`."""
     from deepspeed.runtime.torch_autocast import LOWER_PRECISION_SAFE_MODULES
     low = {id(p) for m in model.modules() if type(m) in LOWER_PRECISION_SAFE_MODULES for p in m.parameters(False)}
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -81,14 +86,15 @@ def _autocast_oracle(model, optimizer, steps: int, world_size: int, clip: float,
         total = [torch.zeros_like(p, dtype=torch.bfloat16 if id(p) in low else p.dtype) for p in trainable]
         forward = {}
         for p in model.parameters():
-            if id(p) not in low:
-                continue
             if engine_masters is None:
-                forward[p] = p.data.to(torch.bfloat16).float()
-            else:
-                forward[p], check = _forward_values(p.data, engine_masters[step][names[id(p)]], names[id(p)],
-                                                    PARITY_RTOL)
-                checks.append(dict(check, step=step))
+                if id(p) in low:
+                    forward[p] = p.data.to(torch.bfloat16).float()
+                continue
+            engine = engine_masters[step][names[id(p)]]
+            forward[p], check = _forward_values(p.data, engine, names[id(p)], PARITY_RTOL)
+            checks.append(dict(check, step=step))
+            if id(p) not in low:  # fp32 in the forward (norms, fp32 biases): the engine's value as it is
+                forward[p] = engine.clone()
         for rank in range(world_size):
             tokens, targets = batch(step, rank, 0, 2)
             masters = {p: p.data for p in forward}
