@@ -5,7 +5,7 @@ torch.optim.AdamW, and a block step equals the formula written out by hand.
 
 ZeRO-3 parity (CPU, gloo, fp32): a tiny transformers Llama with GQA (4 query heads, 2 KV heads),
 3 optimizer steps of GAS 2 with gradient clipping, against the reference trained on the same data;
-W = 1, 2, 3 and 4 (the neuron block rule at W=4; at W=3 the step cut into windows of 97 elements),
+W = 1, 2, 3 and 4 (both block rules at W=4; at W=3 the step cut into windows of 97 elements),
 each world size one process group running all its cases. W=2 also runs CPU and NVMe optimizer offload
 (NVMe on a wider Llama whose Adam-mini sub-group is swapped: swap calls counted), save/load/continue
 against an uninterrupted run (also under NVMe), loads refused for another block rule or other head
@@ -124,6 +124,14 @@ def test_config_errors_name_the_key() -> None:
         parse_adam_mini_params({"betaz": [0.9, 0.9]})
     with pytest.raises(ConfigError, match=r"optimizer.params.block_rule: 'rows' is invalid.*'default', 'neuron'"):
         parse_adam_mini_params({"block_rule": "rows"})
+    for bad, match in (({"lr": -1e-3}, r"optimizer.params.lr: -0.001 is invalid"),
+                       ({"lr": "3e-4"}, r"optimizer.params.lr: '3e-4' is invalid"),
+                       ({"betas": [0.9, 1.5]}, r"optimizer.params.betas\[1\]: 1.5 is invalid.*allowed: a pair"),
+                       ({"betas": [0.9]}, r"optimizer.params.betas.*Field required.*allowed: a pair"),
+                       ({"eps": -1.0}, r"optimizer.params.eps: -1.0 is invalid"),
+                       ({"weight_decay": -0.1}, r"optimizer.params.weight_decay: -0.1 is invalid.*allowed: a number >= 0")):
+        with pytest.raises(ConfigError, match=match):
+            parse_adam_mini_params(bad)
     with pytest.raises(ConfigError, match=r"zero_optimization.stage: 2 is invalid.*stage 3"):
         validate_adam_mini_config({"optimizer": {"type": "AdamMini"}, "zero_optimization": {"stage": 2}})
     assert validate_adam_mini_config({"optimizer": {"type": "AdamW"}}) is None
@@ -385,7 +393,7 @@ CASES = {
         dict(name="universal-save")],
     # the chunked step with windows of 97 elements (default: CHUNK_ELEMENTS, one window per shard here)
     3: [dict(name="plain-97-element-windows", chunk=97), dict(name="universal-load")],
-    4: [dict(name="neuron-rule", params={"block_rule": "neuron"})],
+    4: [dict(name="plain"), dict(name="neuron-rule", params={"block_rule": "neuron"})],
 }
 
 
@@ -396,6 +404,8 @@ def _check(world_size: int, case: dict, results: list[dict]) -> None:
         assert e["moved"] > 0, f"{case['name']}: {name} did not move"
         assert e["rel"] < PARITY_RTOL, f"{case['name']} W={world_size}: {name} differs from the reference: {e}"
         assert e["rel_update"] < 1e-3, f"{case['name']} W={world_size}: {name} update differs: {e}"
+    # gradient clipping acted: the raw global norm (what clipping compares with CLIP) exceeded it in some step
+    assert any(n > CLIP for n in results[0]["norms"]), (case["name"], results[0]["norms"], CLIP)
     far = [n for n, e in results[0]["adamw"].items() if e["rel_update"] > 1e-2]
     assert far, f"{case['name']}: ZeRO-3 Adam-mini is indistinguishable from AdamW (worst {worst})"
     if world_size > 1:
