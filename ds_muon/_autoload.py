@@ -40,26 +40,29 @@ class _AfterLoad:  # a Loader by duck type (importlib.abc costs milliseconds at 
         return self._loader.create_module(spec)
 
     def exec_module(self, module) -> None:
-        self._loader.exec_module(module)
+        self._loader.exec_module(module)  # an error here leaves the finder in place for the next attempt
         # the module is imported now: the finder has done its job (it stays until here because
         # importlib.util.find_spec("deepspeed"), as Accelerate's is_deepspeed_available() calls it,
-        # asks finders without importing)
-        sys.meta_path[:] = [f for f in sys.meta_path if f is not self._finder]
-        self._finder.callback()
+        # asks finders without importing). A new list, not an edit in place: another thread's import
+        # may be iterating over the old one.
+        sys.meta_path = [f for f in sys.meta_path if f is not self._finder]
+        for callback in self._finder.callbacks:
+            callback()
 
     def __getattr__(self, name: str):  # get_resource_reader, is_package, get_code, ... of the real loader
         return getattr(self._loader, name)
 
 
 class _AfterImport:  # a MetaPathFinder by duck type
-    """Meta-path finder for one module (``fullname``): lets the normal import run, then calls ``callback()``.
+    """Meta-path finder for one module (``fullname``): lets the normal import run, then calls each of
+    ``callbacks`` (no arguments) in the order they were added.
 
     It finds nothing itself: it asks the other finders for the spec and wraps the loader, so the module
     is the one the import would have loaded anyway. Removed from ``sys.meta_path`` once the module is
-    imported."""
+    imported (not when its import fails: a later attempt is hooked again)."""
 
-    def __init__(self, fullname: str, callback) -> None:
-        self.fullname, self.callback = fullname, callback
+    def __init__(self, fullname: str) -> None:
+        self.fullname, self.callbacks = fullname, []
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname != self.fullname:
@@ -78,16 +81,22 @@ class _AfterImport:  # a MetaPathFinder by duck type
         return spec
 
 
-def after_import(fullname: str, callback) -> None:
+def after_import(fullname: str, callback) -> None:  # callback: () -> None (no typing import at start-up)
     """Call ``callback()`` right after the module ``fullname`` is first imported (at once if it already is).
 
-    One pending hook per module name: a second call for a name that is still pending keeps the first
-    callback. The callback must not raise (it runs inside the importer's ``import`` statement).
+    Several callbacks may wait for one module; the same callback object is added once. Callbacks must not
+    raise: they run inside the ``import`` statement of whoever imports the module. Call it from one thread
+    at a time (start-up code: the ``.pth`` hook, :func:`ds_muon.enable`).
     """
     if fullname in sys.modules:
         callback()
-    elif not any(isinstance(f, _AfterImport) and f.fullname == fullname for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport(fullname, callback))
+        return
+    finder = next((f for f in sys.meta_path if isinstance(f, _AfterImport) and f.fullname == fullname), None)
+    if finder is None:
+        finder = _AfterImport(fullname)
+        sys.meta_path = [finder, *sys.meta_path]
+    if not any(c is callback for c in finder.callbacks):
+        finder.callbacks.append(callback)
 
 
 def _activate() -> None:

@@ -60,8 +60,8 @@ def register_attention() -> None:
 
     After it, ``AutoModelForCausalLM.from_config(cfg, attn_implementation="ds_muon_sdpa")`` (or
     ``from_pretrained(...)``, or ``model.set_attn_implementation("ds_muon_sdpa")``) trains with SDPA
-    and records the per-head max logits MuonClip needs. :func:`ds_muon.enable` calls it too when
-    transformers is already imported.
+    and records the per-head max logits MuonClip needs. :func:`ds_muon.enable` calls it too: at once when
+    ``transformers.modeling_utils`` is already imported, else right after its import.
     """
     AttentionInterface.register(NAME, ds_muon_sdpa)
     AttentionMaskInterface.register(NAME, sdpa_mask)

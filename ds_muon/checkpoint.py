@@ -74,7 +74,7 @@ from .adam_mini import BLOCK_ATTR, BLOCK_STATE_KEY
 from .reference import MOMENTUM_KEY
 
 __all__ = ["CheckpointError", "CONVERT_COMMAND", "DS_MUON_KEY", "zero_metadata", "add_metadata", "restore_step_count",
-           "rigid_load_arguments", "check_zero_state_dict", "saved_world_size", "check_before_load", "install_load_checks",
+           "rigid_load_arguments", "check_zero_state_dict", "saved_model_states", "saved_world_size", "check_before_load", "install_load_checks",
            "convert_to_universal", "carry_side_files", "load_universal_state", "main"]
 
 DS_MUON_KEY = "ds_muon"
@@ -314,13 +314,22 @@ def _read_tag(load_dir: str, latest_name: str) -> Optional[str]:
         return f.read().strip()
 
 
-def saved_world_size(ckpt_dir: str) -> Optional[int]:
-    """``dp_world_size`` from a ``*_model_states.pt`` of a DeepSpeed checkpoint tag dir, or None."""
+def saved_model_states(ckpt_dir: str) -> Optional[dict]:
+    """The first ``*_model_states.pt`` of a DeepSpeed checkpoint tag dir (memory-mapped, on the CPU), or None.
+
+    It holds DeepSpeed's engine fields (``dp_world_size``, ``global_steps``, ...) and the ``client_state``
+    keys that ``save_checkpoint`` was given, at the top level. Under ZeRO-3 its ``module`` holds no weights."""
     files = sorted(f for f in glob.glob(os.path.join(ckpt_dir, "*_model_states.pt"))
                    if not os.path.basename(f).startswith("layer_"))
     if not files:
         return None
-    return torch.load(files[0], map_location="cpu", mmap=True, weights_only=False).get("dp_world_size")
+    return torch.load(files[0], map_location="cpu", mmap=True, weights_only=False)
+
+
+def saved_world_size(ckpt_dir: str) -> Optional[int]:
+    """``dp_world_size`` from a ``*_model_states.pt`` of a DeepSpeed checkpoint tag dir, or None."""
+    states = saved_model_states(ckpt_dir)
+    return None if states is None else states.get("dp_world_size")
 
 
 def _file_problem(path: str) -> Optional[str]:

@@ -318,13 +318,10 @@ def factor_vector(targets: Sequence[ClipTarget], max_logits: torch.Tensor, thres
     Returns:
         ``(factors, stats)``: fp32 ``(sum of num_heads + num_kv_heads,)``; ``stats`` =
         ``{"heads_clipped": query heads with S > tau (count), "max_logit": max S (float),
-        "max_logit_per_layer": {target name: max S}, "max_logit_per_head": {target name: [S_h per query head]},
-        "max_logit_after_clip": max over heads of S_h * q_h * k_g(h)}`` (``-inf`` where nothing was
-        recorded). ``max_logit_after_clip`` is the largest logit the step's own inputs give with the
-        clipped weights: every logit of head ``h`` is scaled by exactly ``q_h * k_g(h)`` (the head's rows
-        and bias entries of W_q and W_k are scaled; RoPE is linear), so it is at most ``threshold``.
+        "max_logit_per_layer": {target name: max S}, "max_logit_per_head": {target name: [S_h per query head]}}``
+        (``-inf`` where nothing was recorded).
     """
-    out, per_layer, per_head, pos, clipped, after = [], {}, {}, 0, 0, []
+    out, per_layer, per_head, pos, clipped = [], {}, {}, 0, 0
     for t in targets:
         s = max_logits[pos:pos + t.num_heads]
         pos += t.num_heads
@@ -333,10 +330,8 @@ def factor_vector(targets: Sequence[ClipTarget], max_logits: torch.Tensor, thres
         clipped += int((torch.isfinite(s) & (s > threshold)).sum())
         per_layer[t.name] = float(s.max())
         per_head[t.name] = s.tolist()
-        after.append((s.float() * q * k.repeat_interleave(t.num_heads // t.num_kv_heads)).max())
     return torch.cat(out), {"heads_clipped": clipped, "max_logit": float(max_logits.max()),
-                            "max_logit_per_layer": per_layer, "max_logit_per_head": per_head,
-                            "max_logit_after_clip": float(torch.stack(after).max())}
+                            "max_logit_per_layer": per_layer, "max_logit_per_head": per_head}
 
 
 def apply_factor_vector(targets: Sequence[ClipTarget], factors: torch.Tensor) -> None:

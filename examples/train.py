@@ -42,7 +42,7 @@ from data import DEFAULT_MAX_BYTES, ByteCorpus  # noqa: E402
 from model import PRESETS, CausalLM, ModelConfig, count_params  # noqa: E402
 
 import ds_muon  # noqa: E402
-from ds_muon.checkpoint import LATEST, convert_to_universal, saved_world_size  # noqa: E402
+from ds_muon.checkpoint import LATEST, convert_to_universal, saved_model_states  # noqa: E402
 from ds_muon.config import parse_muon_params  # noqa: E402
 from ds_muon.max_logits import RECORDER  # noqa: E402
 from ds_muon.selection import select_muon_params  # noqa: E402
@@ -70,8 +70,8 @@ def parse_args() -> argparse.Namespace:
                    help="continue from the latest checkpoint in DIR (default: --save-dir), at this or another "
                         "number of processes; --steps counts from the start of the first run")
     p.add_argument("--metrics", default=None, metavar="FILE",
-                   help="append per-step JSON lines (step, loss, lr, grad_norm, max_logit, with QK-clip also "
-                        "max_logit_after_clip; val_loss at validations) to FILE")
+                   help="append per-step JSON lines (step, loss, lr, grad_norm, max_logit, rss_mib, peak_rss_mib; "
+                        "val_loss at validations) to FILE")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--data-streams", type=int, default=None, metavar="N",
                    help="sample streams of the global batch (default: the number of processes, or the resumed run's "
@@ -104,24 +104,13 @@ def load_config(args: argparse.Namespace) -> dict:
     return config
 
 
-def saved_data_streams(tag_dir: str) -> Optional[int]:
-    """The ``--data-streams`` of the run that saved ``tag_dir`` (its client state's args; the saved world size
-    for checkpoints written before the option existed), or None when the tag has no model-states file."""
-    import glob
-    files = sorted(f for f in glob.glob(os.path.join(tag_dir, "*model_states.pt"))
-                   if not os.path.basename(f).startswith("layer_"))
-    if not files:
-        return None
-    state = torch.load(files[0], map_location="cpu", mmap=True, weights_only=False)
-    return (state.get("args") or {}).get("data_streams") or state.get("dp_world_size")
-
-
 def prepare_resume(args: argparse.Namespace, config: dict, world: int) -> Optional[tuple[str, str]]:
     """``(load_dir, tag)`` of the checkpoint to resume from, or None when ``--resume``'s directory has none yet.
 
     The tag is the one in ``DIR/latest``. A checkpoint saved at another world size is converted (rank 0,
     once) to a universal checkpoint in ``DIR/universal`` and ``config`` gets ``checkpoint.load_universal``.
-    Sets ``args.saved_data_streams`` (the saved run's ``--data-streams``).
+    Sets ``args.saved_data_streams``: the saved run's ``--data-streams`` (from the checkpoint's client state;
+    its world size for checkpoints written before the option existed).
 
     Raises:
         FileNotFoundError: the directory does not exist (a mistyped path must not start a fresh run).
@@ -134,8 +123,9 @@ def prepare_resume(args: argparse.Namespace, config: dict, world: int) -> Option
         return None
     with open(latest) as f:
         tag = f.read().strip()
-    args.saved_data_streams = saved_data_streams(os.path.join(load_dir, tag))
-    saved = saved_world_size(os.path.join(load_dir, tag))
+    states = saved_model_states(os.path.join(load_dir, tag)) or {}
+    saved = states.get("dp_world_size")
+    args.saved_data_streams = (states.get("args") or {}).get("data_streams") or saved
     if saved is None or saved == world:
         return load_dir, tag
     universal = os.path.join(load_dir, "universal")
@@ -153,6 +143,13 @@ def write_metrics(path: Optional[str], record: dict) -> None:
             f.write(json.dumps(record) + "\n")
 
 
+def check_data_streams(streams: Optional[int], world: int) -> None:
+    """Raise ValueError unless ``streams`` (``--data-streams``) is None or a positive multiple of ``world``."""
+    if streams is not None and (streams < 1 or streams % world):
+        raise ValueError(f"--data-streams {streams} is not a positive multiple of the {world} processes: each "
+                         "process draws the same number of sample streams")
+
+
 def apply_data_streams(args: argparse.Namespace, config: dict, world: int, log) -> int:
     """Set ``args.data_streams`` and multiply the config's gradient accumulation by streams/world; returns the
     streams per process. Default: the resumed run's streams when they divide among ``world`` processes, else
@@ -162,14 +159,15 @@ def apply_data_streams(args: argparse.Namespace, config: dict, world: int, log) 
         ValueError: an explicit ``--data-streams`` that is not a multiple of ``world``.
     """
     saved = getattr(args, "saved_data_streams", None)
+    check_data_streams(args.data_streams, world)
     if args.data_streams is None:
         args.data_streams = saved if saved and saved % world == 0 else world
         if saved and saved != args.data_streams:
             log(f"the saved run's {saved} data streams do not divide among {world} processes: {world} streams "
                 f"from here on (the global batch changes by {world}/{saved}; --data-streams sets it)")
-    if args.data_streams % world:
-        raise ValueError(f"--data-streams {args.data_streams} is not a multiple of the {world} processes: each "
-                         "process draws the same number of sample streams")
+    elif saved and saved != args.data_streams:
+        log(f"--data-streams {args.data_streams} where the saved run had {saved}: the global batch changes by "
+            f"{args.data_streams}/{saved}")
     per_process = args.data_streams // world
     config["gradient_accumulation_steps"] = int(config.get("gradient_accumulation_steps", 1)) * per_process
     return per_process
@@ -177,8 +175,10 @@ def apply_data_streams(args: argparse.Namespace, config: dict, world: int, log) 
 
 def step_batches(corpus: ByteCorpus, split: str, streams: list[int], micro_per_stream: int, batch_size: int,
                  seq_len: int, seed: int, device, skip_steps: int = 0):
-    """Endless micro-batches of this process: per optimizer step, ``micro_per_stream`` from each stream in
-    ``streams`` in turn (stream ``s`` seeded ``seed + s``), after skipping ``skip_steps`` steps' worth."""
+    """Endless ``(input_ids, targets)`` micro-batches of this process, each ``(batch_size, seq_len)`` int64:
+    per optimizer step, ``micro_per_stream`` consecutive ones from each stream of ``streams`` in the list's
+    order (stream ``s`` is :meth:`ByteCorpus.batches` seeded ``seed + s``), after skipping ``skip_steps``
+    steps' worth of each stream."""
     its = [corpus.batches(split, batch_size, seq_len, seed=seed + s, device=device,
                           skip=skip_steps * micro_per_stream) for s in streams]
     while True:
@@ -188,7 +188,9 @@ def step_batches(corpus: ByteCorpus, split: str, streams: list[int], micro_per_s
 
 
 def rss_mib(device: torch.device) -> tuple[float, float]:
-    """``(resident, peak resident)`` memory in MiB, the largest over the ranks (all ranks call this)."""
+    """``(resident, peak resident)`` memory in MiB, the largest over the ranks (all ranks call this).
+
+    Linux only: resident from ``/proc/self/statm``, peak from ``getrusage``'s ``ru_maxrss`` (KiB on Linux)."""
     with open("/proc/self/statm") as f:
         now = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
@@ -234,6 +236,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     log = print if rank == 0 else (lambda *a, **k: None)
     config = load_config(args)
+    check_data_streams(args.data_streams, world)     # before a resume converts anything
     resume = prepare_resume(args, config, world) if args.resume is not None else None
     per_process = apply_data_streams(args, config, world, log)
     streams = list(range(rank * per_process, (rank + 1) * per_process))  # this process's sample streams
@@ -314,9 +317,6 @@ def main() -> None:
                   "grad_norm": None if grad_norm is None else float(grad_norm), "max_logit": max_logit}
         if args.metrics:                         # resident / peak resident memory, the largest over the ranks
             record["rss_mib"], record["peak_rss_mib"] = rss_mib(engine.device)
-        clip_stats = getattr(engine.optimizer, "qk_clip_stats", None)
-        if qk_clip and clip_stats is not None:   # the same inputs' largest logit with the clipped weights (<= tau)
-            record["max_logit_after_clip"] = clip_stats["max_logit_after_clip"]
         write_metrics(metrics, record)
         bar.set_postfix({"loss": f"{train_losses[-1]:.3f}",           # a dict keeps this order
                          "tok/s": f"{tokens_per_step * (step - start) / train_time:,.0f}" if train_time else "-",

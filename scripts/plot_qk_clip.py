@@ -11,9 +11,7 @@ JSON lines whose ``max_logit`` is the step's largest pre-softmax attention logit
 heads and ranks, as recorded by the model's attention (``ds_muon.max_logits``) before the
 optimizer step. Draws the max logit per step (log scale, τ marked) and the training loss per step,
 and prints each arm's largest logit and final loss. ``--reuse`` redraws from the metrics files of an
-earlier run in ``--workdir``. With QK-clip the run also logs ``max_logit_after_clip``: the largest logit
-the step's own inputs give with the weights after that step's clip (every logit of a head scales by exactly
-its query and key factors, so it is at most τ); it is drawn in green.
+earlier run in ``--workdir``.
 """
 from __future__ import annotations
 
@@ -72,19 +70,18 @@ def run(label: str, config: dict, metrics: str, args) -> None:
         raise SystemExit(f"[{label}] examples/train.py failed (exit {proc.returncode}):\n{tail}")
 
 
-def read(metrics: str) -> tuple[list[int], list[float], list[float], list[float] | None]:
-    """``(steps, losses, max logits of each step's forward, max logits after the step's clip or None)``."""
-    steps, losses, logits, after = [], [], [], []
+def read(metrics: str) -> tuple[list[int], list[float], list[float]]:
+    """``(steps, training losses, max logit of each step's forward)`` from a ``train.py --metrics`` file."""
+    steps, losses, logits = [], [], []
     with open(metrics) as f:
         for rec in map(json.loads, f):
             if "loss" in rec:
                 steps.append(rec["step"])
                 losses.append(rec["loss"])
                 logits.append(rec.get("max_logit"))
-                after.append(rec.get("max_logit_after_clip"))
     if not steps or any(v is None for v in logits):
         raise SystemExit(f"{metrics}: no per-step max_logit (the model must record its max logits)")
-    return steps, losses, logits, (after if all(v is not None for v in after) else None)
+    return steps, losses, logits
 
 
 def main() -> None:
@@ -114,17 +111,14 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax_logit, ax_loss) = plt.subplots(1, 2, figsize=(11, 4))
-    for label, (steps, losses, logits, after) in results.items():
-        line, = ax_logit.plot(steps, logits, label=f"{label}: step's forward")
+    for label, (steps, losses, logits) in results.items():
+        line, = ax_logit.plot(steps, logits, label=label)
         ax_loss.plot(steps, losses, label=label, color=line.get_color())
         last = losses[-10:]
+        above = [v / args.threshold for v in logits if v > args.threshold]
         print(f"{label}: max logit {max(logits):.1f} (last step {logits[-1]:.1f}); loss {losses[0]:.3f} -> "
-              f"{sum(last) / len(last):.3f} (mean of the last {len(last)} steps)")
-        if after is not None:  # QK-clip: the same inputs' largest logit with the clipped weights
-            ax_logit.plot(steps, after, color="tab:green", linewidth=1.5, zorder=3,
-                          label=f"{label}: after the clip (same inputs, <= τ)")
-            print(f"{label}: max logit after the clip {max(after):.2f} (tau {args.threshold:g}); steps with the "
-                  f"forward's logit above tau: {sum(v > args.threshold for v in logits)} of {len(logits)}")
+              f"{sum(last) / len(last):.3f} (mean of the last {len(last)} steps); steps above tau "
+              f"{len(above)} of {len(logits)}" + (f", at most {max(above):.3f} tau" if above else ""))
     ax_logit.axhline(args.threshold, color="gray", linestyle="--", linewidth=1, zorder=0, label=f"τ = {args.threshold:g}")
     ax_logit.set_yscale("log")
     ax_logit.set_xlabel("step")

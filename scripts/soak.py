@@ -141,17 +141,18 @@ def soak(steps: int, seg: int, work: str, worlds: tuple[int, ...] = (2, 1), wind
     outcomes, rss_growth, peak_growth, cut_lines, line = [], [], [], 0, 0
     for k, begin in enumerate(range(0, steps, seg)):
         end, world = min(steps, begin + seg), worlds[k % len(worlds)]
-        tag = f"global_step{end}"
         latest = os.path.join(ckpt, "latest")
 
-        def saved(tag: str = tag, latest: str = latest, end: int = end, line: int = line) -> bool:
-            """train.py has written the checkpoint of step `end` and trained on past it (kill mid-training)."""
+        def saved(latest: str = latest, end: int = end, line: int = line) -> bool:
+            """train.py has written a checkpoint of step >= `end` and trained on past it (kill mid-training);
+            a later checkpoint than `end` (a poll that missed the moment) is fine: the next segment resumes
+            from whatever `latest` names."""
             if not os.path.exists(latest):
                 return False
             with open(latest) as f:
-                if f.read().strip() != tag:
-                    return False
-            return end + 1 in read_metrics(metrics, line)[0]
+                tag = f.read().strip()
+            step = int(tag.removeprefix("global_step")) if tag.removeprefix("global_step").isdigit() else 0
+            return step >= end and step + 1 in read_metrics(metrics, line)[0]
 
         args = [*common, "--save-dir", ckpt, "--save-every", str(seg), "--metrics", metrics,
                 *(["--resume", ckpt] if k else [])]

@@ -194,3 +194,40 @@ def test_error_under_auto_activation_names_the_way_out() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     msgs = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("MSG")]
     assert msgs == [["False", "True", "True"], ["True", "False", "True"]]  # explicit enable(): no DS_MUON hint
+
+
+def test_after_import_calls_each_callback_once_after_the_module_loads(tmp_path, monkeypatch) -> None:
+    """ds_muon._autoload.after_import on a throw-away module: nothing runs before the import; each distinct
+    callback runs once, in order, after the module body (a second registration of the same one is dropped);
+    a module whose import fails keeps the hook, and the next successful import runs the callbacks; the finder
+    leaves sys.meta_path afterwards; a module already imported calls back at once."""
+    from ds_muon import _autoload as a
+    name = "dsm_after_import_probe"
+    (tmp_path / f"{name}.py").write_text("import os\nif os.environ.get('DSM_PROBE_FAIL'): raise ImportError('no')\n"
+                                         "LOADED = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))  # restored after the test
+    calls = []
+
+    def first() -> None:
+        calls.append(("first", getattr(sys.modules[name], "LOADED", False)))
+
+    def second() -> None:
+        calls.append(("second", True))
+
+    a.after_import(name, first)
+    a.after_import(name, second)
+    a.after_import(name, first)
+    hooks = [f for f in sys.meta_path if isinstance(f, a._AfterImport) and f.fullname == name]
+    assert len(hooks) == 1 and calls == []
+    monkeypatch.setenv("DSM_PROBE_FAIL", "1")
+    with pytest.raises(ImportError, match="no"):
+        __import__(name)
+    assert calls == [] and hooks[0] in sys.meta_path and name not in sys.modules
+    monkeypatch.delenv("DSM_PROBE_FAIL")
+    __import__(name)
+    assert calls == [("first", True), ("second", True)]
+    assert not any(isinstance(f, a._AfterImport) and f.fullname == name for f in sys.meta_path)
+    a.after_import(name, second)  # already imported: at once
+    assert calls[-1] == ("second", True) and len(calls) == 3
+    sys.modules.pop(name, None)

@@ -30,7 +30,8 @@ the oracle (W=2, CPU, gloo, one process group for all cases).
   engine's values of every parameter (bf16-rounded for the lower-precision-safe modules, fp32 as they
   are for the others; :func:`_forward_values`), and each step first checks that the engine's masters are
   within the fp32 tolerance of the oracle's and that the two bf16 roundings differ only by such
-  neighbouring values.
+  neighbouring values. So drift cannot build up across steps: each step is compared from the engine's
+  point (its masters within the fp32 tolerance of the oracle's), and the final parameters after it.
 """
 from __future__ import annotations
 

@@ -217,9 +217,6 @@ def test_oracle_clip_scales_heads_and_bounds_logits(name, alpha):
     torch.testing.assert_close(s_new, s * scale, rtol=1e-5, atol=0)
     clipped = s > tau
     assert (s_new[clipped] <= tau * (1 + 1e-5)).all(), (s, s_new)
-    # the stats' max logit after the clip is that recomputed forward's (what examples/train.py --metrics logs)
-    torch.testing.assert_close(torch.tensor(opt.qk_clip_stats["max_logit_after_clip"]), s_new.max(), rtol=1e-5, atol=0)
-    assert opt.qk_clip_stats["max_logit_after_clip"] <= tau * (1 + 1e-6) < opt.qk_clip_stats["max_logit"]
     if target.num_kv_heads == target.num_heads:  # no GQA: exactly tau
         torch.testing.assert_close(s_new[clipped], torch.full_like(s_new[clipped], tau), rtol=1e-5, atol=0)
 

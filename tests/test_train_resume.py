@@ -78,3 +78,20 @@ def test_resume_continues_loss_curve(tmp_path):
     assert sorted(w3) == [3, 4]
     assert w3[3] == pytest.approx(full[3], rel=0.06)      # the trained model, other samples
     assert w3[3] < full[1] - 0.5 * (full[1] - full[3])     # well below a fresh model's loss
+
+
+def test_data_streams_must_divide_among_the_processes():
+    """``--data-streams`` that is not a positive multiple of the processes fails before anything is loaded."""
+    import importlib.util
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        spec = importlib.util.spec_from_file_location("train_example", TRAIN)
+        train = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(train)
+    finally:
+        sys.path.remove(os.path.join(ROOT, "examples"))
+    train.check_data_streams(None, 3)
+    train.check_data_streams(4, 2)
+    for streams, world in ((3, 2), (0, 1), (-2, 2)):
+        with pytest.raises(ValueError, match=rf"--data-streams {streams} is not a positive multiple of the {world} "):
+            train.check_data_streams(streams, world)
