@@ -41,7 +41,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import logger as ds_logger
 
 from .checkpoint import install_load_checks
-from ._autoload import after_import
+from .import_hooks import after_import
 from .adam_mini import adam_mini_param_groups, adam_mini_plan, adam_mini_summary
 from .config import ADAM_MINI_TYPE, ConfigError, load_ds_config, validate_adam_mini_config, validate_ds_config
 from .frameworks import ZERO_STAGE_FIX, detect_framework, for_framework

@@ -174,10 +174,10 @@ def test_explicit_enable_nests_on_top_of_auto() -> None:
 
 def test_hook_survives_find_spec_before_import() -> None:
     """Accelerate's is_deepspeed_available() calls importlib.util.find_spec("deepspeed") before importing it."""
-    code = ("import importlib.util, sys; from ds_muon import _autoload as a; a.install(); "
+    code = ("import importlib.util, sys; from ds_muon import _autoload as a, import_hooks as h; a.install(); "
             "assert importlib.util.find_spec('deepspeed') is not None; assert 'deepspeed' not in sys.modules; "
             "import deepspeed; from ds_muon import integration as i; assert i.is_enabled(), 'not enabled'; "
-            "assert not any(isinstance(f, a._AfterImport) and f.fullname == 'deepspeed' for f in sys.meta_path); print('OK')")
+            "assert not any(isinstance(f, h._AfterImport) and f.fullname == 'deepspeed' for f in sys.meta_path); print('OK')")
     _python_prints_ok(code)
 
 
@@ -201,7 +201,7 @@ def test_after_import_calls_each_callback_once_after_the_module_loads(tmp_path, 
     callback runs once, in order, after the module body (a second registration of the same one is dropped);
     a module whose import fails keeps the hook, and the next successful import runs the callbacks; the finder
     leaves sys.meta_path afterwards; a module already imported calls back at once."""
-    from ds_muon import _autoload as a
+    from ds_muon import import_hooks as a
     name = "dsm_after_import_probe"
     (tmp_path / f"{name}.py").write_text("import os\nif os.environ.get('DSM_PROBE_FAIL'): raise ImportError('no')\n"
                                          "LOADED = True\n")
