@@ -10,7 +10,7 @@ import sys
 
 
 class _AfterLoad:  # a Loader by duck type (importlib.abc costs milliseconds at start-up)
-    """Wraps a module's own loader: runs it unchanged, then removes its finder and runs the finder's callback."""
+    """Wraps a module's own loader: runs it unchanged, then removes its finder and runs the finder's callbacks."""
 
     def __init__(self, loader, finder: "_AfterImport") -> None:
         self._loader, self._finder = loader, finder

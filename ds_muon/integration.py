@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import sys
 import threading
 import warnings
 import weakref
