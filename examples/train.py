@@ -153,13 +153,10 @@ def check_data_streams(streams: Optional[int], world: int) -> None:
 def apply_data_streams(args: argparse.Namespace, config: dict, world: int, log) -> int:
     """Set ``args.data_streams`` and multiply the config's gradient accumulation by streams/world; returns the
     streams per process. Default: the resumed run's streams when they divide among ``world`` processes, else
-    ``world`` (said in the log: the global batch then changes).
-
-    Raises:
-        ValueError: an explicit ``--data-streams`` that is not a multiple of ``world``.
+    ``world`` (said in the log: the global batch then changes). An explicit ``--data-streams`` has been checked
+    by :func:`check_data_streams` already (in :func:`main`, before a resume converts anything).
     """
     saved = getattr(args, "saved_data_streams", None)
-    check_data_streams(args.data_streams, world)
     if args.data_streams is None:
         args.data_streams = saved if saved and saved % world == 0 else world
         if saved and saved != args.data_streams:

@@ -197,7 +197,7 @@ def test_error_under_auto_activation_names_the_way_out() -> None:
 
 
 def test_after_import_calls_each_callback_once_after_the_module_loads(tmp_path, monkeypatch) -> None:
-    """ds_muon._autoload.after_import on a throw-away module: nothing runs before the import; each distinct
+    """ds_muon.import_hooks.after_import on a throw-away module: nothing runs before the import; each distinct
     callback runs once, in order, after the module body (a second registration of the same one is dropped);
     a module whose import fails keeps the hook, and the next successful import runs the callbacks; the finder
     leaves sys.meta_path afterwards; a module already imported calls back at once."""
