@@ -11,12 +11,11 @@ ranks own a matrix at all, and the owner imbalance. (The built-in Muon's traffic
 modelled: docs/benchmarks.md.)
 
 At CPU scale the same plan's byte counts are checked against counted gloo traffic at W=2,3,4,8
-(tests/test_comm_accounting.py); tests/test_comm_model.py checks this model at W=16, 64 and 256.
+(tests/dist/test_comm_accounting.py); tests/unit/test_comm_model.py checks this model at W=16, 64 and 256.
 """
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 
@@ -29,8 +28,8 @@ def muon_param_infos(model_name: str) -> list:
     sys.path.insert(0, os.path.join(REPO, "examples"))
     sys.path.insert(0, REPO)
     from model import CausalLM, ModelConfig
-    from ds_muon.ownership import ParamInfo
-    from ds_muon.selection import select_muon_params
+    from ds_muon.sharded.ownership import ParamInfo
+    from ds_muon.model.selection import select_muon_params
     with torch.device("meta"):
         model = CausalLM(ModelConfig.preset(model_name))
     sel = select_muon_params(model)
@@ -40,7 +39,7 @@ def muon_param_infos(model_name: str) -> list:
 
 def model_row(infos: list, world_size: int, bytes_per_element: int = 2) -> dict:
     """One world size's figures (bytes per rank per step, both exchanges; FLOPs per rank)."""
-    from ds_muon.ownership import build_plan
+    from ds_muon.sharded.ownership import build_plan
     plan = build_plan(infos, world_size)
     P = sum(p.numel for p in infos)
     sent = [plan.sent_elements(r) for r in range(world_size)]

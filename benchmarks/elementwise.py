@@ -50,7 +50,7 @@ def main() -> None:
     import torch
     from torch._dynamo.utils import counters
 
-    from ds_muon.momentum import fused_apply_update_, fused_momentum_update_, momentum_update_
+    from ds_muon.core.muon_update import fused_apply_update_, fused_momentum_update_, momentum_update_
     device = torch.device("cuda", 0)
     n, beta, lr, wd = args.numel, 0.95, 0.02, 0.1
     gen = torch.Generator(device=device).manual_seed(0)

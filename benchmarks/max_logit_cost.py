@@ -35,7 +35,7 @@ def sync(device) -> None:
 def micro_cost(cfg, micro_batch: int, seq_len: int, device, dtype, reps: int = 10) -> float:
     """Seconds of ``max_logits_per_head`` for all layers of one forward, measured alone."""
     import torch
-    from ds_muon.max_logits import max_logits_per_head
+    from ds_muon.model.max_logits import max_logits_per_head
     q = torch.randn(micro_batch, cfg.n_heads, seq_len, cfg.head_dim, device=device, dtype=dtype)
     k = torch.randn(micro_batch, cfg.n_kv_heads, seq_len, cfg.head_dim, device=device, dtype=dtype)
     for _ in range(3):
@@ -72,7 +72,7 @@ def main() -> None:
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
     sys.path.insert(0, REPO)
     import ds_muon
-    from ds_muon.max_logits import RECORDER
+    from ds_muon.model.max_logits import RECORDER
     from model import CausalLM, ModelConfig
 
     deepspeed.init_distributed()

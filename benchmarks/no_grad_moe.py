@@ -9,7 +9,7 @@ expert steps from its momentum, plus weight decay, whether it got tokens or not)
 
     python benchmarks/no_grad_moe.py [--steps 200] [--experts 32] [--batch 2] [--seq 32] [--aux 0.01]
 
-CPU, a few minutes. The ZeRO-3 path applies the same rule (tests/test_no_grad.py checks it against
+CPU, a few minutes. The ZeRO-3 path applies the same rule (tests/dist/test_no_grad.py checks it against
 the oracle), so the single-device oracle is enough to show the effect on the loss.
 """
 from __future__ import annotations
@@ -25,9 +25,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from data import ByteCorpus  # noqa: E402
 
 from ds_muon import MuonAdamW  # noqa: E402
-from ds_muon.matrix import ns_view_shape, update_scale  # noqa: E402
-from ds_muon.newton_schulz import orthogonalize, resolve_ns_dtype  # noqa: E402
-from ds_muon.selection import param_shape  # noqa: E402
+from ds_muon.core.matrix import ns_view_shape, update_scale  # noqa: E402
+from ds_muon.core.newton_schulz import orthogonalize
+from ds_muon.core.dtypes import resolve_ns_dtype  # noqa: E402
+from ds_muon.model.structure import param_shape  # noqa: E402
 
 
 class StepEveryExpert(MuonAdamW):

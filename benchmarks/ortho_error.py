@@ -35,11 +35,12 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from ds_muon.matrix import ns_view_shape  # noqa: E402
-from ds_muon.newton_schulz import NS_METHODS, orthogonalize, resolve_ns_dtype  # noqa: E402
+from ds_muon.core.matrix import ns_view_shape  # noqa: E402
+from ds_muon.core.newton_schulz import NS_METHODS, orthogonalize
+from ds_muon.core.dtypes import resolve_ns_dtype  # noqa: E402
 
 #: Singular values at or above TOP x the Frobenius norm are the "significant" directions of a momentum
-#: matrix (the quintic's documented band [0.6818, 1.1344] holds from there, tests/test_newton_schulz.py).
+#: matrix (the quintic's documented band [0.6818, 1.1344] holds from there, tests/unit/test_newton_schulz.py).
 TOP = 1e-2
 KINDS = ("q", "k", "v", "o", "gate", "up", "gate_up", "down")
 _KIND_RE = re.compile(r"(?:^|\.)(q|k|v|o|gate|up|gate_up|down)_proj(?:\.|$)")

@@ -117,10 +117,10 @@ def _quintic_form(form: str):
     ``orthogonalize``), kept for the microbenchmark: ``baddbmm`` is ds_muon's form before 2026-12-01
     (``X <- baddbmm(X, baddbmm(A, A, A), X)``: the sums in the matmuls' fp32 epilogues), ``hybrid``
     computes ``bA + cA^2`` in one baddbmm on the small side and the long-side product as a plain
-    matmul (half the bf16 deviation of the plain form, tests/test_newton_schulz.py). Returns
+    matmul (half the bf16 deviation of the plain form, tests/unit/test_newton_schulz.py). Returns
     ``run(x, dtype, steps)``."""
     import torch
-    from ds_muon.newton_schulz import QUINTIC_COEFFS, _normalize
+    from ds_muon.core.newton_schulz import QUINTIC_COEFFS, frobenius_normalize as _normalize
 
     def baddbmm(X, a, b, c):
         A = torch.bmm(X, X.mT)
@@ -162,7 +162,9 @@ def ns_variant(name: str, steps: int, device, backend: str = "inductor"):
     import functools
 
     import torch
-    from ds_muon.newton_schulz import NS_METHODS, compiled_orthogonalize, orthogonalize, resolve_ns_dtype
+    from ds_muon.core.newton_schulz import NS_METHODS, orthogonalize
+    from ds_muon.core.ns_compile import compiled_orthogonalize
+    from ds_muon.core.dtypes import resolve_ns_dtype
     if name in PEERS:
         return _peer_kernel(name, steps), "standard", torch.bfloat16
     method, _, rest = name.partition("[")
@@ -213,7 +215,7 @@ def ns_microbenchmark(out_path: str, steps: int = 5, shapes=NS_SHAPES, variants=
     import torch
     from torch._dynamo.utils import counters
     sys.path.insert(0, REPO)
-    from ds_muon.newton_schulz import ns_flops
+    from ds_muon.core.ns_cost import ns_flops
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cpu = device.type == "cpu"
     rate = matmul_tflops(device, 256 if cpu else 8192, torch.float32 if cpu else torch.bfloat16)
@@ -302,7 +304,7 @@ def worker(args) -> None:
     sys.path.insert(0, os.path.join(REPO, "examples"))
     sys.path.insert(0, REPO)
     from model import CausalLM, ModelConfig
-    from tests.comm_counter import by_op, counting, install
+    from tests.support.comm_counter import by_op, counting, install
     install()
     deepspeed.init_distributed()
     rank = dist.get_rank()
@@ -360,9 +362,8 @@ def worker(args) -> None:
         from torch._dynamo.utils import counters
         result["compiled_graphs"] = int(counters["stats"].get("unique_graphs", 0))
         plans = engine.optimizer.muon_plans.values()
-        from ds_muon.newton_schulz import ns_flops
         result["imbalance"] = max(p.imbalance() for p in plans)
-        result["exchange_pool_peak_gib"] = engine.optimizer._muon_pool.peak_nbytes / 2**30
+        result["exchange_pool_peak_gib"] = engine.optimizer._pool.peak_nbytes / 2**30
         loads = [sum(p.load()[r] for p in plans) for r in range(dist.get_world_size())]
         result["ns_gflop_per_rank_max"] = max(loads) / 1e9
         result["matmul_tflops"] = matmul_tflops(device)

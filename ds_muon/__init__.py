@@ -9,7 +9,8 @@ hook (``ds_muon_autoload.pth``, see :mod:`ds_muon._autoload`) enables it when a 
 * ``ds_muon.enable()`` / ``ds_muon.disable()`` -- for frameworks (HF Trainer, Accelerate) that call
   ``deepspeed.initialize`` themselves.
 
-The single-device reference optimizer is ``ds_muon.MuonAdamW``.
+The single-device reference optimizers are ``ds_muon.MuonAdamW`` and ``ds_muon.AdamMini``;
+the ZeRO-3 optimizer class is ``ds_muon.MuonZeroOptimizer``. docs/design.md maps the package.
 """
 from __future__ import annotations
 
@@ -18,18 +19,20 @@ import importlib
 __version__ = "0.1.0"
 
 _LAZY = {
-    "MuonAdamW": "ds_muon.reference",
-    "AdamMini": "ds_muon.adam_mini",
+    "MuonAdamW": "ds_muon.oracle",
+    "AdamMini": "ds_muon.oracle",
     "initialize": "ds_muon.integration",
     "enable": "ds_muon.integration",
     "disable": "ds_muon.integration",
     "enabled": "ds_muon.integration",
+    "MuonZeroOptimizer": "ds_muon.integration.zero3",
     "MuonOptimizerParams": "ds_muon.config",
-    "ConfigError": "ds_muon.config",
-    "orthogonalize": "ds_muon.newton_schulz",
-    "record_max_logits": "ds_muon.max_logits",
-    "max_logits_per_head": "ds_muon.max_logits",
-    "register_attention": "ds_muon.attention",
+    "ConfigError": "ds_muon.errors",
+    "CheckpointError": "ds_muon.errors",
+    "orthogonalize": "ds_muon.core.newton_schulz",
+    "record_max_logits": "ds_muon.model.max_logits",
+    "max_logits_per_head": "ds_muon.model.max_logits",
+    "register_attention": "ds_muon.model.hf_attention",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -25,6 +25,10 @@ from .import_hooks import after_import
 
 ENV = "DS_MUON"
 _OFF = {"0", "false", "off", "no"}
+#: True while activation waits for ds_muon's own DeepSpeed hooks to finish importing: ``deepspeed`` was first
+#: imported by ``ds_muon.integration.hooks`` itself (a script that imports ds_muon before deepspeed), so the
+#: callback fired inside that import; the hooks module calls ``auto_enable`` at its end (:func:`_activate`).
+deferred = False
 
 
 def auto_enabled_by_env() -> bool:
@@ -34,7 +38,12 @@ def auto_enabled_by_env() -> bool:
 
 def _activate() -> None:
     """The callback for ``deepspeed``: :func:`ds_muon.integration.auto_enable`, never breaking the import."""
+    global deferred
     if not auto_enabled_by_env():  # DS_MUON=0 set after start-up (e.g. by a test suite's conftest)
+        return
+    hooks = sys.modules.get("ds_muon.integration.hooks")
+    if hooks is not None and not hasattr(hooks, "auto_enable"):  # inside the hooks module's own import
+        deferred = True
         return
     try:
         from .integration import auto_enable

@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ds_muon.max_logits import max_logits_per_head, record_max_logits
+from ds_muon.model.max_logits import max_logits_per_head, record_max_logits
 
 
 @dataclass
@@ -82,7 +82,7 @@ PRESETS = {
     "tiny": ModelConfig(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=352, max_seq_len=128),
     # ~18M params with the byte vocab.
     "small": ModelConfig(d_model=512, n_layers=6, n_heads=8, n_kv_heads=4, ffn_hidden=1408, max_seq_len=512),
-    # The benchmark model of design.md §8: ~934M params with a 32000 vocab (d=2048, 16 layers, SwiGLU 5440).
+    # The benchmark model of docs/design.md, "Measuring": ~934M params with a 32000 vocab (d=2048, 16 layers, SwiGLU 5440).
     "934m": ModelConfig(vocab_size=32000, d_model=2048, n_layers=16, n_heads=16, n_kv_heads=16,
                         ffn_hidden=5440, max_seq_len=1024),
     # The larger benchmark flavour: ~2.9B params (d=3072, 24 layers, 24 heads, SwiGLU 8192, vocab 32000).

@@ -44,8 +44,8 @@ from model import PRESETS, CausalLM, ModelConfig, count_params  # noqa: E402
 import ds_muon  # noqa: E402
 from ds_muon.checkpoint import LATEST, convert_to_universal, saved_model_states  # noqa: E402
 from ds_muon.config import parse_muon_params  # noqa: E402
-from ds_muon.max_logits import RECORDER  # noqa: E402
-from ds_muon.selection import select_muon_params  # noqa: E402
+from ds_muon.model.max_logits import RECORDER  # noqa: E402
+from ds_muon.model.selection import SelectionRules, select_muon_params  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CONFIG = os.path.join(HERE, "ds_config_cpu.json")
@@ -266,8 +266,7 @@ def main() -> None:
 
     if config["optimizer"]["type"].lower() == "muon":  # which parameters Muon trains, and as which matrices
         opt = parse_muon_params(config["optimizer"].get("params"))
-        log(select_muon_params(model, opt.muon_params, opt.adamw_params, opt.per_head_muon,
-                               opt.declared_splits()).summary())
+        log(select_muon_params(model, SelectionRules.from_params(opt)).summary())
     muon = [p for p in model.parameters() if getattr(p, "use_muon", False)]
     other = [p for p in model.parameters() if not getattr(p, "use_muon", False)]
     log(f"model {args.model}: {count_params(model.parameters()):,} params | world {world} | data streams "

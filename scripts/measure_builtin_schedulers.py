@@ -5,11 +5,11 @@
 CPU, one process, ZeRO-3 with reduce_scatter false (the built-in refuses true), lr 0.02, adam_lr 0.003,
 ds_muon not enabled. Prints, per scheduler, each param group's lr before each of 3 optimizer steps.
 """
-import os, json
+import os
 os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29611")
 import torch, deepspeed
 deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-from tests.models import ParityNet, batch
+from tests.support.models import ParityNet, batch
 scheds = {
  "WarmupLR(warmup_max_lr=0.02)": ("WarmupLR", {"warmup_min_lr": 0.002, "warmup_max_lr": 0.02, "warmup_num_steps": 4, "warmup_type": "linear"}),
  "WarmupLR(no warmup_max_lr)": ("WarmupLR", {"warmup_min_lr": 0.0, "warmup_num_steps": 4, "warmup_type": "linear"}),

@@ -1,5 +1,5 @@
 """ds_muon ZeRO-3 vs. the single-device oracle on GPUs over NCCL (the multi-GPU twin of
-tests/test_zero3_parity.py, which runs on CPU/gloo in CI).
+tests/dist/test_zero3_parity.py, which runs on CPU/gloo in CI).
 
     torchrun --nproc_per_node 2 scripts/parity_nccl.py [--out results.json]
 
@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.harness import (MUON_PARAMS, PARITY_RTOL, build_engine, clone_tags, compare, ds_config,  # noqa: E402
+from tests.support.harness import (MUON_PARAMS, PARITY_RTOL, build_engine, clone_tags, compare, ds_config,  # noqa: E402
                            gathered_params, reference_model, train_engine, train_reference)
 
 STEPS = 3
@@ -43,8 +43,8 @@ def fp16_overflow_check(rank: int, world: int) -> dict:
     that step: the Muon momentum and the fp32 weights stay bit-identical, and the run matches the
     oracle that skips the same step (fp16 forward/backward vs. fp32 oracle: reported)."""
     import ds_muon
-    from tests.harness import fp32_master_params
-    from tests.models import batch, use_extra
+    from tests.support.harness import fp32_master_params
+    from tests.support.models import batch, use_extra
     cfg = ds_config(gas=1, clip=0.5, optimizer={"type": "Muon", "params": dict(MUON_PARAMS)})
     cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
     engine, model = build_engine(cfg)

@@ -18,18 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # for tests/support/spawn.py: the repository's one free-port helper
+from tests.support.spawn import free_port  # noqa: E402
 TRAIN = os.path.join(REPO, "examples", "train.py")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def arms(args) -> dict[str, dict]:

@@ -37,26 +37,22 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # for tests/support/spawn.py: the repository's one free-port helper
+from tests.support.spawn import free_port  # noqa: E402
 TRAIN = os.path.join(ROOT, "examples", "train.py")
 STREAMS = 2  # --data-streams of every run: W=2 and W=1 draw the same global batch
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def launch(world: int, args: list[str], log_path: str) -> list[subprocess.Popen]:
     """Start ``world`` ranks of ``examples/train.py args`` on this machine, each in its own process group."""
-    port, procs = _free_port(), []
+    port, procs = free_port(), []
     log = open(log_path, "ab")
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),

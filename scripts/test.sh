@@ -43,7 +43,7 @@ if [[ ! -e /usr/include/libaio.h ]]; then
     fi
 fi
 echo ">> installing ds_muon (pip install -e .[test])"
-python -m pip install -q -U "setuptools>=70.1" wheel  # tests/test_autoload.py builds ds_muon without isolation
+python -m pip install -q -U "setuptools>=70.1" wheel  # tests/e2e/test_autoload.py builds ds_muon without isolation
 python -m pip install -q -e ".[test]"
 
 echo ">> python -m pytest $*"

@@ -1,0 +1,218 @@
+"""A whole DeepSpeed config as ds_muon reads it: which optimizer, its params, and the sections that matter.
+
+Layer ``config`` (no torch, no deepspeed). :func:`parse_ds_config` is the one entry point for every
+optimizer ds_muon serves (``"Muon"``, ``"AdamMini"``): it validates ``optimizer.params`` with that
+optimizer's model and checks the DeepSpeed sections with one checker (:func:`section_problems`),
+returning a frozen :class:`DsMuonConfig` that is parsed once per ``initialize`` and handed along.
+
+``zero_optimization`` is DeepSpeed's own pydantic model (``extra="forbid"``), so ds_muon adds no keys
+there and re-checks nothing DeepSpeed checks; it checks only what matters to ds_muon and DeepSpeed
+leaves open. Whether the host can do what the config asks (an NVMe path that exists, libaio) is not
+checked here but by :mod:`ds_muon.integration.probes`, once.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from ..errors import ConfigError
+from .adam_mini import AdamMiniOptimizerParams, parse_adam_mini_params
+from .messages import AUTO_HINT
+from .muon import MuonOptimizerParams, parse_muon_params
+
+__all__ = ["MUON", "ADAM_MINI", "SERVED_STAGES", "DsMuonConfig", "optimizer_kind", "parse_ds_config",
+           "section_problems", "deepspeed_version", "is_number", "NVME_PARAM_OFFLOAD_PROBLEM"]
+
+#: ``optimizer.type`` values ds_muon serves, as ``DsMuonConfig.optimizer`` names them.
+MUON = "Muon"
+ADAM_MINI = "AdamMini"
+#: The ZeRO stages ds_muon's step runs at, per optimizer.
+SERVED_STAGES: dict[str, tuple[int, ...]] = {MUON: (3,), ADAM_MINI: (3,)}
+
+NVME_PARAM_OFFLOAD_PROBLEM = ("zero_optimization.offload_param.device: 'nvme' (parameter offload to NVMe) is not "
+                              "supported by ds_muon yet; use offload_param device 'cpu' or none (optimizer offload to "
+                              "NVMe is supported: offload_optimizer.device 'nvme')")
+
+
+@dataclass(frozen=True)
+class DsMuonConfig:
+    """A DeepSpeed config that ds_muon serves, validated.
+
+    Attributes:
+        optimizer: :data:`MUON` or :data:`ADAM_MINI`.
+        params: the validated ``optimizer.params``.
+        offload_device: ``zero_optimization.offload_optimizer.device`` (``"cpu"``, ``"nvme"``) or None.
+    """
+
+    optimizer: str
+    params: Union[MuonOptimizerParams, AdamMiniOptimizerParams]
+    offload_device: Optional[str] = None
+
+    @property
+    def is_muon(self) -> bool:
+        return self.optimizer == MUON
+
+
+def optimizer_kind(ds_config: Any) -> Optional[str]:
+    """:data:`MUON` or :data:`ADAM_MINI` when a DeepSpeed config dict's ``optimizer.type`` names one (matched
+    case-insensitively, as DeepSpeed does; ``AdamMini`` also as ``adam_mini``/``adam-mini``), else None."""
+    opt = ds_config.get("optimizer") if isinstance(ds_config, dict) else None
+    kind = opt.get("type") if isinstance(opt, dict) else None
+    if not isinstance(kind, str):
+        return None
+    name = kind.lower()
+    if name == "muon":
+        return MUON
+    if name.replace("_", "").replace("-", "") == "adammini":
+        return ADAM_MINI
+    return None
+
+
+def deepspeed_version() -> str:
+    """The installed DeepSpeed's version, for messages that name one of its limits (read from the package
+    metadata: importing deepspeed here would be slow)."""
+    try:
+        from importlib.metadata import version
+        return version("deepspeed")
+    except Exception:  # noqa: BLE001 - not installed the usual way
+        return "(unknown version)"
+
+
+def is_number(x: Any) -> bool:
+    """A JSON number: an int or float, not a bool."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _device(section: Any) -> Optional[str]:
+    device = section.get("device") if isinstance(section, dict) else None
+    return str(getattr(device, "value", device)).lower() if device is not None else None
+
+
+def section_problems(ds_config: dict, optimizer: str,
+                     params: Union[MuonOptimizerParams, AdamMiniOptimizerParams, None]) -> list[str]:
+    """The problems of the DeepSpeed sections of ``ds_config`` for ``optimizer`` (one line each).
+
+    * ``zero_optimization.stage`` must be one of :data:`SERVED_STAGES` of the optimizer;
+    * an NVMe ``offload_optimizer`` needs an ``nvme_path``, and a bf16 Muon momentum needs
+      ``save_muon_momentum_buffer_in_memory`` there (the swapper stores fp32 state only); NVMe *parameter*
+      offload, a partial offload ``ratio``, ``zenflow``, ``super_offload`` and AutoTP (``autotp_size > 1``)
+      are refused, each naming DeepSpeed's or ds_muon's limit;
+    * ``gradient_clipping`` must be a number >= 0 (0 disables clipping).
+
+    Args:
+        params: the optimizer's validated params, or None when they did not validate.
+    """
+    problems: list[str] = []
+    served = "ds_muon" if optimizer == MUON else f"ds_muon's {optimizer}"
+    zero = ds_config.get("zero_optimization")
+    if zero is None:
+        zero = {}
+    if not isinstance(zero, dict):
+        problems.append(f"zero_optimization: {zero!r} is invalid: must be an object with \"stage\": 3")
+        zero = {}
+    stages = SERVED_STAGES[optimizer]
+    stage = zero.get("stage", None)
+    if not (is_number(stage) and stage in stages):
+        shown = "missing (DeepSpeed's default is 0)" if stage is None else f"{stage!r} is invalid"
+        fix = (", or use DeepSpeed's built-in Muon for stages 0-2 (call ds_muon.disable() first if ds_muon.enable() "
+               "is in effect)" if optimizer == MUON else "")
+        problems.append(f"zero_optimization.stage: {shown}: {served} serves ZeRO stage "
+                        f"{' or '.join(map(str, stages))} (which runs on one GPU too); set zero_optimization.stage "
+                        f"to {stages[-1]}{fix}")
+    offload = zero.get("offload_optimizer")
+    device = _device(offload)
+    if device == "nvme":
+        nvme_path = offload.get("nvme_path")
+        if nvme_path is None or (isinstance(nvme_path, str) and not nvme_path.strip()):
+            problems.append(f"zero_optimization.offload_optimizer.nvme_path: {nvme_path!r} is invalid: "
+                            "offload_optimizer.device is 'nvme', so a directory on a local NVMe drive is required; "
+                            "set nvme_path (e.g. \"/local_nvme\"), or use device 'cpu'")
+        if (isinstance(params, MuonOptimizerParams) and params.momentum_dtype != "float32"
+                and zero.get("save_muon_momentum_buffer_in_memory") is not True):
+            problems.append(f"optimizer.params.momentum_dtype: {params.momentum_dtype!r} with NVMe optimizer "
+                            "offload needs zero_optimization.save_muon_momentum_buffer_in_memory: true (DeepSpeed's "
+                            "swapper stores state in fp32 only); set it, or use momentum_dtype 'float32'")
+    if _device(zero.get("offload_param")) == "nvme":
+        problems.append(NVME_PARAM_OFFLOAD_PROBLEM)
+    if isinstance(offload, dict) and is_number(offload.get("ratio")) and offload["ratio"] != 1.0:
+        problems.append(f"zero_optimization.offload_optimizer.ratio: {offload['ratio']!r} is invalid: DeepSpeed "
+                        f"{deepspeed_version()}'s ZeRO-3 partial optimizer offload runs only with DeepSpeedCPUAdam as "
+                        "the optimizer (DeepSpeedZeroOptimizer_Stage3 asserts 'Hybrid Optimizer Only Supports "
+                        f"DeepSpeedCPUAdam'), so neither DeepSpeed's built-in Muon nor {served} can use it; remove "
+                        "ratio (or set it to 1.0) to offload the whole optimizer")
+    if zero.get("zenflow"):
+        problems.append(f"zero_optimization.zenflow: is not supported by {served}; remove it")
+    if isinstance(offload, dict) and offload.get("super_offload"):
+        problems.append(f"zero_optimization.offload_optimizer.super_offload: true is invalid: DeepSpeed "
+                        f"{deepspeed_version()}'s SuperOffload (SuperOffloadOptimizer_Stage3, CUDA only) steps every "
+                        f"param group with its own CPU Adam and has no Muon step, so neither DeepSpeed's built-in Muon "
+                        f"nor {served} can use it; remove super_offload (offload_optimizer device 'cpu' offloads "
+                        f"{served}'s optimizer)")
+    tp = ds_config.get("tensor_parallel")
+    if isinstance(tp, dict) and is_number(tp.get("autotp_size")) and tp["autotp_size"] > 1:
+        problems.append(f"tensor_parallel.autotp_size: {tp['autotp_size']!r} is invalid: {served} orthogonalizes "
+                        "whole matrices (and Adam-mini's blocks are whole heads and tensors) and does not support "
+                        "tensor parallelism yet; set autotp_size to 1")
+    if "gradient_clipping" in ds_config:
+        clip = ds_config["gradient_clipping"]
+        if not is_number(clip) or clip < 0 or clip != clip:
+            line = (f"gradient_clipping: {clip!r} is invalid: the global gradient-norm clip threshold must be a "
+                    f"number >= 0; allowed: a number >= 0 (0 disables clipping)")
+            if clip == "auto":
+                line += AUTO_HINT
+            problems.append(line)
+    return problems
+
+
+def _warnings(ds_config: dict, params: Any) -> None:
+    """Muon config that is correct but has no effect: a ``UserWarning`` each (the same file is often shared
+    between runs that differ only there)."""
+    if not isinstance(params, MuonOptimizerParams):
+        return
+    zero = ds_config.get("zero_optimization")
+    zero = zero if isinstance(zero, dict) else {}
+    if params.foreach is not None and not params.torch_adam:
+        warnings.warn(
+            "optimizer.params.foreach has no effect without optimizer.params.torch_adam: true (as in DeepSpeed, "
+            "it is a flag of torch.optim.AdamW); set torch_adam true to use torch's AdamW, or remove foreach.",
+            UserWarning, stacklevel=3)
+    if zero.get("save_muon_momentum_buffer_in_memory") is True and _device(zero.get("offload_optimizer")) not in (
+            "cpu", "nvme"):
+        warnings.warn(
+            "zero_optimization.save_muon_momentum_buffer_in_memory is true but the optimizer is not offloaded "
+            "(offload_optimizer.device is not 'cpu' or 'nvme'), so it has no effect: the Muon momentum already "
+            "stays in accelerator memory. Remove it, or offload the optimizer.",
+            UserWarning, stacklevel=3)
+
+
+def parse_ds_config(ds_config: dict) -> Optional[DsMuonConfig]:
+    """Parse the ds_muon-relevant parts of a DeepSpeed config dict.
+
+    Returns None when ``optimizer.type`` is none ds_muon serves (other configs pass through untouched).
+    ``zero_optimization.save_muon_momentum_buffer_in_memory: true`` without an optimizer offload, and
+    ``foreach`` without ``torch_adam``, earn a ``UserWarning`` (correct but without effect).
+
+    Raises:
+        ConfigError: listing every problem of ``optimizer.params`` (:func:`ds_muon.config.parse_muon_params`,
+            :func:`ds_muon.config.parse_adam_mini_params`) and of the sections (:func:`section_problems`).
+    """
+    if not isinstance(ds_config, dict):
+        raise ConfigError(f"DeepSpeed config: {type(ds_config).__name__} is invalid: parse_ds_config takes a dict; "
+                          "use load_ds_config(path) to read a JSON file")
+    optimizer = optimizer_kind(ds_config)
+    if optimizer is None:
+        return None
+    problems: list[str] = []
+    params = None
+    parse = parse_muon_params if optimizer == MUON else parse_adam_mini_params
+    try:
+        params = parse(ds_config["optimizer"].get("params"))
+    except ConfigError as err:
+        problems.extend(err.problems)
+    problems += section_problems(ds_config, optimizer, params)
+    if problems:
+        raise ConfigError(problems)
+    _warnings(ds_config, params)
+    zero = ds_config.get("zero_optimization") or {}
+    return DsMuonConfig(optimizer, params, _device(zero.get("offload_optimizer")))

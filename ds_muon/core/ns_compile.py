@@ -1,0 +1,102 @@
+"""``torch.compile`` of Newton–Schulz: the owner step's compiled ``orthogonalize`` (layer ``core``).
+
+The default is inductor's default mode with dynamic shapes (a handful of graphs per model);
+``ns_autotune`` selects heavyball's settings (:data:`AUTOTUNE_COMPILE`). Every compiled call raises
+torch.compile's recompile limit for itself only (:data:`COMPILE_GRAPH_LIMIT`), so it never silently
+falls back to eager while the rest of the user's program keeps its own setting.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .newton_schulz import check_form, orthogonalize
+from .ns_cost import check_method, check_steps
+
+__all__ = ["COMPILE_MODE", "COMPILE_DYNAMIC", "AUTOTUNE_COMPILE", "COMPILE_GRAPH_LIMIT", "compiled_orthogonalize"]
+
+#: ``torch.compile`` ``mode`` and ``dynamic`` of ``compiled_orthogonalize`` when none is given (the
+#: owner step's Newton–Schulz). ``None``/``True``: inductor's default mode, dynamic shapes (few graphs
+#: per model, cuBLAS matmuls). heavyball compiles its Newton–Schulz with ``"max-autotune-no-cudagraphs"``
+#: and static shapes (inductor benchmarks Triton matmul templates against cuBLAS per shape and can fuse
+#: the element-wise work into the matmuls' epilogues); the microbenchmark times both.
+COMPILE_MODE: str | None = None
+COMPILE_DYNAMIC: bool | None = True
+#: ``compiled_orthogonalize``'s ``mode``/``dynamic`` with the config key ``ns_autotune`` (opt-in):
+#: heavyball's settings. Measured on one H200 (docs/benchmarks.md, 2026-12-01, bf16, 5 steps):
+#: 83-85% of the matmul rate against 77-80% with the defaults, at the price of one graph per
+#: ``(batch, rows, cols)`` and 4-9 s of autotuning per graph on first use.
+AUTOTUNE_COMPILE: dict = {"mode": "max-autotune-no-cudagraphs", "dynamic": False}
+
+#: Graphs ds_muon's compiled Newton–Schulz may hold per (method, steps, dtype) before torch.compile
+#: gives up (``torch._dynamo.config.recompile_limit``, 8 by default, is per code object and shared
+#: by every compiled ``orthogonalize``). Each call of the compiled function raises the limit to this
+#: value for itself only (``torch._dynamo.config.patch``), so the rest of the user's program keeps
+#: its own setting.
+COMPILE_GRAPH_LIMIT = 64
+
+
+_DEFAULT = "default"  # compiled_orthogonalize: "use the module-level setting"
+
+
+def compiled_orthogonalize(method: str = "standard", steps: int = 5, dtype: torch.dtype | None = None,
+                           backend: str = "inductor", *, mode: str | None = _DEFAULT,
+                           dynamic: bool | None = _DEFAULT, form: str | None = None):
+    """``orthogonalize`` with ``method``, ``steps``, ``dtype`` and ``form`` fixed, compiled by ``torch.compile``.
+
+    By default (``COMPILE_DYNAMIC``) compiled with dynamic shapes, so a new batch count or matrix shape
+    mostly reuses a graph; torch
+    still specializes on a batch of 1 against more, square against rectangular, wide against tall,
+    and for ``"gram"`` on whether the Gram kernel pays (``ns_kernel``), so a model's set of shapes
+    needs a handful of graphs (with ``dynamic=False``: one graph per input shape). torch.compile's
+    default ``recompile_limit`` (8) is shared by every
+    compiled function of the process and was hit in practice (it then silently falls back to
+    eager); each call here runs under ``recompile_limit = COMPILE_GRAPH_LIMIT`` instead (see
+    there). ``benchmarks/step_time.py`` counts the graphs. The compiled region fuses the
+    normalization (no fp32 copy of the whole batch) and the element-wise parts of each iteration
+    around the matmuls. Meant for accelerators. One compiled function per distinct argument tuple
+    (cached).
+
+    Args:
+        method, steps, dtype, form: as ``orthogonalize``'s (``form`` ``None``: ``QUINTIC_FORM``).
+        backend: ``torch.compile``'s backend (the tests use ``"eager"``, which has the same guards
+            and compiles in milliseconds).
+        mode: ``torch.compile``'s ``mode`` (inductor only), e.g. ``"max-autotune-no-cudagraphs"``;
+            default ``COMPILE_MODE``.
+        dynamic: ``torch.compile``'s ``dynamic``; default ``COMPILE_DYNAMIC``.
+
+    Returns:
+        ``fn(x) -> tensor`` with ``orthogonalize``'s contract.
+
+    Raises:
+        ValueError: bad ``method``, ``steps`` or ``form`` (checked eagerly here), or a ``mode`` with
+            a backend other than inductor.
+    """
+    check_method(method)
+    check_steps(steps)
+    form = check_form(form)
+    mode = COMPILE_MODE if mode == _DEFAULT else mode
+    dynamic = COMPILE_DYNAMIC if dynamic == _DEFAULT else dynamic
+    if mode is not None and backend != "inductor":
+        raise ValueError(f"a torch.compile mode ({mode!r}) needs backend='inductor', got {backend!r}")
+    return _compiled(method, steps, dtype, backend, mode, dynamic, form)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(method: str, steps: int, dtype: torch.dtype | None, backend: str, mode: str | None,
+              dynamic: bool | None, form: str):
+    compiled = torch.compile(functools.partial(orthogonalize, method=method, steps=steps, dtype=dtype, form=form),
+                             dynamic=dynamic, backend=backend, mode=mode)
+
+    # torch < 2.7 calls the limit cache_size_limit
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        with torch._dynamo.config.patch(**{limit: COMPILE_GRAPH_LIMIT}):
+            return compiled(x)
+
+    return fn
+
+
+compiled_orthogonalize.cache_clear = _compiled.cache_clear  # type: ignore[attr-defined]

@@ -1,0 +1,185 @@
+"""Newton–Schulz cost model: matmul FLOPs per call and the per-shape kernel choice (pure integers).
+
+No torch: the owner plan (:mod:`ds_muon.sharded.ownership`), the matrix views
+(:meth:`ds_muon.core.matrix.MatrixView.cost`) and the benchmarks import it without a tensor library,
+and under ``torch.compile``'s dynamic shapes the Gram/standard choice is an integer guard. The kernels
+themselves are in :mod:`ds_muon.core.newton_schulz`.
+
+Sources: Keller Jordan's quintic (https://kellerjordan.github.io/posts/muon/), Gram Newton–Schulz
+(Zhang, Amsel, Chen, Dao, https://tridao.me/blog/2026/gram-newton-schulz/), Polar Express
+(arXiv:2505.16932).
+"""
+from __future__ import annotations
+
+from fractions import Fraction
+
+__all__ = ["NS_METHODS", "NS_EFFICIENCY", "check_method", "check_steps", "check_dims", "gram_pays",
+           "gram_restart_points", "ns_flops", "ns_kernel", "ns_seconds"]
+
+NS_METHODS: tuple[str, ...] = ("standard", "gram", "polar_express")
+
+# Gram NS restarts after iteration 2 (the blog's choice for 5 steps), then every 3 iterations.
+_GRAM_FIRST_RESTART = 2
+_GRAM_RESTART_PERIOD = 3
+
+
+def check_method(method: str) -> None:
+    """Raise ValueError (naming the allowed values) unless ``method`` is one of :data:`NS_METHODS`."""
+    if method not in NS_METHODS:
+        raise ValueError(f"ns method must be one of {NS_METHODS}, got {method!r}")
+
+
+def check_steps(steps: int) -> None:
+    """Raise ValueError unless ``steps`` is an int >= 1."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+
+
+def gram_restart_points(steps: int) -> tuple[int, ...]:
+    """Iterations after which ``gram_newton_schulz`` restarts (``X <- Q X``, recompute ``X X^T``).
+
+    After iteration 2 (the Gram NS blog's choice for 5 steps, https://tridao.me/blog/2026/gram-newton-schulz/),
+    then every 3 iterations; never after the last one. ``steps=5`` -> ``(2,)``; ``steps=8`` -> ``(2, 5)``.
+
+    Raises:
+        ValueError: ``steps`` is not an int >= 1.
+    """
+    check_steps(steps)
+    return tuple(range(_GRAM_FIRST_RESTART, steps, _GRAM_RESTART_PERIOD))
+
+
+def _standard_flops(s: int, l: int, steps: int) -> int:
+    # per iteration: X X^T (s*s*l), A @ A (s^3), B @ X (s*s*l)
+    return steps * (2 * s * s * l + 2 * s**3 + 2 * s * s * l)
+
+
+def _gram_flops(s: int, l: int, steps: int) -> int:
+    restarts = gram_restart_points(steps)
+    long_side = 2 * 2 * s * s * l  # first R = X X^T and final Q X
+    long_side += len(restarts) * 2 * 2 * s * s * l  # each restart: Q X and X X^T
+    small = 0
+    fresh = True  # Q is the identity
+    for t in range(1, steps + 1):
+        small += 2 * s**3  # R @ R
+        small += 0 if fresh else 2 * s**3  # Q @ P
+        fresh = False
+        if t == steps:
+            break
+        if t in restarts:
+            fresh = True
+        else:
+            small += 2 * 2 * s**3  # P @ (R @ P)
+    return long_side + small
+
+
+#: Measured fraction of the bf16 matmul rate each Newton–Schulz kernel reaches, compiled as
+#: ``compiled_orthogonalize`` compiles it, counting the FLOPs of ``ns_flops``: the cost model's
+#: parameters. From the 1xH200 microbenchmark of 2026-12-01 (docs/benchmarks.md, "Performance II":
+#: torch 2.11, inductor default mode, dynamic shapes; 16x5440x2048 and 16x2048x5440): the standard
+#: quintic (plain form) 75% and 74%, Gram Newton–Schulz (fp16) 75% and 74%. Polar Express runs the
+#: standard kernel. Re-measure with ``python benchmarks/step_time.py --optimizers '' --ns-micro``
+#: when ``COMPILE_MODE``/``QUINTIC_FORM`` change.
+NS_EFFICIENCY: dict[str, float] = {"standard": 0.745, "gram": 0.745}
+
+
+def gram_pays(s: int, l: int, steps: int) -> bool:
+    """Whether Gram Newton–Schulz is predicted faster than the standard kernel on ``(s, l)`` (``s <= l``).
+
+    Predicted time = FLOPs / measured efficiency (:data:`NS_EFFICIENCY`).
+    """
+    # gram_time < standard_time with time = FLOPs / (efficiency * rate); integer arithmetic (the
+    # efficiencies as a ratio of ints), so under torch.compile's dynamic shapes the choice is an
+    # integer guard on the symbolic sizes.
+    ratio = Fraction(NS_EFFICIENCY["standard"] / NS_EFFICIENCY["gram"]).limit_denominator(1000)
+    return _gram_flops(s, l, steps) * ratio.numerator < _standard_flops(s, l, steps) * ratio.denominator
+
+
+def ns_kernel(m: int, n: int, steps: int, method: str = "standard") -> str:
+    """The kernel ``orthogonalize(x, method, steps)`` runs on an ``(..., m, n)`` input: the per-shape
+    choice of the cost model.
+
+    ``"polar_express"`` and ``"standard"`` run themselves. ``"gram"`` runs ``gram_newton_schulz``
+    where its predicted time is below the standard kernel's, else the standard quintic (the same
+    polynomial either way): predicted time = ``ns_flops`` of the kernel / (``NS_EFFICIENCY`` of the
+    kernel x matmul rate), the efficiencies measured on one H200. With equal efficiencies that is
+    ``max(m, n) > 1.5 min(m, n)`` at 5 steps (``8 s^2 l + 28 s^3 < 20 s^2 l + 10 s^3``).
+
+    Args:
+        m, n: matrix shape, >= 1. steps: >= 1. method: one of ``NS_METHODS``.
+
+    Returns:
+        ``"standard"``, ``"gram"`` or ``"polar_express"``.
+
+    Raises:
+        ValueError: bad ``method`` (names the allowed values), ``steps``, ``m`` or ``n``.
+    """
+    check_method(method)
+    check_steps(steps)
+    check_dims(m=m, n=n)
+    if method == "gram" and not gram_pays(min(m, n), max(m, n), steps):
+        return "standard"
+    return method
+
+
+def ns_seconds(m: int, n: int, steps: int, method: str = "standard", batch: int = 1,
+               matmul_tflops: float = 1.0) -> float:
+    """Predicted seconds of one ``orthogonalize(x, method, steps)`` call on a ``(batch, m, n)`` input:
+    ``ns_flops / (NS_EFFICIENCY[ns_kernel(...)] * matmul_tflops * 1e12)``.
+
+    Args:
+        m, n, steps, method, batch: as ``ns_flops``. matmul_tflops: the device's measured dense
+            matmul rate in TFLOP/s (> 0; ``benchmarks/step_time.py`` measures it on 8192^3 bf16).
+
+    Returns:
+        A ``float`` (seconds).
+
+    Raises:
+        ValueError: as ``ns_flops``, or ``matmul_tflops`` not > 0.
+    """
+    if not matmul_tflops > 0:
+        raise ValueError(f"matmul_tflops must be > 0, got {matmul_tflops!r}")
+    kernel = ns_kernel(m, n, steps, method)
+    return ns_flops(m, n, steps, method, batch) / (NS_EFFICIENCY["gram" if kernel == "gram" else "standard"]
+                                                    * matmul_tflops * 1e12)
+
+
+def check_dims(**dims: int) -> None:
+    """Raise ValueError unless each dim is an int >= 1 (``batch``: >= 0), naming it."""
+    for name, v in dims.items():
+        lo = 0 if name == "batch" else 1
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+
+
+def ns_flops(m: int, n: int, steps: int, method: str = "standard", batch: int = 1) -> int:
+    """Matmul FLOPs of one ``orthogonalize(x, method, steps)`` call on a ``(batch, m, n)`` input.
+
+    Each matmul of ``(p, k) @ (k, q)`` counts ``2 p k q``; element-wise work is not counted. With
+    ``s = min(m, n)`` and ``l = max(m, n)`` (the wide orientation ``orthogonalize`` works in):
+
+    * standard, polar_express: ``steps * (4 s^2 l + 2 s^3)`` (3 matmuls per iteration).
+    * gram: what ``gram_newton_schulz`` does: ``4 s^2 l`` (first Gram product and final ``Q X``)
+      ``+ 4 s^2 l`` per restart, plus per iteration ``2 s^3`` (``R^2``), ``2 s^3`` (``Q P``, not
+      right after a (re)start) and ``4 s^3`` (``P R P``, not before a restart or at the end).
+      For 5 steps: ``8 s^2 l + 28 s^3``. Where the cost model (``ns_kernel``) picks the standard
+      kernel instead (``l <= 1.5 s`` at 5 steps with the measured efficiencies),
+      ``orthogonalize`` runs it and this returns the standard count.
+
+    Used by the owner-balancing plan and the benchmarks.
+
+    Args:
+        m, n: matrix shape, >= 1. steps: >= 1. method: one of ``NS_METHODS``. batch: >= 0.
+
+    Returns:
+        An ``int``.
+
+    Raises:
+        ValueError: bad ``method`` (names the allowed values), ``steps``, ``m``, ``n`` or ``batch``.
+    """
+    check_method(method)
+    check_steps(steps)
+    check_dims(m=m, n=n, batch=batch)
+    s, l = min(m, n), max(m, n)
+    if ns_kernel(m, n, steps, method) == "gram":
+        return batch * _gram_flops(s, l, steps)
+    return batch * _standard_flops(s, l, steps)

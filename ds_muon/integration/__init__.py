@@ -1,0 +1,16 @@
+"""The DeepSpeed glue (layer ``integration``): the only package that imports deepspeed.
+
+:mod:`~ds_muon.integration.hooks` (``initialize``/``enable``/``disable`` and the four engine hooks),
+:mod:`~ds_muon.integration.validation` and :mod:`~ds_muon.integration.probes` (the config, once, and the host),
+:mod:`~ds_muon.integration.inner` (the inner optimizers), :mod:`~ds_muon.integration.zero3` (the ZeRO-3 subclass)
+with :mod:`~ds_muon.integration.zero3_checkpoint`, :mod:`~ds_muon.integration.nvme`,
+:mod:`~ds_muon.integration.faults` and :mod:`~ds_muon.integration.monitor` beside it,
+:mod:`~ds_muon.integration.checkpoint_hooks` (engine-level checkpoint checks), :mod:`~ds_muon.integration.schedulers`
+and :mod:`~ds_muon.integration.frameworks`. docs/design.md ("Where DeepSpeed is hooked") lists every DeepSpeed
+name used and the releases it was checked against.
+"""
+from __future__ import annotations
+
+from .hooks import AUTO_NOTICE, auto_enable, disable, enable, enabled, initialize, is_enabled
+
+__all__ = ["initialize", "enable", "disable", "enabled", "is_enabled", "auto_enable", "AUTO_NOTICE"]

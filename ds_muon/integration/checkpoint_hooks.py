@@ -1,0 +1,120 @@
+"""Checkpoint hooks on a ds_muon engine (layer ``integration``): checks before every load, crash-safe saves.
+
+Installed per engine by :mod:`ds_muon.integration.hooks` (the engine is held weakly):
+
+* ``engine.load_checkpoint`` first checks the tag's files (:func:`ds_muon.checkpoint.files.check_tag`: integrity,
+  completeness, the world size, universal or not), and loads the tag's weights for weights-only loads
+  (:func:`load_weights_of_tag`);
+* ``engine.save_checkpoint`` writes every file under a temporary name and ``latest`` only after every rank's
+  files are in place (:func:`install_atomic_save`).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import weakref
+
+import torch.distributed as dist
+
+from ..checkpoint.files import LATEST, check_tag, read_tag
+
+__all__ = ["install_load_checks", "install_atomic_save", "load_weights_of_tag"]
+
+
+def install_load_checks(engine) -> None:
+    """Make ``engine.load_checkpoint`` run :func:`ds_muon.checkpoint.files.check_tag` first, and load a tag's weights
+    for a weights-only load (:func:`load_weights_of_tag`); on this engine only, holding it weakly."""
+    engine_ref = weakref.ref(engine)
+    load = type(engine).load_checkpoint
+    signature = inspect.signature(load)
+
+    @functools.wraps(load)
+    def load_checkpoint(*args, **kwargs):
+        this = engine_ref()
+        bound = signature.bind(this, *args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        check_tag(a["load_dir"], a["tag"], bool(this.load_universal_checkpoint()), this.seq_dp_world_size)
+        result = load(this, *args, **kwargs)
+        weights_only = a["load_module_only"] or not a["load_optimizer_states"]
+        if weights_only and result[0] is not None and not this.load_universal_checkpoint():
+            tag = a["tag"] if a["tag"] is not None else read_tag(a["load_dir"], LATEST)
+            load_weights_of_tag(this, a["load_dir"], str(tag))
+        return result
+
+    engine.load_checkpoint = load_checkpoint
+    install_atomic_save(engine)
+
+
+def install_atomic_save(engine) -> None:
+    """Make ``engine.save_checkpoint`` crash-safe (on this engine only).
+
+    DeepSpeed 0.19.8 writes each file in place and rank 0 writes ``latest`` as soon as its own files
+    are written, without waiting for the other ranks: a rank killed in the middle of its write leaves
+    a short file under the final name, and ``latest`` may already name the broken tag. Here each file is
+    written to ``<name>.tmp`` and renamed when complete (``os.replace``, atomic on POSIX), and ``latest``
+    is written (also through a temporary name) only after a barrier that every rank reaches once all its
+    files are in place. A crash during a save therefore leaves ``latest`` on the previous tag, and the
+    broken tag without the file that was being written (:func:`ds_muon.checkpoint.files.verify_checkpoint_files` names it).
+    Decoupled (asynchronous) checkpoint engines keep DeepSpeed's own commit protocol.
+    """
+    engine_ref = weakref.ref(engine)
+    save = type(engine).save_checkpoint
+    signature = inspect.signature(save)
+
+    def make_atomic(ckpt_engine) -> None:  # the engine builds its checkpoint engine after the optimizer
+        if getattr(ckpt_engine, "_ds_muon_atomic", False):
+            return
+        write = ckpt_engine.save
+
+        def atomic_write(state_dict, path: str):
+            tmp = f"{path}.tmp"
+            result = write(state_dict, tmp)
+            os.replace(tmp, path)
+            return result
+
+        ckpt_engine.save, ckpt_engine._ds_muon_atomic = atomic_write, True
+
+    @functools.wraps(save)
+    def save_checkpoint(*args, **kwargs):
+        this = engine_ref()
+        if this.checkpoint_engine is None or this.checkpoint_engine.is_decoupled():
+            return save(this, *args, **kwargs)
+        make_atomic(this.checkpoint_engine)
+        bound = signature.bind(this, *args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        save_latest, a["save_latest"] = a["save_latest"], False
+        tag = str(a["tag"]) if a["tag"] is not None else f"global_step{this.global_steps}"  # DeepSpeed's default
+        result = save(*bound.args, **bound.kwargs)
+        if save_latest:
+            dist.barrier()  # every rank's files are renamed into place
+            if this.global_rank == 0:
+                tmp = os.path.join(a["save_dir"], f"{LATEST}.tmp")
+                with open(tmp, "w", encoding="utf-8") as f:
+                    f.write(tag)
+                os.replace(tmp, os.path.join(a["save_dir"], LATEST))
+            dist.barrier()
+        return result
+
+    engine.save_checkpoint = save_checkpoint
+
+
+def load_weights_of_tag(engine, load_dir: str, tag: str) -> None:
+    """Install the fp32 weights of ``load_dir/tag`` (this rank's ZeRO partitions), keeping the live
+    optimizer state, loss scaler and step counts: what ``load_checkpoint(tag=..., load_optimizer_states=False)``
+    and ``load_module_only=True`` must do.
+
+    DeepSpeed 0.19.8 does neither for ZeRO-3: without the optimizer states it re-derives the fp32
+    weights from the live bf16/fp16 ones (so the model keeps whatever it held, e.g. ``latest``'s weights,
+    not ``tag``'s), and ``load_module_only`` loads nothing (ZeRO-3's module file holds no weights).
+
+    Raises:
+        CheckpointError: the tag does not fit the model (:func:`ds_muon.checkpoint.metadata.zero_state_dict_problems`);
+            another data-parallel world size is refused before, by :func:`ds_muon.checkpoint.files.check_tag`.
+    """
+    opt = engine.optimizer
+    live = (opt.loss_scaler, opt.dynamic_loss_scale, opt.overflow)
+    engine._load_zero_checkpoint(load_dir, tag, load_optimizer_states=False)
+    opt.loss_scaler, opt.dynamic_loss_scale, opt.overflow = live

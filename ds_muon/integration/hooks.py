@@ -1,0 +1,347 @@
+"""``ds_muon.initialize`` and ``ds_muon.enable()``: routing DeepSpeed's ``"Muon"`` to ds_muon (layer ``integration``).
+
+DeepSpeed hooks used (checked against deepspeed 0.19.8; docs/design.md, "Where DeepSpeed is hooked"):
+
+* ``deepspeed.set_optimizer_flags(config, model)`` tags ``param.use_muon`` before the engine is
+  built, overwriting any user tag. Replaced (for the configs ds_muon serves only) by ds_muon's validation
+  (:func:`ds_muon.integration.validation.validate`, once per ``initialize``; the result rides on DeepSpeed's
+  config object) and :func:`ds_muon.model.selection.tag_model`, which respects explicit user tags. It runs
+  before the engine exists, so a bad config fails before any accelerator memory is allocated.
+* ``DeepSpeedEngine._configure_basic_optimizer`` builds the inner optimizer from the config.
+  For ``"Muon"`` ds_muon builds :class:`~ds_muon.integration.inner.ZeroMuonInner` (not DeepSpeed's
+  ``MuonWithAuxAdam``, so the built-in ZeRO-3 Muon path stays off), for ``"AdamMini"``
+  :class:`~ds_muon.integration.inner.ZeroAdamMiniInner`.
+* ``DeepSpeedEngine._configure_zero_optimizer`` imports ``DeepSpeedZeroOptimizer_Stage3``
+  function-locally; for the duration of that call only, and only when the inner optimizer is
+  ds_muon's, the module attribute is replaced by :class:`~ds_muon.integration.zero3.MuonZeroOptimizer`.
+  The engine it builds gets per-instance ``load_checkpoint``/``save_checkpoint`` wrappers
+  (:mod:`ds_muon.integration.checkpoint_hooks`).
+* ``DeepSpeedEngine._scheduler_from_config`` builds the config's ``scheduler``. On a ds_muon
+  optimizer, a scheduler that writes one lr into every param group is wrapped in
+  :class:`~ds_muon.integration.schedulers.GroupRatioScheduler` (its value is the Muon lr; each group keeps its
+  ratio to it).
+
+Non-Muon configs pass through all four untouched. Importing ds_muon patches nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import inspect
+import logging
+import threading
+import warnings
+import weakref
+from typing import Any, Iterator
+
+import deepspeed
+import deepspeed.runtime.zero.stage3 as ds_stage3
+import deepspeed.runtime.config as ds_runtime_config
+import deepspeed.runtime.zero.utils as ds_zero_utils
+import torch.distributed as dist
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.utils import logger as ds_logger
+
+from ..config import load_ds_config
+from ..errors import ConfigError
+from ..import_hooks import after_import
+from ..model.adam_mini_blocks import adam_mini_param_groups, adam_mini_plan, adam_mini_summary
+from ..model.param_groups import check_zero3_parameters, split_param_groups
+from ..model.selection import NO_MUON_WARNING, SelectionRules, tag_model
+from .checkpoint_hooks import install_load_checks
+from .frameworks import ZERO_STAGE_FIX, detect_framework, for_framework
+from .inner import DsMuonInner, ZeroAdamMiniInner, ZeroMuonInner
+from .schedulers import GroupRatioScheduler, broadcasts_one_lr
+from .validation import parsed_config, validated_once
+from .zero3 import MuonZeroOptimizer
+
+#: DeepSpeed's lower-cased name of the "AdamMini" optimizer type (its sanity check accepts only names it knows).
+ADAM_MINI_TYPE = "adammini"
+
+_lock = threading.RLock()
+_originals: dict[str, Any] = {}
+_depth = 0
+_auto = False  # enabled by the start-up hook (ds_muon._autoload), not by the user's code
+_auto_notice_done = False
+AUTO_NOTICE = ("ds_muon is active: \"type\": \"Muon\" in this DeepSpeed config runs ds_muon's ZeRO-3 Muon "
+               "(activated automatically because ds_muon is installed). Set DS_MUON=0 to use DeepSpeed's "
+               "built-in Muon instead.")
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _set_optimizer_flags(config_class, model) -> None:
+    global _auto_notice_done
+    try:
+        cfg = parsed_config(config_class)
+    except ConfigError as err:
+        notes = []
+        if any(p.startswith("zero_optimization.stage") for p in err.problems):  # where to set it depends on
+            framework = detect_framework()                                        # who builds the engine
+            notes.append(f"for this {framework} setup: {for_framework(ZERO_STAGE_FIX, framework)}")
+        if _auto and _depth == 1:  # only the start-up hook enabled ds_muon: name the way out
+            notes.append("ds_muon was activated automatically because it is installed; set DS_MUON=0 to use "
+                         "DeepSpeed's built-in Muon instead")
+        if notes:
+            err.args = ("\n".join([str(err)] + [f"({n})" for n in notes]),) + err.args[1:]
+        raise
+    if cfg is None:
+        return _originals["set_optimizer_flags"](config_class, model)
+    check_zero3_parameters(model)  # 0-D / empty parameters: a clear error before DeepSpeed's own
+    if not cfg.is_muon:
+        if _is_rank0():
+            log_info(adam_mini_summary(adam_mini_plan(model, cfg.params.block_rule)))
+        return _originals["set_optimizer_flags"](config_class, model)
+    if _auto and _depth == 1 and not _auto_notice_done and _is_rank0():  # not when the script enabled it
+        ds_logger.warning(AUTO_NOTICE)
+        _auto_notice_done = True
+    selection = tag_model(model, SelectionRules.from_params(cfg.params), log=False)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    if _is_rank0():  # DeepSpeed's own logger, so the summary shows where DeepSpeed's start-up lines do
+        log_info(selection.summary(frozen))
+        if not any(u for n, u in selection.use_muon.items() if n not in frozen):
+            ds_logger.warning(NO_MUON_WARNING)
+
+
+def log_info(message: str) -> None:
+    """Log ``message`` at INFO on DeepSpeed's logger, shown whenever that logger's level allows INFO.
+
+    DeepSpeed's stdout handler is created at WARNING and stays there when only the logger's level
+    is lowered, which is what HF Trainer's ``log_level="info"`` (``ds_logger.setLevel``) and a plain
+    ``logging.getLogger("DeepSpeed").setLevel(logging.INFO)`` do. The record is therefore handed to
+    DeepSpeed's handlers directly once the logger itself is enabled for INFO (their filters and
+    formatters still apply); ``deepspeed.utils.logging.set_log_level_from_string("info")`` works too.
+    """
+    if not ds_logger.isEnabledFor(logging.INFO):
+        return
+    fn, lno, func, _ = ds_logger.findCaller(False, 2)
+    record = ds_logger.makeRecord(ds_logger.name, logging.INFO, fn, lno, message, (), None, func)
+    if not ds_logger.handlers:  # someone removed DeepSpeed's handler: fall back to the usual path
+        ds_logger.handle(record)
+    for handler in ds_logger.handlers:
+        handler.handle(record)
+
+
+def _check_moe_layers(engine: DeepSpeedEngine) -> None:
+    """Refuse DeepSpeed's MoE layers (native ``deepspeed.moe.layer.MoE`` and AutoEP) with the reason.
+
+    Native layers: DeepSpeed itself refuses them under ZeRO stage 3 (deepspeed 0.19.8,
+    ``DeepSpeedEngine._validate_zero3_moe_compatibility``: "Native DeepSpeed MoE is not supported
+    with ZeRO Stage 3. Use AutoEP or choose ZeRO stage 1/2."), and ds_muon serves only stage 3, so
+    there is no configuration in which they could train with ds_muon. AutoEP layers (DeepSpeed's
+    ZeRO-3 route to expert parallelism): their expert parameters are partitioned over the
+    expert-data-parallel group, each expert sub-group's partition group, in which ds_muon's owner
+    exchange runs; a CPU probe trained with them (W=4, ``autoep_size`` 2), but without a parity test
+    they stay refused. Raised before DeepSpeed builds the optimizer, so the message says what to use.
+
+    Raises:
+        ConfigError: the model holds DeepSpeed MoE layers, naming the first native one.
+    """
+    if not engine.has_moe_layers:
+        return
+    from deepspeed.moe.layer import MoE
+    native = [name for name, m in engine.module.named_modules() if isinstance(m, MoE)]
+    use_instead = "Use stacked expert weights instead (e.g. a Hugging Face MoE model: each expert is a Muon matrix)"
+    if native:
+        raise ConfigError(
+            f"the model holds DeepSpeed's native MoE layers ({native[0]!r}{', ...' if len(native) > 1 else ''}), "
+            "which DeepSpeed 0.19.8 does not support with ZeRO stage 3 (\"Native DeepSpeed MoE is not supported "
+            f"with ZeRO Stage 3. Use AutoEP or choose ZeRO stage 1/2.\"), and ds_muon serves only stage 3. {use_instead}")
+    raise ConfigError("ds_muon does not support DeepSpeed's AutoEP MoE layers (\"expert_parallel\") yet: expert "
+                      f"parallelism with ds_muon is not parity-tested. {use_instead}, or turn expert_parallel off")
+
+
+def _configure_basic_optimizer(self: DeepSpeedEngine, model_parameters):
+    cfg = parsed_config(self._config)
+    if cfg is None:
+        return _originals["_configure_basic_optimizer"](self, model_parameters)
+    _check_moe_layers(self)
+    # DeepSpeed's own choice of AdamW class: torch.optim.AdamW (torch_adam, foreach), else FusedAdam, or
+    # DeepSpeedCPUAdam under optimizer offload.
+    adam_cls, adam_kwargs = self.get_optimizer_configuration(cfg.params.adamw_implementation(), True)
+
+    def adamw_factory(adam_groups: list[dict]):
+        return adam_cls(adam_groups, **adam_kwargs)
+
+    if not cfg.is_muon:  # AdamMini: blocks from the engine's module
+        groups = adam_mini_param_groups(self.module, cfg.params.group_defaults(), cfg.params.block_rule)
+        return ZeroAdamMiniInner(groups, adamw_factory, cfg.params)
+    groups = split_param_groups(model_parameters, cfg.params.muon_group_defaults(), cfg.params.adamw_group_defaults())
+    return ZeroMuonInner(groups, adamw_factory, cfg.params)
+
+
+def _configure_zero_optimizer(self: DeepSpeedEngine, optimizer):
+    if not isinstance(optimizer, DsMuonInner):
+        return _originals["_configure_zero_optimizer"](self, optimizer)
+    stage = self.zero_optimization_stage()
+    if stage != 3:
+        raise ConfigError(f"zero_optimization.stage is {stage}; ds_muon serves ZeRO stage 3 (which runs on one GPU "
+                          "too). Set zero_optimization.stage to 3.")
+    if self.super_offload():
+        raise ConfigError("zero_optimization.super_offload is not supported by ds_muon; turn it off")
+    if self.mpu is not None:
+        raise ConfigError("ds_muon does not support model parallelism (an mpu was given): Muon must orthogonalize "
+                          "whole matrices, not tensor-parallel slices")
+    # Held under the lock: another thread's non-Muon initialize must not see the swapped class.
+    with _lock, _swapped(ds_stage3, "DeepSpeedZeroOptimizer_Stage3", MuonZeroOptimizer):
+        zero_optimizer = _originals["_configure_zero_optimizer"](self, optimizer)
+    # MuonZeroOptimizer's ZeRO checkpoint holds the real tensors of NVMe-swapped sub-groups and loads
+    # them through the swapper, so the engine's NVMe special case (copy the raw swap files, skip the
+    # optimizer-state load) is turned off for this engine; it only guards checkpoint save/load.
+    self.zero_nvme_offload_optimizer = lambda: False
+    if self.monitor.enabled:  # per-step Muon figures go to DeepSpeed's own monitor, not to a logger of ours
+        engine = weakref.ref(self)
+
+        def samples_after_this_step() -> int | None:  # the engine adds the batch after optimizer.step()
+            e = engine()
+            return None if e is None else e.global_samples + e.train_batch_size()
+
+        zero_optimizer.attach_monitor(self.monitor, samples_after_this_step)
+    install_load_checks(self)  # clear errors for checkpoints that do not fit (ds_muon.integration.checkpoint_hooks)
+    return zero_optimizer
+
+
+def _scheduler_from_config(self: DeepSpeedEngine, optimizer):
+    inner = getattr(optimizer, "optimizer", None)
+    if not isinstance(inner, ZeroMuonInner) or not broadcasts_one_lr(self.scheduler_name(), self.scheduler_params()):
+        return _originals["_scheduler_from_config"](self, optimizer)
+    muon_lr = inner.config.muon_group_defaults()["lr"]
+    ratios = [group["lr"] / muon_lr for group in inner.param_groups]  # before the scheduler writes any
+    return GroupRatioScheduler(_originals["_scheduler_from_config"](self, optimizer), inner, ratios)
+
+
+@contextlib.contextmanager
+def _swapped(obj: Any, name: str, value: Any) -> Iterator[None]:
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+def _register_attention() -> None:
+    """:func:`ds_muon.attention.register_attention`, or a warning: it runs inside the user's transformers import."""
+    try:
+        from ..model.hf_attention import register_attention
+        register_attention()
+    except ImportError as err:  # a transformers without AttentionInterface / AttentionMaskInterface (< 4.48)
+        ds_logger.info(f"ds_muon: attn_implementation='ds_muon_sdpa' not registered ({err})")
+    except Exception as err:  # never break the user's `import transformers...`
+        warnings.warn(f"ds_muon: could not register attn_implementation='ds_muon_sdpa' ({type(err).__name__}: "
+                      f"{err}); call ds_muon.register_attention() to see the full error", RuntimeWarning,
+                      stacklevel=2)
+
+
+def enable() -> None:
+    """From now on, ``deepspeed.initialize`` with optimizer ``"Muon"`` and ZeRO-3 uses ds_muon.
+
+    For frameworks that call ``deepspeed.initialize`` themselves (HF Trainer, Accelerate). Other
+    configs are untouched. Calls nest: each ``enable()`` needs its ``disable()``. Also registers
+    ``attn_implementation="ds_muon_sdpa"`` (:func:`ds_muon.model.hf_attention.register_attention`; not undone
+    by :func:`disable`): at once when transformers' modeling code (``transformers.modeling_utils``) is
+    already imported, else right after its import. ``enable()`` never imports transformers itself
+    (``import deepspeed`` runs it, from the start-up hook).
+    """
+    global _depth
+    after_import("transformers.modeling_utils", _register_attention)
+    with _lock:
+        if _depth == 0:
+            _originals["set_optimizer_flags"] = deepspeed.set_optimizer_flags
+            _originals["_configure_basic_optimizer"] = DeepSpeedEngine._configure_basic_optimizer
+            _originals["_configure_zero_optimizer"] = DeepSpeedEngine._configure_zero_optimizer
+            _originals["_scheduler_from_config"] = DeepSpeedEngine._scheduler_from_config
+            deepspeed.set_optimizer_flags = _set_optimizer_flags
+            DeepSpeedEngine._configure_basic_optimizer = _configure_basic_optimizer
+            DeepSpeedEngine._configure_zero_optimizer = _configure_zero_optimizer
+            DeepSpeedEngine._scheduler_from_config = _scheduler_from_config
+            # DeepSpeed asks for zero_allow_untested_optimizer unless the inner optimizer's type is listed.
+            for inner in (ZeroMuonInner, ZeroAdamMiniInner):
+                if inner not in ds_zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
+                    ds_zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(inner)
+            # DeepSpeed's sanity check accepts only optimizer names it knows (lower-cased by its config).
+            if ADAM_MINI_TYPE not in ds_runtime_config.DEEPSPEED_OPTIMIZERS:
+                ds_runtime_config.DEEPSPEED_OPTIMIZERS.append(ADAM_MINI_TYPE)
+        _depth += 1
+
+
+def disable() -> None:
+    """Undo one :func:`enable`; the last one restores DeepSpeed exactly as it was."""
+    global _depth
+    with _lock:
+        if _depth == 0:
+            return
+        _depth -= 1
+        if _depth == 0:
+            deepspeed.set_optimizer_flags = _originals.pop("set_optimizer_flags")
+            DeepSpeedEngine._configure_basic_optimizer = _originals.pop("_configure_basic_optimizer")
+            DeepSpeedEngine._configure_zero_optimizer = _originals.pop("_configure_zero_optimizer")
+            DeepSpeedEngine._scheduler_from_config = _originals.pop("_scheduler_from_config")
+            for inner in (ZeroMuonInner, ZeroAdamMiniInner):
+                if inner in ds_zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
+                    ds_zero_utils.ZERO_SUPPORTED_OPTIMIZERS.remove(inner)
+            if ADAM_MINI_TYPE in ds_runtime_config.DEEPSPEED_OPTIMIZERS:
+                ds_runtime_config.DEEPSPEED_OPTIMIZERS.remove(ADAM_MINI_TYPE)
+
+
+def auto_enable() -> None:
+    """:func:`enable` once per process, from the start-up hook (see :mod:`ds_muon._autoload`).
+
+    Rank 0 then logs :data:`AUTO_NOTICE` (at WARNING, so it shows at DeepSpeed's default level)
+    the first time a Muon config is built. Idempotent; explicit :func:`enable`/:func:`disable`
+    pairs nest on top of it.
+    """
+    global _auto
+    with _lock:
+        if not _auto:
+            _auto = True
+            enable()
+
+
+def is_enabled() -> bool:
+    """Whether :func:`enable` is in effect."""
+    return _depth > 0
+
+
+@contextlib.contextmanager
+def enabled() -> Iterator[None]:
+    """``with ds_muon.enabled(): ...`` -- :func:`enable` for the duration of the block."""
+    enable()
+    try:
+        yield
+    finally:
+        disable()
+
+
+def _find_config(args: Any, kwargs: dict) -> Any:
+    for key in ("config", "config_params"):
+        if kwargs.get(key) is not None:
+            return kwargs[key]
+    return getattr(args, "deepspeed_config", None)
+
+
+def initialize(args: Any = None, model=None, *rest: Any, **kwargs: Any):
+    """``deepspeed.initialize`` with ds_muon serving ``"optimizer": {"type": "Muon"}`` under ZeRO-3.
+
+    Same signature and return value as ``deepspeed.initialize``:
+    ``(engine, optimizer, training_dataloader, lr_scheduler)``. The config is validated first (once: the
+    engine hooks reuse the result), so a bad key or value raises :class:`ds_muon.errors.ConfigError` (naming
+    the key and the allowed values) before DeepSpeed allocates anything.
+    """
+    config = _find_config(args, kwargs)
+    with enabled(), validated_once(load_ds_config(config) if config is not None else None):
+        return deepspeed.initialize(args, model, *rest, **kwargs)
+
+
+initialize.__signature__ = inspect.signature(deepspeed.initialize)  # same parameters, our docstring
+
+
+# The start-up hook (ds_muon._autoload) fired inside this module's own `import deepspeed` (a script imported ds_muon
+# before deepspeed): it waits for this module, so finish the activation now. Read through sys.modules, not
+# imported: the start-up hook imports this layer, not the other way round.
+_startup = sys.modules.get("ds_muon._autoload")
+if _startup is not None and getattr(_startup, "deferred", False):
+    _startup.deferred = False
+    auto_enable()

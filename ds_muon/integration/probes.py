@@ -1,0 +1,125 @@
+"""Host probes: can this machine do what the config asks (layer ``integration``; it may import deepspeed).
+
+Run once per ``initialize`` (:func:`host_problems`), after the config itself parsed
+(:func:`ds_muon.config.parse_ds_config`): an NVMe swap directory must exist, be writable and take O_DIRECT
+files; DeepSpeed's async_io op must be buildable (libaio); and no stale JIT build lock of that op may be
+left (DeepSpeed would wait for it forever). Each problem is a line naming the key and the fix.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from ..config.sections import deepspeed_version
+
+__all__ = ["host_problems", "AIO_BUILD_STALE_S"]
+
+
+def _async_io_available() -> bool:
+    """Whether DeepSpeed's async_io op (NVMe swapping) is prebuilt in this DeepSpeed install, or can
+    be JIT-built here (needs libaio and its headers)."""
+    try:
+        from deepspeed.git_version_info import installed_ops
+        if installed_ops.get("async_io"):
+            return True
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+    except Exception:  # noqa: BLE001 - an unusual DeepSpeed build; let DeepSpeed report it later
+        return True
+    return bool(AsyncIOBuilder().is_compatible(verbose=False))
+
+
+#: A JIT build lock of DeepSpeed's async_io op is taken for stale when nothing in its build directory
+#: changed for this long (s). A live build writes an object file every few minutes even on 2 cores.
+AIO_BUILD_STALE_S = 1800
+
+
+def _async_io_build_lock_problem() -> Optional[str]:
+    """A stale JIT build lock of DeepSpeed's async_io op, which would make NVMe offload hang.
+
+    Unless async_io is prebuilt, DeepSpeed loads it through ``torch.utils.cpp_extension.load``, which
+    takes a ``FileBaton`` (the file ``<TORCH_EXTENSIONS_DIR>/async_io/lock``) even when the op is
+    already built, and waits without a deadline while that file exists. A build killed mid-way (a
+    timed-out test, Ctrl-C, OOM) leaves the file behind, and every later NVMe run then hangs inside
+    ``deepspeed.initialize``. Returns the problem when the lock exists and nothing in the build
+    directory changed for :data:`AIO_BUILD_STALE_S` seconds, else None (a fresh lock is a build in
+    progress, e.g. by another rank, which DeepSpeed waits for)."""
+    import time
+    try:
+        from deepspeed.git_version_info import installed_ops
+        if installed_ops.get("async_io"):
+            return None
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+        from torch.utils.cpp_extension import _get_build_directory
+        build_dir = _get_build_directory(AsyncIOBuilder.NAME, verbose=False)
+        lock = os.path.join(build_dir, "lock")
+        if not os.path.exists(lock):
+            return None
+        idle = time.time() - max(os.stat(os.path.join(build_dir, f)).st_mtime for f in os.listdir(build_dir))
+    except Exception:  # noqa: BLE001 - an unusual DeepSpeed/torch layout: nothing to check
+        return None
+    if idle < AIO_BUILD_STALE_S:
+        return None
+    return (f"zero_optimization.offload_optimizer.device: 'nvme' needs DeepSpeed's async_io op, whose JIT build "
+            f"lock {lock} exists although nothing in {build_dir} changed for {idle / 60:.0f} min: a build that was "
+            f"killed leaves it, and DeepSpeed {deepspeed_version()} (torch.utils.cpp_extension.load's FileBaton) "
+            f"then waits for it forever. If no process is building async_io, delete {lock}; or prebuild the op "
+            f"(DS_BUILD_AIO=1 pip install deepspeed), or point TORCH_EXTENSIONS_DIR at another directory")
+
+
+def _o_direct_problem(path: str) -> Optional[str]:
+    """DeepSpeed's async_io opens swap files with O_DIRECT, which tmpfs and some overlay/FUSE
+    filesystems refuse (EINVAL) at the first swap. Probe it with a small file; None when it works."""
+    if not hasattr(os, "O_DIRECT"):
+        return None
+    probe = os.path.join(path, f".ds_muon_o_direct_probe_{os.getpid()}")
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o600)
+    except OSError as err:
+        return f"cannot open files there with O_DIRECT ({err.strerror}), which DeepSpeed's async_io needs"
+    os.close(fd)
+    try:
+        os.unlink(probe)
+    except OSError:
+        pass
+    return None
+
+
+def _nvme_path_problems(section: str, nvme_path: Any) -> list[str]:
+    """An NVMe swap directory must exist, be writable by this process and take O_DIRECT files (DeepSpeed only
+    fails later, at the first swap, or silently creates a mistyped mount point on the root disk)."""
+    key = f"zero_optimization.{section}.nvme_path"
+    if nvme_path is None or (isinstance(nvme_path, str) and not nvme_path.strip()):
+        return []  # a missing path is a config problem (ds_muon.config.sections), not a host one
+    path = os.fspath(nvme_path)
+    if not os.path.isdir(path):
+        return [f"{key}: {path!r} does not exist or is not a directory: create it (mkdir -p {path}) on every node, "
+                f"or point nvme_path at the mounted NVMe drive"]
+    if not os.access(path, os.W_OK | os.X_OK):
+        return [f"{key}: {path!r} is not writable by this process: DeepSpeed writes its swap files there; "
+                f"fix its permissions, or choose a writable directory"]
+    problem = _o_direct_problem(path)
+    if problem:
+        return [f"{key}: {path!r}: {problem} (tmpfs and some overlay filesystems do not support it); point "
+                f"nvme_path at a directory on a local disk (ext4, xfs)"]
+    return []
+
+
+def host_problems(ds_config: dict) -> list[str]:
+    """What this host lacks for ``ds_config`` (a dict ds_muon serves): one line per problem, naming the key and
+    the fix. For an NVMe ``offload_optimizer``: the ``nvme_path`` directory (exists, writable, O_DIRECT), libaio
+    for DeepSpeed's async_io op, and no stale JIT build lock of that op (:func:`_async_io_build_lock_problem`).
+    Writes (and removes) one probe file in ``nvme_path``."""
+    zero = ds_config.get("zero_optimization")
+    offload = zero.get("offload_optimizer") if isinstance(zero, dict) else None
+    device = offload.get("device") if isinstance(offload, dict) else None
+    if str(getattr(device, "value", device)).lower() != "nvme":
+        return []
+    problems = list(_nvme_path_problems("offload_optimizer", offload.get("nvme_path")))
+    if not _async_io_available():
+        problems.append("zero_optimization.offload_optimizer.device: 'nvme' needs DeepSpeed's async_io op, which "
+                        "cannot be built here: libaio is missing; install it (Debian/Ubuntu: apt-get install "
+                        "libaio-dev; RHEL: yum install libaio-devel), or use device 'cpu'")
+    lock_problem = _async_io_build_lock_problem()
+    if lock_problem is not None:
+        problems.append(lock_problem)
+    return problems

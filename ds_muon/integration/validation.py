@@ -1,0 +1,78 @@
+"""Validating a DeepSpeed config once per ``initialize`` (layer ``integration``).
+
+:func:`validate` = the config's own checks (:func:`ds_muon.config.parse_ds_config`) plus the host probes
+(:func:`ds_muon.integration.probes.host_problems`), every problem in one :class:`ds_muon.errors.ConfigError`.
+``ds_muon.initialize`` validates before DeepSpeed allocates anything and hands the result on
+(:func:`validated_once`); the engine hooks read it from DeepSpeed's config object (:func:`parsed_config`),
+validating only where no ``initialize`` did (``ds_muon.enable()`` under HF Trainer or Accelerate).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator, Optional
+
+from ..config import DsMuonConfig, optimizer_kind, parse_ds_config
+from ..errors import ConfigError
+from .probes import host_problems
+
+__all__ = ["validate", "validated_once", "parsed_config"]
+
+_ATTR = "_ds_muon_config"  # on DeepSpeed's DeepSpeedConfig object: the validated DsMuonConfig (or None)
+_pending = threading.local()
+
+
+def validate(ds_config: dict) -> Optional[DsMuonConfig]:
+    """Validate a DeepSpeed config dict for ds_muon: None when its optimizer is none ds_muon serves.
+
+    Raises:
+        ConfigError: every problem of the config (:func:`ds_muon.config.parse_ds_config`) and of this host for it
+            (:func:`ds_muon.integration.probes.host_problems`), one line each.
+    """
+    if not isinstance(ds_config, dict):
+        return parse_ds_config(ds_config)  # raises the ConfigError that names load_ds_config
+    problems: list[str] = []
+    cfg = None
+    try:
+        cfg = parse_ds_config(ds_config)
+    except ConfigError as err:
+        problems = list(err.problems)
+    if optimizer_kind(ds_config) is None:
+        return None
+    problems += host_problems(ds_config)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+@contextlib.contextmanager
+def validated_once(ds_config: Optional[dict]) -> Iterator[None]:
+    """Validate ``ds_config`` now (:func:`validate`) and let the next :func:`parsed_config` in this thread take
+    the result instead of validating again (``deepspeed.initialize`` builds its config object inside the block)."""
+    if ds_config is None:
+        yield
+        return
+    _pending.value = (validate(ds_config),)
+    try:
+        yield
+    finally:
+        _pending.value = None
+
+
+def parsed_config(config_class: Any) -> Optional[DsMuonConfig]:
+    """The validated ds_muon config of DeepSpeed's config object (``DeepSpeedConfig``, whose ``_param_dict`` is the
+    config dict): kept on the object, so every hook of one engine sees the same one.
+
+    Raises:
+        ConfigError: as :func:`validate`.
+    """
+    if hasattr(config_class, _ATTR):
+        return getattr(config_class, _ATTR)
+    pending = getattr(_pending, "value", None)
+    if pending is not None:
+        _pending.value = None
+        cfg = pending[0]
+    else:
+        cfg = validate(config_class._param_dict)
+    setattr(config_class, _ATTR, cfg)
+    return cfg

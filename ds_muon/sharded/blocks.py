@@ -1,0 +1,107 @@
+"""Block maps: which flat ranges of one rank's ZeRO-3 shard belong to which Newton–Schulz block.
+
+Layer ``sharded``, pure and deterministic, built once per Muon sub-group from the owner
+plan's slots (shapes, chunk sizes, shard offsets) and the rank, with no process group. A *block* is
+one matrix of a parameter's Newton–Schulz view (:func:`ds_muon.core.matrix.ns_view_shape`): the single
+matrix of a 2-D or conv weight, or one expert of a stacked ``(E, m, n)`` parameter. Its elements
+are contiguous in the flattened parameter, so on a rank's shard a block is at most one contiguous
+range per parameter chunk.
+
+Used to find the blocks that got no gradient in a step (:mod:`ds_muon.sharded.no_grad`; docs/how-it-works.md,
+"Steps with no gradient") and by Adam-mini's block sums (:mod:`ds_muon.sharded.adam_mini_step`): one ``segment_reduce`` over the shard gives, per segment, the largest
+``|gradient|``, and the segments map to blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from ..core.matrix import ns_view_shape
+
+PADDING = -1  # block id of a segment that is ZeRO-3 padding
+
+
+@dataclass(frozen=True)
+class BlockMap:
+    """The blocks of one Muon sub-group, as seen from one rank's flat shard.
+
+    Attributes:
+        n_blocks: blocks in the sub-group (all ranks agree on their numbering: the slots' order,
+            then the batch index of each parameter's view).
+        lengths: element counts of consecutive segments that tile the local shard
+            ``[0, shard_numel)`` exactly (a segment never spans two blocks).
+        block_of_segment: block id of each segment, or :data:`PADDING`.
+        block_names: ``"<parameter name>[k]"`` per block (``k`` the batch index), for messages.
+    """
+
+    n_blocks: int
+    lengths: tuple[int, ...]
+    block_of_segment: tuple[int, ...]
+    block_names: tuple[str, ...]
+
+    def local_ranges(self, blocks: Sequence[int]) -> list[tuple[int, int]]:
+        """``(offset, length)`` in the local shard of every segment of the given block ids (elements)."""
+        wanted = set(blocks)
+        out, offset = [], 0
+        for length, block in zip(self.lengths, self.block_of_segment):
+            if block in wanted and length:
+                out.append((offset, length))
+            offset += length
+        return out
+
+
+def build_block_map(slots: Sequence, rank: int, shard_numel: int,
+                    block_numel: Optional[Callable[[object], int]] = None) -> BlockMap:
+    """The :class:`BlockMap` of ``rank`` for a sub-group whose Muon parameters are ``slots``.
+
+    Args:
+        slots: objects with ``name``, ``shape`` (logical parameter shape), ``numel``, ``chunk``
+            (``ceil(numel / W)``, the elements each rank holds, padding included) and
+            ``shard_offset`` (where this parameter's chunk starts in the local shard), e.g.
+            :class:`ds_muon.sharded.ownership.MatrixSlot`; any order.
+        rank: this rank's index in the sub-group's partition group, ``0 <= rank < W``.
+        shard_numel: elements of the local flat shard.
+        block_numel: ``slot -> elements per block`` (dividing ``slot.numel``; an Adam-mini block, see
+            :mod:`ds_muon.model.adam_mini_blocks`); default: one block per matrix of the slot's Newton–Schulz view.
+
+    Returns:
+        The map. Shard elements not covered by a slot are :data:`PADDING` segments.
+
+    Raises:
+        ValueError: slots overlap or run past ``shard_numel``.
+    """
+    lengths: list[int] = []
+    blocks: list[int] = []
+    names: list[str] = []
+    offset = 0
+    for slot in sorted(slots, key=lambda s: s.shard_offset):
+        if slot.shard_offset < offset or slot.shard_offset + slot.chunk > shard_numel:
+            raise ValueError(f"block map: parameter {slot.name!r} at shard offset {slot.shard_offset} "
+                             f"(+{slot.chunk}) overlaps another or runs past the shard ({shard_numel} elements)")
+        if slot.shard_offset > offset:
+            lengths.append(slot.shard_offset - offset)
+            blocks.append(PADDING)
+        if block_numel is not None:
+            size = block_numel(slot)
+        else:  # one block per matrix of the Newton–Schulz view (the slot's own: it knows conv weights)
+            size = slot.numel // (getattr(slot, "ns_shape", None) or ns_view_shape(slot.shape))[0]
+        batch = slot.numel // size
+        base = len(names)
+        names.extend(f"{slot.name}[{k}]" for k in range(batch))
+        start, end = rank * slot.chunk, min((rank + 1) * slot.chunk, slot.numel)  # in the flat parameter
+        pos = start
+        while pos < end:
+            k = pos // size
+            stop = min(end, (k + 1) * size)
+            lengths.append(stop - pos)
+            blocks.append(base + k)
+            pos = stop
+        padding = slot.chunk - max(0, end - start)
+        if padding:
+            lengths.append(padding)
+            blocks.append(PADDING)
+        offset = slot.shard_offset + slot.chunk
+    if offset < shard_numel:
+        lengths.append(shard_numel - offset)
+        blocks.append(PADDING)
+    return BlockMap(len(names), tuple(lengths), tuple(blocks), tuple(names))

@@ -1,0 +1,178 @@
+"""The owner exchange: shard -> owner (all_to_all), Newton–Schulz on the owner, owner -> shard.
+
+Layer ``sharded``: it knows the :class:`~ds_muon.sharded.ownership.BucketedPlan`, a process group and
+tensors, nothing about DeepSpeed (docs/design.md, "One optimizer step"). Per rank per step it sends
+``plan.sent_elements(rank)`` elements, on
+average ``2 * P * (W - 1) / W**2`` for ``P`` Muon elements, and never any optimizer state.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from ..core.matrix import matrix_view, orthogonalize_blocks_
+from .ownership import BucketedPlan, ExchangePlan
+
+# Buckets holding exchange buffers at once: one computing, one returning, one arriving.
+PIPELINE_DEPTH = 3
+
+# fn(batch) -> update: batch has shape (count, *blocks, rows, cols) in the compute dtype (count
+# parameters with the same matrix view, the equal-shape blocks of one group of it); the result has
+# the same shape (any float dtype) and already includes the update scale of a rows x cols block.
+OrthogonalizeFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+class BufferPool:
+    """Named flat buffers reused across the buckets and sub-groups of one optimizer step.
+
+    ``get(name, numel, dtype, device)`` returns a view of the first ``numel`` elements of the buffer
+    kept under ``(name, dtype, device)``, grown on demand, so the pipeline's few slots serve every
+    bucket without a fresh allocation each. :meth:`clear` at the end of the step hands the memory
+    back to PyTorch's caching allocator: it serves the next step's buffers without a new device
+    allocation, and forward/backward can use it in between (the exchange's memory does not add to
+    the activation peak). ``peak_nbytes`` keeps the largest size the pool reached.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, torch.Tensor] = {}
+        self.peak_nbytes = 0
+
+    def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (name, dtype, str(device))
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            self._buffers.pop(key, None)  # release the smaller one first
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[key] = buf
+            self.peak_nbytes = max(self.peak_nbytes, self.nbytes())
+        return buf[:numel]
+
+    def nbytes(self) -> int:
+        """Bytes held by the pool now."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def clear(self) -> None:
+        """Drop every buffer (their memory returns to the caching allocator)."""
+        self._buffers.clear()
+
+
+class OwnerExchange:
+    """Runs one Muon sub-group's update through its owner plan.
+
+    Args:
+        group: the data-parallel process group (``None`` = default group); its size must equal
+            ``plan.world_size``.
+        exchange_dtype: dtype on the wire (bf16 halves the bytes; fp32 is exact).
+        compute_dtype: dtype Newton–Schulz runs in on the owner.
+        device: where the exchange buffers live and Newton–Schulz runs (the accelerator; with
+            optimizer offload the shard ``u``/``out`` stay in CPU memory and only the buffers
+            are on ``device``). ``None``: the device of ``u``.
+        pool: buffer pool to draw from (shared across sub-groups).
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup], exchange_dtype: torch.dtype,
+                 compute_dtype: torch.dtype, device: Optional[torch.device] = None,
+                 pool: Optional[BufferPool] = None) -> None:
+        self.group = group
+        self.device = device
+        self.exchange_dtype = exchange_dtype
+        self.compute_dtype = compute_dtype
+        # The owner rebuilds matrices in the compute dtype, unless its range is narrower than the wire's
+        # (fp16 compute, fp32 wire): a small matrix would flush to zero before Newton–Schulz normalizes it.
+        narrower = torch.finfo(compute_dtype).max < torch.finfo(exchange_dtype).max
+        self.assembly_dtype = exchange_dtype if narrower else compute_dtype
+        self.pool = pool or BufferPool()
+        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+
+    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]):
+        """Start ``out <- all_to_all(inp)``; returns a work handle to ``wait()`` on, or None (W=1, done)."""
+        if self.world_size == 1:
+            out.copy_(inp)
+            return None
+        return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
+
+    @torch.no_grad()
+    def run(self, plan: Union[ExchangePlan, BucketedPlan], u: torch.Tensor, out: torch.Tensor,
+            fn: OrthogonalizeFn) -> None:
+        """Orthogonalize every matrix of the sub-group and write this rank's chunks of the result.
+
+        Buckets are pipelined: while the owner runs Newton–Schulz on bucket ``k``, bucket ``k+1``'s
+        exchange-in and bucket ``k-1``'s exchange-out are in flight (async collectives; on GPU they
+        run on the communicator's stream). At most ``PIPELINE_DEPTH`` buckets hold buffers at once,
+        so device memory for the exchange is bounded by that many buckets.
+
+        Args:
+            plan: the sub-group's plan (same on every rank); an :class:`ExchangePlan` is one bucket.
+            u: ``(plan.shard_numel,)`` local flat shard of the pre-orthogonalization update
+                (momentum or its Nesterov blend), any float dtype, any device.
+            out: ``(plan.shard_numel,)`` local flat shard receiving the scaled orthogonalized
+                update (may alias ``u``: every slot of ``u`` is read before the same slot is written).
+            fn: the owner-side orthogonalization, see ``OrthogonalizeFn``.
+
+        Raises:
+            ValueError: the plan's world size or shard size does not match.
+        """
+        W = self.world_size
+        buckets = plan.buckets if isinstance(plan, BucketedPlan) else (plan,)
+        if plan.world_size != W or u.numel() != plan.shard_numel or out.numel() != plan.shard_numel:
+            raise ValueError(f"plan for W={plan.world_size}, shard {plan.shard_numel} does not match "
+                             f"W={W}, u {u.numel()}, out {out.numel()}")
+        device = self.device or u.device
+        in_flight: dict[int, tuple] = {}   # bucket -> (work handle, shard_side, owner_side)
+
+        def start_in(k: int) -> None:
+            b, slot = buckets[k], k % PIPELINE_DEPTH
+            splits, mine = list(b.split_sizes), b.split_sizes[self.rank]
+            shard_side = self.pool.get(f"shard_side{slot}", sum(splits), self.exchange_dtype, device)
+            owner_side = self.pool.get(f"owner_side{slot}", W * mine, self.exchange_dtype, device)
+            torch._foreach_copy_(list(shard_side.split([s.chunk for s in b.slots])),
+                                 [u[s.shard_offset:s.shard_offset + s.chunk] for s in b.slots])
+            in_flight[k] = (self._all_to_all(owner_side, shard_side, [mine] * W, splits), shard_side, owner_side)
+
+        def finish_out(k: int) -> None:
+            work, shard_side, _ = in_flight.pop(k)
+            if work is not None:
+                with record_function("ds_muon/wait_exchange_out"):
+                    work.wait()
+            b = buckets[k]
+            torch._foreach_copy_([out[s.shard_offset:s.shard_offset + s.chunk] for s in b.slots],
+                                 list(shard_side.split([s.chunk for s in b.slots])))
+
+        if buckets:
+            start_in(0)
+        for k, b in enumerate(buckets):
+            if k + 1 < len(buckets):
+                if k + 1 - PIPELINE_DEPTH >= 0:
+                    finish_out(k + 1 - PIPELINE_DEPTH)  # frees the buffer slot bucket k+1 reuses
+                start_in(k + 1)
+            work, shard_side, owner_side = in_flight[k]
+            if work is not None:
+                with record_function("ds_muon/wait_exchange_in"):
+                    work.wait()
+            with record_function("ds_muon/newton_schulz"):
+                self._owner_compute(b, owner_side, fn, device)
+            splits, mine = list(b.split_sizes), b.split_sizes[self.rank]
+            in_flight[k] = (self._all_to_all(shard_side, owner_side, splits, [mine] * W), shard_side, owner_side)
+        for k in sorted(in_flight):
+            finish_out(k)
+
+    def _owner_compute(self, b: ExchangePlan, owner_side: torch.Tensor, fn: OrthogonalizeFn,
+                       device: torch.device) -> None:
+        """In place on the owner's ``(W, split_sizes[rank])`` block: rebuild each owned parameter from its
+        W chunks, orthogonalize the blocks of its matrix view (batched over the parameters with the
+        same view, one call per block group), write the result back as chunks (padding zeroed)."""
+        W, mine = self.world_size, b.split_sizes[self.rank]
+        block = owner_side.view(W, mine)
+        for batch in b.batches[self.rank]:
+            k, c, numel = batch.count, batch.chunk, batch.numel
+            chunks = block[:, batch.start:batch.start + k * c].view(W, k, c).permute(1, 0, 2)
+            full = self.pool.get("matrix", k * W * c, self.assembly_dtype, device).view(k, W * c)
+            full.view(k, W, c).copy_(chunks)
+            view = batch.view if batch.view is not None else matrix_view(batch.ns_shape)
+            orthogonalize_blocks_(full, view, fn)  # one batched call per block group of the view
+            full[:, numel:].zero_()
+            chunks.copy_(full.view(k, W, c))

@@ -1,0 +1,70 @@
+"""QK-clip on ZeRO partitions: which flat ranges of a rank's shard hold which head (layer ``sharded``).
+
+The spans come from :func:`ds_muon.model.attention.factor_spans` (a head's rows are one contiguous
+range of its flattened parameter); here they are intersected with this rank's chunk of each
+parameter, once at start-up, and scaled element-wise on the local fp32 partition after the
+optimizer update (no gather). The rule is :mod:`ds_muon.core.qk_clip`.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from ..errors import ConfigError
+
+__all__ = ["local_span", "shard_ranges", "scale_shard_"]
+
+#: ``param -> (key, shard offset of the param's chunk, numel, chunk, rank)``, or None: not stepped here.
+Locate = Callable[[Any], Optional[tuple[Any, int, int, int, int]]]
+
+
+def local_span(lo: int, hi: int, numel: int, chunk: int, rank: int) -> Optional[tuple[int, int]]:
+    """The part of the flat element range ``[lo, hi)`` of a parameter that rank ``rank``'s ZeRO-3 chunk holds.
+
+    The parameter (``numel`` elements, flattened row-major) is cut into chunks of ``chunk`` =
+    ``ceil(numel / W)`` elements; rank ``r`` holds ``[r*chunk, (r+1)*chunk)`` (zero padding past ``numel``).
+
+    Returns:
+        ``(offset in the chunk, length)`` (elements), or None when the chunk holds none of it.
+    """
+    lo_r, hi_r = rank * chunk, min((rank + 1) * chunk, numel)
+    a, b = max(lo, lo_r), min(hi, hi_r)
+    return (a - lo_r, b - a) if a < b else None
+
+
+def shard_ranges(spans: Sequence[tuple[Any, int, int, int]], names: dict[int, str],
+                 locate: Locate) -> dict[Any, list[tuple[int, int, int]]]:
+    """Per partition (a ZeRO sub-group), the flat ranges of its local shard to scale and their factor index.
+
+    Args:
+        spans: ``[(param, lo, hi, k)]`` from :func:`ds_muon.model.attention.factor_spans`.
+        names: ``{id(param): name}`` for messages.
+        locate: where each parameter's chunk lies (see :data:`Locate`).
+
+    Returns:
+        ``{key: [(offset in the local shard, length, index into the factor vector)]}``.
+
+    Raises:
+        ConfigError: a query/key parameter is not trainable (``locate`` returned None).
+    """
+    out: dict[Any, list[tuple[int, int, int]]] = {}
+    for param, lo, hi, k in spans:
+        where = locate(param)
+        if where is None:
+            raise ConfigError(f"optimizer.params.qk_clip: {names.get(id(param), '?')!r} is not trained by this "
+                              "optimizer (frozen?); QK-clip scales the query and key weights after each step, so "
+                              "they must be trainable (or disable qk_clip)")
+        key, offset, numel, chunk, rank = where
+        part = local_span(lo, hi, numel, chunk, rank)
+        if part is not None:
+            out.setdefault(key, []).append((offset + part[0], part[1], k))
+    return out
+
+
+def scale_shard_(flat: torch.Tensor, ranges: Sequence[tuple[int, int, int]], factors: Sequence[float]) -> None:
+    """In place on a local partition ``(n,)``: every range times its factor (``factors`` as Python floats;
+    ranges whose factor is 1 are not touched)."""
+    for offset, n, k in ranges:
+        if factors[k] != 1.0:
+            flat.narrow(0, offset, n).mul_(factors[k])

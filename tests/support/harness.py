@@ -1,0 +1,187 @@
+"""Train a ds_muon ZeRO-3 engine and the single-device oracle on the same data; compare them.
+
+Semantics the oracle encodes (docs/design.md, "One optimizer step"): one optimizer step per ``gradient_accumulation_steps``
+micro-batches on the mean gradient over all ranks and micro-batches; ``gradient_clipping`` clips
+that raw gradient by its global norm (``torch.nn.utils.clip_grad_norm_``); a trainable parameter
+that got no gradient in a step is treated as a zero gradient, as DeepSpeed ZeRO-3 does for every
+optimizer.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from tests.support.models import ParityNet, batch, use_extra
+
+# fp32 Newton–Schulz and an fp32 exchange: the distributed result equals the oracle up to fp32
+# rounding (batched vs. single matmuls, reduction order of the gradient reduce-scatter).
+PARITY_RTOL = 1e-5
+
+MUON_PARAMS = {"lr": 0.02, "adam_lr": 3e-3, "momentum": 0.9, "weight_decay": 0.05, "ns_dtype": "float32",
+               "exchange_dtype": "float32"}
+
+
+def ds_config(gas: int = 1, clip: float = 0.0, micro_batch: int = 2, optimizer: dict | None = None,
+              **zero) -> dict:
+    """A DeepSpeed config for the parity model: ZeRO-3, fp32, Muon unless ``optimizer`` is given."""
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": clip,
+        "optimizer": optimizer or {"type": "Muon", "params": dict(MUON_PARAMS)},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero},
+        "steps_per_print": 10_000,
+        "wall_clock_breakdown": False,
+    }
+
+
+def gathered_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full fp32 copies of every parameter (gathers ZeRO-3 partitions)."""
+    import deepspeed
+    params = list(model.parameters())
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        return {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+
+
+def fp32_master_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full fp32 master weights of trainable parameters (what the optimizer steps), gathered via
+    ``deepspeed.utils.safe_get_full_fp32_param``; other parameters as gathered. Collective."""
+    from deepspeed.utils import safe_get_full_fp32_param
+    out = gathered_params(model)
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            out[n] = safe_get_full_fp32_param(p).detach().float().cpu().clone()
+    return out
+
+
+def build_engine(config: dict, zero_init: bool = False, model_fn: Callable = ParityNet, model_parameters=None,
+                 before: Callable | None = None):
+    """Seeded model -> ``ds_muon.initialize``. Returns ``(engine, model)``."""
+    import deepspeed
+    import ds_muon
+    torch.manual_seed(0)
+    if zero_init:
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            model = model_fn()
+    else:
+        model = model_fn()
+    if before is not None:
+        before(model)
+    params = model_parameters(model) if model_parameters else model.parameters()
+    engine, _, _, _ = ds_muon.initialize(model=model, model_parameters=params, config=config)
+    return engine, model
+
+
+def train_engine(engine, steps: int, rank: int, gas: int, micro_batch: int = 2) -> list[float]:
+    """``steps`` optimizer steps of ``gas`` micro-batches each; returns the global grad norms."""
+    norms = []
+    for step in range(steps):
+        for micro in range(gas):
+            tokens, targets = (t.to(engine.device) for t in batch(step, rank, micro, micro_batch))
+            loss = engine(tokens, targets, use_extra(step))
+            engine.backward(loss)
+            engine.step()
+        norms.append(float(engine.get_global_grad_norm()))
+    return norms
+
+
+def reference_model(init: dict[str, torch.Tensor], tags: dict[str, bool], model_fn: Callable = ParityNet):
+    """A plain model holding ``init`` with the engine's ``use_muon`` tags copied by name, and the
+    matrix views (``ds_muon_split``: conv weights, fused and MoE splits) the engine's default
+    selection gives; an oracle built from the module (``MuonAdamW(model, **params)``) re-tags them
+    with its own config."""
+    from ds_muon.model.selection import tag_model
+    torch.manual_seed(0)
+    model = model_fn()
+    for name, p in model.named_parameters():
+        p.data.copy_(init[name])
+        if name in tags:
+            p.use_muon = tags[name]
+    tag_model(model, log=False)  # the tags above are explicit and stay; this adds the views
+    return model
+
+
+def train_reference(model, optimizer, steps: int, world_size: int, gas: int, clip: float,
+                    micro_batch: int = 2, data: Callable = batch, skip: frozenset = frozenset(),
+                    before_step: Callable[[int], None] | None = None,
+                    after_step: Callable | None = None) -> list[float]:
+    """The oracle loop: mean gradient over every rank's micro-batches, raw-norm clip, one step.
+
+    ``data(step, rank, micro, micro_batch) -> (tokens, targets)`` is what each rank trains on
+    (default :func:`tests.models.batch`). Steps in ``skip`` are left out entirely (an fp16 overflow
+    step: no update, momentum untouched; their norm is reported as nan). ``before_step(step)`` runs
+    right before each ``optimizer.step()`` (an lr schedule sets the groups' lrs there);
+    ``after_step()`` runs after it, where DeepSpeed steps its lr scheduler."""
+    norms = []
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for step in range(steps):
+        if step in skip:
+            norms.append(float("nan"))
+            continue
+        optimizer.zero_grad(set_to_none=True)
+        for rank in range(world_size):
+            for micro in range(gas):
+                tokens, targets = data(step, rank, micro, micro_batch)
+                (model(tokens, targets, use_extra(step)) / (world_size * gas)).backward()
+        for p in trainable:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        norm = torch.nn.utils.clip_grad_norm_(trainable, clip if clip > 0 else float("inf"))
+        norms.append(float(norm))
+        if before_step is not None:
+            before_step(step)
+        optimizer.step()
+        if after_step is not None:
+            after_step()
+    return norms
+
+
+def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], init: dict[str, torch.Tensor]) -> dict:
+    """Per-parameter errors: ``rel`` = ||got-want|| / ||want||, ``rel_update`` = ||got-want|| / ||want-init||."""
+    out = {}
+    for name, w in want.items():
+        diff = (got[name] - w).norm().item()
+        out[name] = {"rel": diff / max(w.norm().item(), 1e-30),
+                     "rel_update": diff / max((w - init[name]).norm().item(), 1e-30),
+                     "moved": (w - init[name]).norm().item()}
+    return out
+
+
+def clone_tags(model) -> dict[str, bool]:
+    return {n: bool(getattr(p, "use_muon", False)) for n, p in model.named_parameters()}
+
+
+def swap_dir_for(path: str) -> str:
+    """``path`` for NVMe swap files if its filesystem supports O_DIRECT (DeepSpeed's async_io needs
+    it), else a directory under the repository's ``.nvme_tmp/`` (CI machines may mount /tmp as tmpfs,
+    which does not). Not created here."""
+    import hashlib
+    import os
+
+    from ds_muon.integration.probes import _o_direct_problem
+    probe = path
+    while not os.path.isdir(probe):
+        probe = os.path.dirname(probe)
+    if _o_direct_problem(probe) is None:
+        return path
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return os.path.join(repo, ".nvme_tmp", hashlib.sha1(path.encode()).hexdigest()[:16])
+
+
+def oracle_schedule(scheduler: dict, init_lrs: list[float], muon_lr: float, steps: int,
+                    scaled: bool) -> list[list[float]]:
+    """Per optimizer step, the lr of each oracle param group under a DeepSpeed config ``scheduler``
+    (``{"type", "params"}``): DeepSpeed's own scheduler class run on a plain SGD holding one group per
+    oracle group with the same initial lrs (``init_lrs``). ``scaled``: the scheduler writes one lr
+    ``L`` into every group, which ds_muon reads as the Muon lr, so group g gets ``L * init_lrs[g] / muon_lr``."""
+    from deepspeed.runtime import lr_schedules
+    dummy = torch.optim.SGD([{"params": [torch.zeros(1, requires_grad=True)], "lr": lr} for lr in init_lrs])
+    sched = getattr(lr_schedules, scheduler["type"])(dummy, **scheduler.get("params", {}))
+    out = []
+    for _ in range(steps):
+        lrs = [g["lr"] for g in dummy.param_groups]
+        out.append([lr * lr0 / muon_lr for lr, lr0 in zip(lrs, init_lrs)] if scaled else lrs)
+        sched.step()
+    return out
+

@@ -1,0 +1,169 @@
+"""Tiny attention models that record their exact per-head max logits, for the QK-clip tests.
+
+The logits are computed brute force (the full ``(B, H, T, T)`` score matrix, causal mask) and reported
+with :func:`ds_muon.record_max_logits`, independently of the production ``ds_muon_sdpa`` attention, so
+the clip is tested on real logits. The q/k weights are initialised large enough that logits of O(10)
+arise, so a threshold in that range clips some heads and not others.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ds_muon.model.max_logits import record_max_logits
+from tests.support.models import VOCAB
+
+TEST_ATTENTION = "qk_test_recording_sdpa"
+QK_GAIN = 12.0  # q/k weights are scaled by this at init (logits grow ~ its square)
+
+
+def brute_max_logits(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``(H,)`` max over batch and causal (i, j <= i) positions of ``q_i . k_j * scaling``.
+
+    query ``(B, H, T, d)``, key ``(B, Hkv, T, d)`` (GQA: key head ``h // (H / Hkv)``), any float dtype;
+    computed in fp32."""
+    group = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(group, dim=1)
+    scores = query.float() @ k.float().transpose(-1, -2) * scaling
+    t, s = scores.shape[-2:]
+    causal = torch.ones(t, s, dtype=torch.bool, device=scores.device).tril(s - t)
+    return scores.masked_fill(~causal, float("-inf")).amax(dim=(0, 2, 3))
+
+
+def _recording_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    record_max_logits(module, brute_max_logits(query, key, scaling if scaling is not None else query.shape[-1] ** -0.5))
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
+def register_test_attention() -> None:
+    from transformers import AttentionInterface
+    AttentionInterface.register(TEST_ATTENTION, _recording_attention)
+
+
+def _lm(base):
+    class LM(base):
+        def forward(self, tokens, targets, use_extra=True):  # the harness's signature
+            return super().forward(input_ids=tokens, labels=targets).loss
+
+    LM.__name__ = LM.__qualname__ = base.__name__
+    return LM
+
+
+def _hf(cls_name: str, cfg_name: str, **kw):
+    import transformers
+    register_test_attention()
+    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5,
+                attn_implementation=TEST_ATTENTION)
+    base.update(kw)
+    model = _lm(getattr(transformers, cls_name))(getattr(transformers, cfg_name)(**base))
+    _boost_qk(model)
+    return model
+
+
+def _boost_qk(model: nn.Module) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(k in name for k in ("q_proj", "k_proj", "qkv_proj")):
+                p.mul_(QK_GAIN)
+
+
+def llama_gqa(**kw):
+    """Llama, 4 query heads over 2 key heads, no biases."""
+    return _hf("LlamaForCausalLM", "LlamaConfig", **kw)
+
+
+def qwen2_bias(**kw):
+    """Qwen2 (q/k/v biases), GQA 4/2."""
+    return _hf("Qwen2ForCausalLM", "Qwen2Config", **kw)
+
+
+def llama_ds_muon_sdpa(**kw):
+    """Llama GQA 4/2 through ds_muon's own attention function (``attn_implementation="ds_muon_sdpa"``), so the
+    clip runs end to end on the production recording rather than the brute-force test attention."""
+    import ds_muon
+    ds_muon.register_attention()
+    return _hf("LlamaForCausalLM", "LlamaConfig", **dict(kw, attn_implementation="ds_muon_sdpa"))
+
+
+def phi3_fused(**kw):
+    """Phi-3: fused qkv_proj [Q; K; V], GQA 4/2."""
+    return _hf("Phi3ForCausalLM", "Phi3Config", **kw)
+
+
+def _gathered(params):
+    """Full parameters for an in-place init change, also when built under ``deepspeed.zero.Init``."""
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+    import contextlib
+    return contextlib.nullcontext()
+
+
+class DeclaredAttention(nn.Module):
+    """A custom causal attention (no RoPE, GQA 4/2) that declares its q/k weights and records its logits."""
+
+    def __init__(self, dim: int = 24, heads: int = 4, kv_heads: int = 2):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, dim // heads
+        self.q = nn.Linear(dim, heads * self.hd, bias=True)
+        self.k = nn.Linear(dim, kv_heads * self.hd, bias=False)
+        self.v = nn.Linear(dim, kv_heads * self.hd, bias=False)
+        self.o = nn.Linear(heads * self.hd, dim, bias=False)
+
+    def muon_qk_clip(self) -> dict:
+        return {"q": self.q.weight, "k": self.k.weight, "q_bias": self.q.bias, "num_heads": self.heads,
+                "num_kv_heads": self.kv_heads}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.heads, self.hd).transpose(1, 2)
+        k = self.k(x).view(b, t, self.kv_heads, self.hd).transpose(1, 2)
+        v = self.v(x).view(b, t, self.kv_heads, self.hd).transpose(1, 2)
+        record_max_logits(self, brute_max_logits(q, k, self.hd ** -0.5))
+        rep = self.heads // self.kv_heads
+        y = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class DeclaredNet(nn.Module):
+    """Embedding -> 2 x (LayerNorm, DeclaredAttention, MLP) -> tied head; the harness's forward signature."""
+
+    def __init__(self, dim: int = 24, num_hidden_layers: int = 2, num_key_value_heads: int = 2, vocab: int = VOCAB):
+        super().__init__()
+        self.vocab = vocab
+        self.embed = nn.Embedding(vocab, dim)
+        self.norms = nn.ModuleList(nn.LayerNorm(dim) for _ in range(num_hidden_layers))
+        self.attn = nn.ModuleList(DeclaredAttention(dim, kv_heads=num_key_value_heads) for _ in range(num_hidden_layers))
+        self.mlp = nn.ModuleList(nn.Linear(dim, dim) for _ in range(num_hidden_layers))
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+        params = [self.embed.weight] + [p for a in self.attn for p in (a.q.weight, a.k.weight)]
+        with torch.no_grad(), _gathered(params):
+            self.embed.weight.mul_(0.2)
+            for a in self.attn:  # heads of different strengths, so a threshold clips some, not all
+                spread = torch.linspace(0.6, 1.4, a.heads).repeat_interleave(a.hd)[:, None]
+                a.q.weight.mul_(spread * QK_GAIN / 4)
+                a.k.weight.mul_(QK_GAIN / 4)
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.head
+
+    def forward(self, tokens, targets, use_extra=True):
+        h = self.embed(tokens)
+        for norm, attn, mlp in zip(self.norms, self.attn, self.mlp):
+            h = h + attn(norm(h))
+            h = h + F.silu(mlp(h))
+        return F.cross_entropy(self.head(h).reshape(-1, self.vocab), targets.reshape(-1))
+
+
+def declared_wide() -> DeclaredNet:
+    """DeclaredNet at dim 256, 3 layers, vocab 2100: at W = 2 both its Muon and its AdamW sub-group exceed the
+    NVMe swapper's 1 MiB minimum (262144 fp32 elements per rank), so both are swapped."""
+    return DeclaredNet(dim=256, num_hidden_layers=3, vocab=2100)
+
+
+MODELS = {"llama": llama_gqa, "llama_ds_muon_sdpa": llama_ds_muon_sdpa, "qwen2": qwen2_bias, "phi3": phi3_fused, "declared": DeclaredNet,
+          "declared_wide": declared_wide}

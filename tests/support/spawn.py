@@ -1,0 +1,114 @@
+"""One spawn helper for every multi-rank test: W CPU processes on gloo, results back as objects.
+
+A test passes a *module-level* function ``fn(rank, world_size, *args) -> picklable``; it runs in
+``world_size`` fresh processes with ``torch.distributed`` initialised through DeepSpeed (gloo on
+the CPU accelerator). Batch several checks per call so a process group is spawned once per
+world size. A worker that raises makes the whole call fail with its traceback; a hang is killed
+after ``timeout`` seconds instead of blocking CI.
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+SHM_SEGMENTS = "/dev/shm/deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"  # DeepSpeed's CPU shm comm, per MASTER_PORT
+
+
+def free_port() -> int:
+    """A free TCP port that no DeepSpeed shared-memory segment is named after (one left by an earlier group
+    that was killed would otherwise be shared with this group's all_reduce)."""
+    for _ in range(64):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if not glob.glob(SHM_SEGMENTS.format(port=port)):
+            break
+    return port
+
+
+def _remove_shm_segments(port: int) -> None:
+    """Delete the group's DeepSpeed shared-memory segments (DeepSpeed 0.19.8 never unlinks them)."""
+    for path in glob.glob(SHM_SEGMENTS.format(port=port)):
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
+def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple, env: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), **env)
+    path = os.path.join(out_dir, f"rank{rank}.pkl")
+    try:
+        import torch
+        torch.set_num_threads(1)
+        before = getattr(fn, "before_init", None)
+        if before is not None:
+            before()
+        import deepspeed
+        # File rendezvous: no TCP store port to race for (MASTER_PORT stays set: DeepSpeed's CPU
+        # shared-memory comm names its segments after it).
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False, init_method=f"file://{out_dir}/rendezvous",
+                                   rank=rank, world_size=world_size)
+        result = ("ok", fn(rank, world_size, *args))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        result = ("error", traceback.format_exc())
+    with open(path, "wb") as f:
+        pickle.dump(result, f)
+    if result[0] == "error":
+        os._exit(1)  # don't wait in a collective for peers that will never come
+    try:  # leave together, then skip interpreter teardown (gloo/DeepSpeed destructors can abort there)
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+    finally:
+        os._exit(0)
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 600,
+                    env: dict | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return per-rank results.
+
+    Raises:
+        RuntimeError: a rank failed (with its traceback) or the group did not finish in ``timeout`` s.
+    """
+    port = free_port()
+    with tempfile.TemporaryDirectory() as out_dir, contextlib.ExitStack() as cleanup:
+        cleanup.callback(_remove_shm_segments, port)
+        ctx = mp.start_processes(_worker, args=(world_size, port, out_dir, fn, args, env or {}),
+                                 nprocs=world_size, join=False, start_method="spawn")
+        try:
+            import time
+            deadline = time.monotonic() + timeout
+            while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{fn.__name__} at W={world_size} did not finish in {timeout} s")
+        except Exception as exc:  # a rank died or timed out: collect what the ranks reported
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            reports = []
+            for r in range(world_size):
+                path = os.path.join(out_dir, f"rank{r}.pkl")
+                if os.path.exists(path):
+                    with open(path, "rb") as f:
+                        status, payload = pickle.load(f)
+                    if status == "error":
+                        reports.append(f"--- rank {r} ---\n{payload}")
+            raise RuntimeError(f"{fn.__name__} failed at W={world_size}: {exc}\n" + "\n".join(reports)) from None
+        results = []
+        for r in range(world_size):
+            with open(os.path.join(out_dir, f"rank{r}.pkl"), "rb") as f:
+                status, payload = pickle.load(f)
+            if status != "ok":
+                raise RuntimeError(f"rank {r} failed:\n{payload}")
+            results.append(payload)
+        return results

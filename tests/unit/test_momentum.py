@@ -1,0 +1,130 @@
+"""The momentum step on a flat shard (ds_muon.core.muon_update): fp32 and bf16 storage, chunking."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ds_muon.core.muon_update as momentum_mod
+from ds_muon.core.muon_update import momentum_update_
+
+
+def _data(n: int = 1000, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g), torch.randn(n, generator=g)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_fp32_matches_the_formula(nesterov: bool) -> None:
+    m0, g0 = _data()
+    m, g = m0.clone(), g0.clone()
+    u = momentum_update_(m, g, 0.9, nesterov)
+    m_want = 0.9 * m0 + 0.1 * g0
+    torch.testing.assert_close(m, m_want, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(u, 0.1 * g0 + 0.9 * m_want if nesterov else m_want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_bf16_rounds_only_the_stored_momentum(nesterov: bool, monkeypatch) -> None:
+    monkeypatch.setattr(momentum_mod, "CHUNK_ELEMENTS", 64)  # 1000 elements: 16 chunks, the last one short
+    m0, g0 = _data()
+    m, g = m0.to(torch.bfloat16), g0.clone()
+    m32 = m.float() * 0.9 + 0.1 * g0  # the fp32 momentum before it is stored
+    u = momentum_update_(m, g, 0.9, nesterov)
+    assert m.dtype == torch.bfloat16 and u.dtype == torch.float32 and u.data_ptr() == g.data_ptr()
+    torch.testing.assert_close(m, m32.to(torch.bfloat16), rtol=0, atol=0)  # round to nearest, every chunk
+    want = 0.1 * g0 + 0.9 * m32 if nesterov else m32  # from the unrounded value
+    torch.testing.assert_close(u, want, rtol=1e-6, atol=1e-6)
+    assert (u - m.float()).abs().max() > 0  # so the update really is not the rounded momentum
+
+
+def test_fused_versions_match_and_do_not_recompile() -> None:
+    # The one-pass versions the ZeRO-3 step runs on CUDA (torch.compile). Traced here with a counting
+    # backend that runs the captured graph eagerly: the same ops, so the results are bit-identical to
+    # the eager functions; and one graph per function and Nesterov flag for every shard length,
+    # learning rate, weight decay and beta (sizes and floats are graph inputs: no recompiles).
+    from ds_muon.core.muon_update import _compiled, fused_apply_update_, fused_momentum_update_
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        for n, beta, lr, wd in ((1000, 0.9, 0.02, 0.1), (1237, 0.95, 0.01, 0.0), (77, 0.9, 0.005, 0.05)):
+            m0, g0 = _data(n, seed=n)
+            for nesterov in (True, False):
+                m, g, m_want, g_want = m0.clone(), g0.clone(), m0.clone(), g0.clone()
+                u = fused_momentum_update_(m, g, beta, nesterov, backend=counting_backend)
+                u_want = momentum_update_(m_want, g_want, beta, nesterov)
+                assert torch.equal(m, m_want) and torch.equal(u, u_want) and torch.equal(g, g_want)
+                assert u.data_ptr() == (g if nesterov else m).data_ptr()
+            p, p_want = m0.clone(), m0.clone()
+            fused_apply_update_(p, g0, lr, wd, backend=counting_backend)
+            p_want.mul_(1 - lr * wd).add_(g0, alpha=-lr)
+            assert torch.equal(p, p_want)
+        assert len(graphs) == 3, [g.code for g in graphs]  # momentum with and without Nesterov, apply
+        # bf16 momentum keeps the chunked eager path (no graph), with the same result
+        m, g = m0.to(torch.bfloat16), g0.clone()
+        m_want, g_want = m.clone(), g0.clone()
+        fused_momentum_update_(m, g, 0.9, True, backend=counting_backend)
+        momentum_update_(m_want, g_want, 0.9, True)
+        assert torch.equal(m, m_want) and torch.equal(g, g_want) and len(graphs) == 3
+    finally:
+        _compiled.cache_clear()
+        torch._dynamo.reset()
+
+
+def test_bad_input_is_named() -> None:
+    with pytest.raises(ValueError, match="same 1-D shape"):
+        momentum_update_(torch.zeros(3), torch.zeros(4), 0.9, True)
+    with pytest.raises(ValueError, match="grad must be float32"):
+        momentum_update_(torch.zeros(3), torch.zeros(3, dtype=torch.bfloat16), 0.9, True)
+    with pytest.raises(ValueError, match="momentum dtype must be one of"):
+        momentum_update_(torch.zeros(3, dtype=torch.float16), torch.zeros(3), 0.9, True)
+
+
+def test_reference_keeps_bf16_momentum_through_state_dict() -> None:
+    import ds_muon
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16),
+                                torch.nn.Linear(16, 2))
+    opt = ds_muon.MuonAdamW(model, momentum_dtype="bfloat16")
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    muon = [p for g in opt.param_groups if g["use_muon"] for p in g["params"]]
+    assert muon and all(opt.state[p]["momentum_buffer"].dtype == torch.bfloat16 for p in muon)
+    fresh = ds_muon.MuonAdamW(model, momentum_dtype="bfloat16")
+    fresh.load_state_dict(opt.state_dict())
+    for p in muon:
+        assert fresh.state[p]["momentum_buffer"].dtype == torch.bfloat16
+        assert torch.equal(fresh.state[p]["momentum_buffer"], opt.state[p]["momentum_buffer"])
+
+
+def test_zero_inner_load_casts_momentum_back() -> None:
+    from ds_muon.names import MOMENTUM_KEY
+    from ds_muon.integration.inner import cast_momentum_
+    state = {MOMENTUM_KEY: torch.ones(4), "step": 3}
+    cast_momentum_(state, {"momentum_dtype": "bfloat16"})
+    assert state[MOMENTUM_KEY].dtype == torch.bfloat16 and state["step"] == 3
+    cast_momentum_(state, {"momentum_dtype": "float32"})
+    assert state[MOMENTUM_KEY].dtype == torch.float32
+
+
+def test_zero_inner_load_keeps_the_running_momentum_dtype() -> None:
+    # A checkpoint saved with bf16 momentum, loaded by a run configured for fp32 (and the reverse):
+    # the running config's momentum_dtype wins (an NVMe swapper may only take fp32 state).
+    from ds_muon.config import parse_muon_params
+    from ds_muon.names import MOMENTUM_KEY
+    from ds_muon.integration.inner import ZeroMuonInner
+    for saved, running in (("bfloat16", "float32"), ("float32", "bfloat16")):
+        p_saved, p_run = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))
+        src = ZeroMuonInner([{"params": [p_saved], "use_muon": True, "momentum_dtype": saved}], None,
+                            parse_muon_params({"momentum_dtype": saved}))
+        src.state[p_saved][MOMENTUM_KEY] = torch.arange(4.0).to(getattr(torch, saved))
+        dst = ZeroMuonInner([{"params": [p_run], "use_muon": True, "momentum_dtype": running}], None,
+                            parse_muon_params({"momentum_dtype": running}))
+        dst.load_state_dict(src.state_dict())
+        assert dst.param_groups[0]["momentum_dtype"] == running
+        assert dst.state[p_run][MOMENTUM_KEY].dtype == getattr(torch, running)
+        assert torch.equal(dst.state[p_run][MOMENTUM_KEY].float(), torch.arange(4.0))

@@ -1,0 +1,65 @@
+"""benchmarks/step_time.py's Newton–Schulz microbenchmark (``--ns-micro``) on CPU with tiny shapes, so
+the one GPU run does not fail on plumbing: variant parsing, the rows it writes, a failing variant kept
+as a row. torch.compile runs with the ``eager`` backend here (same dynamo tracing and guards; the
+autotune mode is inductor's, dropped with another backend)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.support.tools import repo_module
+
+step_time = repo_module("benchmarks/step_time.py")
+
+
+def test_shapes_and_variant_lists():
+    assert step_time.parse_shapes("16x2048x2048, 2x64x96") == ((16, 2048, 2048), (2, 64, 96))
+    with pytest.raises(ValueError, match="BxMxN"):
+        step_time.parse_shapes("16x2048")
+    assert step_time.split_variants("standard,gram[autotune,dynamic];heavyball") == (
+        "standard", "gram[autotune,dynamic]", "heavyball")
+    assert step_time.split_variants(",".join(step_time.NS_VARIANTS)) == step_time.NS_VARIANTS
+
+
+def test_ns_microbenchmark_on_cpu(tmp_path):
+    torch._dynamo.reset()
+    out = tmp_path / "ns.json"
+    variants = ("standard", "standard[fused,autotune]", "standard[eager]", "polar_express[static]", "standard[hybrid]",
+                "torch.optim.Muon", "gram[bogus]")
+    shapes = ((2, 8, 8), (2, 20, 8))
+    try:
+        result = step_time.ns_microbenchmark(str(out), shapes=shapes, variants=variants, device="cpu", iters=1,
+                                             backend="eager")
+    finally:
+        torch._dynamo.reset()
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    rows = {(r["method"], tuple(r["shape"])): r for r in result["rows"]}
+    assert len(rows) == len(variants) * len(shapes)
+    for shape in shapes:
+        bad = rows["gram[bogus]", shape]
+        assert "bad Newton-Schulz variant" in bad["error"] and "seconds" not in bad
+        good = [rows[v, shape] for v in variants if v != "gram[bogus]"]
+        assert all("error" not in r and r["seconds"] > 0 and r["fraction_of_matmul"] > 0 for r in good), good
+        # fp32 on CPU: every form of the standard quintic gives the same
+        # output to rounding; torch.optim.Muon runs the same quintic in bf16; Polar Express converges further
+        errs = {r["method"]: r["ortho_error"] for r in good}
+        for v in ("standard[fused,autotune]", "standard[eager]", "standard[hybrid]"):
+            assert errs[v] == pytest.approx(errs["standard"], rel=1e-4), (v, shape)
+        assert errs["torch.optim.Muon"] == pytest.approx(errs["standard"], rel=0.05)
+        assert errs["polar_express[static]"] < errs["standard"]
+    # compiled variants report the graphs they added; the eager one none
+    assert rows["standard[eager]", shapes[0]]["graphs"] == 0 and rows["polar_express[static]", shapes[0]]["graphs"] == 1
+
+
+def test_ns_autotune_runs_the_measured_variant():
+    """The config key ns_autotune compiles Newton–Schulz with the settings of the microbenchmark's
+    ``standard[autotune]`` row (mode and static shapes), and needs ns_compile."""
+    from ds_muon.config import ConfigError, parse_muon_params
+    from ds_muon.core.ns_compile import AUTOTUNE_COMPILE
+    assert AUTOTUNE_COMPILE == {"mode": step_time.AUTOTUNE, "dynamic": False}
+    assert parse_muon_params({"ns_autotune": True}).ns_autotune
+    assert not parse_muon_params({}).ns_autotune
+    with pytest.raises(ConfigError, match="ns_autotune.*ns_compile: true"):
+        parse_muon_params({"ns_autotune": True, "ns_compile": False})
