@@ -25,9 +25,9 @@ from .loading import load_ds_config
 from .muon import (OPTIMIZER_PARAMS_PATH, UNSUPPORTED_BUILTIN_KEYS, MuonOptimizerParams, MuonSplit, QKClipParams,
                    parse_muon_params)
 from .sections import (ADAM_MINI, MUON, NVME_PARAM_OFFLOAD_PROBLEM, SERVED_STAGES, DsMuonConfig, optimizer_kind,
-                       parse_ds_config)
+                       parse_ds_config, unserved_modes)
 
 __all__ = ["ConfigError", "MuonOptimizerParams", "QKClipParams", "MuonSplit", "AdamMiniOptimizerParams",
            "DsMuonConfig", "parse_muon_params", "parse_adam_mini_params", "parse_ds_config", "load_ds_config",
            "optimizer_kind", "MUON", "ADAM_MINI", "SERVED_STAGES", "OPTIMIZER_PARAMS_PATH",
-           "UNSUPPORTED_BUILTIN_KEYS", "NVME_PARAM_OFFLOAD_PROBLEM"]
+           "UNSUPPORTED_BUILTIN_KEYS", "NVME_PARAM_OFFLOAD_PROBLEM", "unserved_modes"]

@@ -31,7 +31,7 @@ from .messages import custom_error
 from .messages import error_lines
 
 __all__ = ["MuonSplit", "QKClipParams", "MuonOptimizerParams", "parse_muon_params", "OPTIMIZER_PARAMS_PATH",
-           "UNSUPPORTED_BUILTIN_KEYS"]
+           "UNSUPPORTED_BUILTIN_KEYS", "ONLY_TRUE_REASONS"]
 
 OPTIMIZER_PARAMS_PATH = "optimizer.params"
 
@@ -66,8 +66,8 @@ def _add_aliases_to_schema(schema: dict[str, Any]) -> None:
         schema["allOf"] = exclusions
 
 
-# Built-in keys whose only value ds_muon implements is true, and why.
-_ONLY_TRUE_REASONS = {
+#: Built-in keys whose only value ds_muon implements is true, and why.
+ONLY_TRUE_REASONS = {
     "adam_w_mode": ("ds_muon only implements decoupled weight decay (AdamW) for its AdamW half; Adam with L2 "
                     "regularization (adam_w_mode=false) is not supported"),
     "fp32_optimizer_states": ("ds_muon keeps the Adam moments in fp32 whatever the model dtype (in DeepSpeed this key "
@@ -369,7 +369,7 @@ class MuonOptimizerParams(BaseModel):
     @classmethod
     def _only_true(cls, value: bool, info) -> bool:
         if value is not True:
-            raise custom_error(_ONLY_TRUE_REASONS[info.field_name], allowed="true (or leave the key out)")
+            raise custom_error(ONLY_TRUE_REASONS[info.field_name], allowed="true (or leave the key out)")
         return value
 
     @field_validator("muon_params", "adamw_params")

@@ -19,16 +19,16 @@ from typing import Any, Optional, Union
 from ..errors import ConfigError
 from .adam_mini import AdamMiniOptimizerParams, parse_adam_mini_params
 from .messages import AUTO_HINT
-from .muon import MuonOptimizerParams, parse_muon_params
+from .muon import ONLY_TRUE_REASONS, MuonOptimizerParams, parse_muon_params
 
 __all__ = ["MUON", "ADAM_MINI", "SERVED_STAGES", "DsMuonConfig", "optimizer_kind", "parse_ds_config",
-           "section_problems", "deepspeed_version", "is_number", "NVME_PARAM_OFFLOAD_PROBLEM"]
+           "section_problems", "unserved_modes", "deepspeed_version", "is_number", "NVME_PARAM_OFFLOAD_PROBLEM"]
 
 #: ``optimizer.type`` values ds_muon serves, as ``DsMuonConfig.optimizer`` names them.
 MUON = "Muon"
 ADAM_MINI = "AdamMini"
-#: The ZeRO stages ds_muon's step runs at, per optimizer.
-SERVED_STAGES: dict[str, tuple[int, ...]] = {MUON: (3,), ADAM_MINI: (3,)}
+#: The ZeRO stages ds_muon's step runs at, per optimizer (stage 0 is DeepSpeed's: no ZeRO optimizer to subclass).
+SERVED_STAGES: dict[str, tuple[int, ...]] = {MUON: (1, 2, 3), ADAM_MINI: (1, 2, 3)}
 
 NVME_PARAM_OFFLOAD_PROBLEM = ("zero_optimization.offload_param.device: 'nvme' (parameter offload to NVMe) is not "
                               "supported by ds_muon yet; use offload_param device 'cpu' or none (optimizer offload to "
@@ -93,11 +93,11 @@ def section_problems(ds_config: dict, optimizer: str,
                      params: Union[MuonOptimizerParams, AdamMiniOptimizerParams, None]) -> list[str]:
     """The problems of the DeepSpeed sections of ``ds_config`` for ``optimizer`` (one line each).
 
-    * ``zero_optimization.stage`` must be one of :data:`SERVED_STAGES` of the optimizer;
+    * ``zero_optimization.stage`` must be a number 0-3, and the config must be in a mode ds_muon serves
+      (:func:`unserved_modes`: stage 0, NVMe parameter offload, ``zenflow``, AutoTP, ... are not);
     * an NVMe ``offload_optimizer`` needs an ``nvme_path``, and a bf16 Muon momentum needs
-      ``save_muon_momentum_buffer_in_memory`` there (the swapper stores fp32 state only); NVMe *parameter*
-      offload, a partial offload ``ratio``, ``zenflow``, ``super_offload`` and AutoTP (``autotp_size > 1``)
-      are refused, each naming DeepSpeed's or ds_muon's limit;
+      ``save_muon_momentum_buffer_in_memory`` there (the swapper stores fp32 state only); a partial offload
+      ``ratio`` and ``super_offload`` are refused (neither DeepSpeed's built-in Muon nor ds_muon can run them);
     * ``gradient_clipping`` must be a number >= 0 (0 disables clipping).
 
     Args:
@@ -109,17 +109,12 @@ def section_problems(ds_config: dict, optimizer: str,
     if zero is None:
         zero = {}
     if not isinstance(zero, dict):
-        problems.append(f"zero_optimization: {zero!r} is invalid: must be an object with \"stage\": 3")
+        problems.append(f"zero_optimization: {zero!r} is invalid: must be an object with \"stage\": 1, 2 or 3")
         zero = {}
-    stages = SERVED_STAGES[optimizer]
     stage = zero.get("stage", None)
-    if not (is_number(stage) and stage in stages):
-        shown = "missing (DeepSpeed's default is 0)" if stage is None else f"{stage!r} is invalid"
-        fix = (", or use DeepSpeed's built-in Muon for stages 0-2 (call ds_muon.disable() first if ds_muon.enable() "
-               "is in effect)" if optimizer == MUON else "")
-        problems.append(f"zero_optimization.stage: {shown}: {served} serves ZeRO stage "
-                        f"{' or '.join(map(str, stages))} (which runs on one GPU too); set zero_optimization.stage "
-                        f"to {stages[-1]}{fix}")
+    if stage is not None and not (is_number(stage) and stage in (0, 1, 2, 3)):
+        problems.append(f"zero_optimization.stage: {stage!r} is invalid: allowed: 0, 1, 2, 3 (a number)")
+    problems += unserved_modes(ds_config, optimizer, params=False)  # the params' own check reports those
     offload = zero.get("offload_optimizer")
     device = _device(offload)
     if device == "nvme":
@@ -133,27 +128,18 @@ def section_problems(ds_config: dict, optimizer: str,
             problems.append(f"optimizer.params.momentum_dtype: {params.momentum_dtype!r} with NVMe optimizer "
                             "offload needs zero_optimization.save_muon_momentum_buffer_in_memory: true (DeepSpeed's "
                             "swapper stores state in fp32 only); set it, or use momentum_dtype 'float32'")
-    if _device(zero.get("offload_param")) == "nvme":
-        problems.append(NVME_PARAM_OFFLOAD_PROBLEM)
     if isinstance(offload, dict) and is_number(offload.get("ratio")) and offload["ratio"] != 1.0:
         problems.append(f"zero_optimization.offload_optimizer.ratio: {offload['ratio']!r} is invalid: DeepSpeed "
                         f"{deepspeed_version()}'s ZeRO-3 partial optimizer offload runs only with DeepSpeedCPUAdam as "
                         "the optimizer (DeepSpeedZeroOptimizer_Stage3 asserts 'Hybrid Optimizer Only Supports "
                         f"DeepSpeedCPUAdam'), so neither DeepSpeed's built-in Muon nor {served} can use it; remove "
                         "ratio (or set it to 1.0) to offload the whole optimizer")
-    if zero.get("zenflow"):
-        problems.append(f"zero_optimization.zenflow: is not supported by {served}; remove it")
-    if isinstance(offload, dict) and offload.get("super_offload"):
+    if isinstance(offload, dict) and offload.get("super_offload") and _stage(zero) == 3:  # DeepSpeed: ZeRO-3 only
         problems.append(f"zero_optimization.offload_optimizer.super_offload: true is invalid: DeepSpeed "
                         f"{deepspeed_version()}'s SuperOffload (SuperOffloadOptimizer_Stage3, CUDA only) steps every "
                         f"param group with its own CPU Adam and has no Muon step, so neither DeepSpeed's built-in Muon "
                         f"nor {served} can use it; remove super_offload (offload_optimizer device 'cpu' offloads "
                         f"{served}'s optimizer)")
-    tp = ds_config.get("tensor_parallel")
-    if isinstance(tp, dict) and is_number(tp.get("autotp_size")) and tp["autotp_size"] > 1:
-        problems.append(f"tensor_parallel.autotp_size: {tp['autotp_size']!r} is invalid: {served} orthogonalizes "
-                        "whole matrices (and Adam-mini's blocks are whole heads and tensors) and does not support "
-                        "tensor parallelism yet; set autotp_size to 1")
     if "gradient_clipping" in ds_config:
         clip = ds_config["gradient_clipping"]
         if not is_number(clip) or clip < 0 or clip != clip:
@@ -163,6 +149,78 @@ def section_problems(ds_config: dict, optimizer: str,
                 line += AUTO_HINT
             problems.append(line)
     return problems
+
+
+def _stage(zero: dict) -> Any:
+    stage = zero.get("stage", 0)
+    return stage if stage is not None else 0
+
+
+def _enabled(ds_config: dict, section: str) -> bool:
+    value = ds_config.get(section)
+    return isinstance(value, dict) and value.get("enabled") is True
+
+
+def unserved_modes(ds_config: dict, optimizer: str = MUON, params: bool = True) -> list[str]:
+    """The modes of ``ds_config`` that ds_muon does not serve and DeepSpeed's built-in Muon may: one line each,
+    naming the key, the reason and the fix. Empty when ds_muon serves the config (or its stage is not a number:
+    :func:`section_problems` reports that).
+
+    With ds_muon activated automatically (installed, ``DS_MUON`` unset), a ``"Muon"`` config with such a mode
+    is handed to DeepSpeed's built-in exactly as ``DS_MUON=0`` would (:mod:`ds_muon.integration.hooks`); through
+    ``ds_muon.initialize`` or ``ds_muon.enable()`` each line is an error.
+
+    * ZeRO stage 0 (or no ``zero_optimization.stage``): DeepSpeed steps the inner optimizer itself, or wraps it
+      in its BF16/FP16 optimizer; there is no ZeRO optimizer for ds_muon's step;
+    * stage 1 with bf16 and ``data_types.grad_accum_dtype`` fp32 and no optimizer offload: DeepSpeed runs its
+      ``BF16_Optimizer`` there, not a ZeRO optimizer;
+    * ``offload_optimizer.device`` 'nvme' at stages 1/2 (DeepSpeed runs it as CPU offload; ds_muon's NVMe
+      offload is ZeRO-3's), ``offload_param.device`` 'nvme', ``zenflow``, AutoTP (``autotp_size > 1``);
+    * with ``params``: the built-in's ``optimizer.params`` modes ds_muon does not implement (``adam_w_mode`` or
+      ``fp32_optimizer_states`` false; :func:`ds_muon.config.parse_muon_params` reports them otherwise).
+    """
+    served = "ds_muon" if optimizer == MUON else f"ds_muon's {optimizer}"
+    zero = ds_config.get("zero_optimization")
+    zero = zero if isinstance(zero, dict) else {}
+    stage = _stage(zero)
+    if not is_number(stage):
+        return []
+    out = []
+    if stage == 0:
+        shown = "missing (DeepSpeed's default is 0)" if zero.get("stage") is None else "0 is invalid"
+        builtin = (", or DeepSpeed's built-in Muon for stage 0 (call ds_muon.disable() first if ds_muon.enable() "
+                   "is in effect)" if optimizer == MUON else "")
+        out.append(f"zero_optimization.stage: {shown}: {served} serves ZeRO stages 1, 2 and 3 (which run on one GPU "
+                   f"too); at stage 0 DeepSpeed steps the optimizer without a ZeRO optimizer for {served}'s step to "
+                   f"run in. Set zero_optimization.stage to 1, 2 or 3{builtin}")
+    offload = zero.get("offload_optimizer")
+    offloaded = _device(offload) in ("cpu", "nvme")
+    accum = ds_config.get("data_types", {}).get("grad_accum_dtype") if isinstance(ds_config.get("data_types"),
+                                                                                  dict) else None
+    if stage == 1 and _enabled(ds_config, "bf16") and str(accum).lower() in ("fp32", "float32", "float") \
+            and not offloaded:
+        out.append(f"data_types.grad_accum_dtype: {accum!r} with bf16 at ZeRO stage 1 is not served by {served}: "
+                   "DeepSpeed runs its BF16_Optimizer there, not a ZeRO optimizer; use stage 2 (or 3), or remove "
+                   "grad_accum_dtype (bf16 accumulation at stage 1)")
+    if stage in (1, 2) and _device(offload) == "nvme":
+        out.append(f"zero_optimization.offload_optimizer.device: 'nvme' at ZeRO stage {stage} is not served by "
+                   f"{served}: DeepSpeed's ZeRO-1/2 optimizer offloads to CPU memory only (it runs 'nvme' as 'cpu'); "
+                   "set device 'cpu', or use stage 3 to offload the optimizer to NVMe")
+    if _device(zero.get("offload_param")) == "nvme":
+        out.append(NVME_PARAM_OFFLOAD_PROBLEM)
+    if zero.get("zenflow"):
+        out.append(f"zero_optimization.zenflow: is not supported by {served}; remove it")
+    tp = ds_config.get("tensor_parallel")
+    if isinstance(tp, dict) and is_number(tp.get("autotp_size")) and tp["autotp_size"] > 1:
+        out.append(f"tensor_parallel.autotp_size: {tp['autotp_size']!r} is invalid: {served} orthogonalizes "
+                   "whole matrices (and Adam-mini's blocks are whole heads and tensors) and does not support "
+                   "tensor parallelism yet; set autotp_size to 1")
+    opt_params = (ds_config.get("optimizer") or {}).get("params") if isinstance(ds_config.get("optimizer"), dict) \
+        else None
+    if params and optimizer == MUON and isinstance(opt_params, dict):
+        out += [f"optimizer.params.{key}: false is not served by ds_muon: {reason}"
+                for key, reason in ONLY_TRUE_REASONS.items() if opt_params.get(key) is False]
+    return out
 
 
 def _warnings(ds_config: dict, params: Any) -> None:

@@ -23,11 +23,11 @@ DIRECT = "direct"
 _PREFIXES = ((TRAINER, ("transformers.trainer", "trl.")), (ACCELERATE, ("accelerate.",)))
 
 ZERO_STAGE_FIX = {
-    TRAINER: "set \"zero_optimization\": {\"stage\": 3} in the DeepSpeed config given to "
+    TRAINER: "set \"zero_optimization\": {\"stage\": 1, 2 or 3} in the DeepSpeed config given to "
              "TrainingArguments(deepspeed=...)",
-    ACCELERATE: "set zero_stage=3 in DeepSpeedPlugin(...) (zero_stage: 3 in the accelerate config file) or "
-                "\"stage\": 3 in its DeepSpeed config file",
-    DIRECT: "set \"zero_optimization\": {\"stage\": 3} in the DeepSpeed config",
+    ACCELERATE: "set zero_stage to 1, 2 or 3 in DeepSpeedPlugin(...) (zero_stage in the accelerate config file) or "
+                "\"stage\" in its DeepSpeed config file",
+    DIRECT: "set \"zero_optimization\": {\"stage\": 1, 2 or 3} in the DeepSpeed config",
 }
 
 

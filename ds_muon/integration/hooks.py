@@ -8,20 +8,28 @@ DeepSpeed hooks used (checked against deepspeed 0.19.8; docs/design.md, "Where D
   config object) and :func:`ds_muon.model.selection.tag_model`, which respects explicit user tags. It runs
   before the engine exists, so a bad config fails before any accelerator memory is allocated.
 * ``DeepSpeedEngine._configure_basic_optimizer`` builds the inner optimizer from the config.
-  For ``"Muon"`` ds_muon builds :class:`~ds_muon.integration.inner.ZeroMuonInner` (not DeepSpeed's
-  ``MuonWithAuxAdam``, so the built-in ZeRO-3 Muon path stays off), for ``"AdamMini"``
-  :class:`~ds_muon.integration.inner.ZeroAdamMiniInner`.
-* ``DeepSpeedEngine._configure_zero_optimizer`` imports ``DeepSpeedZeroOptimizer_Stage3``
-  function-locally; for the duration of that call only, and only when the inner optimizer is
-  ds_muon's, the module attribute is replaced by :class:`~ds_muon.integration.zero3.MuonZeroOptimizer`.
-  The engine it builds gets per-instance ``load_checkpoint``/``save_checkpoint`` wrappers
-  (:mod:`ds_muon.integration.checkpoint_hooks`).
+  For ``"Muon"`` ds_muon builds :class:`~ds_muon.integration.inner.ZeroMuonInner` at stage 3 and
+  :class:`~ds_muon.integration.inner.FlatPartitionInner` at stages 1/2 (not DeepSpeed's ``MuonWithAuxAdam``,
+  so the built-in Muon paths stay off), for ``"AdamMini"`` :class:`~ds_muon.integration.inner.ZeroAdamMiniInner`.
+* ``DeepSpeedEngine._configure_zero_optimizer`` builds the ZeRO optimizer: at stage 3 from
+  ``deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3`` (imported function-locally), at stages 1/2
+  from ``deepspeed.runtime.engine.DeepSpeedZeroOptimizer``. For the duration of that call only, and only when
+  the inner optimizer is ds_muon's, that name is replaced by :class:`~ds_muon.integration.zero3.MuonZeroOptimizer`
+  or :class:`~ds_muon.integration.zero12.MuonZero12Optimizer`. The engine it builds gets per-instance
+  ``load_checkpoint``/``save_checkpoint`` wrappers (:mod:`ds_muon.integration.checkpoint_hooks`).
 * ``DeepSpeedEngine._scheduler_from_config`` builds the config's ``scheduler``. On a ds_muon
   optimizer, a scheduler that writes one lr into every param group is wrapped in
   :class:`~ds_muon.integration.schedulers.GroupRatioScheduler` (its value is the Muon lr; each group keeps its
   ratio to it).
 
 Non-Muon configs pass through all four untouched. Importing ds_muon patches nothing.
+
+The zero-code hand-over: with ds_muon activated only by the start-up hook (installed, ``DS_MUON`` unset; no
+``ds_muon.initialize``/``enable()`` in the script), a ``"Muon"`` config in a mode ds_muon does not serve
+(:func:`ds_muon.config.unserved_modes`: ZeRO stage 0, ...; or an engine with an ``mpu`` or DeepSpeed MoE
+layers) goes to DeepSpeed's built-in Muon exactly as ``DS_MUON=0`` would, with one rank-0 line
+(:data:`HANDOVER_NOTICE`). Through ``ds_muon.initialize`` or ``enable()`` the same modes are a
+:class:`~ds_muon.errors.ConfigError` naming the fix.
 """
 from __future__ import annotations
 
@@ -32,9 +40,10 @@ import logging
 import threading
 import warnings
 import weakref
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import deepspeed
+import deepspeed.runtime.engine as ds_engine
 import deepspeed.runtime.zero.stage3 as ds_stage3
 import deepspeed.runtime.config as ds_runtime_config
 import deepspeed.runtime.zero.utils as ds_zero_utils
@@ -42,17 +51,18 @@ import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import logger as ds_logger
 
-from ..config import load_ds_config
+from ..config import MUON, load_ds_config, optimizer_kind, unserved_modes
 from ..errors import ConfigError
 from ..import_hooks import after_import
 from ..model.adam_mini_blocks import adam_mini_param_groups, adam_mini_plan, adam_mini_summary
 from ..model.param_groups import check_zero3_parameters, split_param_groups
 from ..model.selection import NO_MUON_WARNING, SelectionRules, tag_model
-from .checkpoint_hooks import install_load_checks
+from .checkpoint_hooks import install_atomic_save, install_load_checks
 from .frameworks import ZERO_STAGE_FIX, detect_framework, for_framework
-from .inner import DsMuonInner, ZeroAdamMiniInner, ZeroMuonInner
+from .inner import DsMuonInner, FlatPartitionInner, ZeroAdamMiniInner, ZeroMuonInner
 from .schedulers import GroupRatioScheduler, broadcasts_one_lr
-from .validation import parsed_config, validated_once
+from .validation import hand_over, is_parsed, parsed_config, validated_once
+from .zero12 import MuonZero12Optimizer
 from .zero3 import MuonZeroOptimizer
 
 #: DeepSpeed's lower-cased name of the "AdamMini" optimizer type (its sanity check accepts only names it knows).
@@ -63,17 +73,40 @@ _originals: dict[str, Any] = {}
 _depth = 0
 _auto = False  # enabled by the start-up hook (ds_muon._autoload), not by the user's code
 _auto_notice_done = False
-AUTO_NOTICE = ("ds_muon is active: \"type\": \"Muon\" in this DeepSpeed config runs ds_muon's ZeRO-3 Muon "
+AUTO_NOTICE = ("ds_muon is active: \"type\": \"Muon\" in this DeepSpeed config runs ds_muon's ZeRO Muon "
                "(activated automatically because ds_muon is installed). Set DS_MUON=0 to use DeepSpeed's "
                "built-in Muon instead.")
+HANDOVER_NOTICE = ("ds_muon: this \"type\": \"Muon\" config runs DeepSpeed's built-in Muon, exactly as with DS_MUON=0, "
+                   "because ds_muon does not serve it: {reasons}. (ds_muon was activated automatically because it is "
+                   "installed; set DS_MUON=0 to silence this line; through ds_muon.initialize this is an error.)")
+#: The inner optimizers ds_muon builds (DeepSpeed asks for zero_allow_untested_optimizer for any other type).
+INNER_TYPES = (ZeroMuonInner, FlatPartitionInner, ZeroAdamMiniInner)
 
 
 def _is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+def _may_hand_over() -> bool:
+    """Only the start-up hook enabled ds_muon (not ``ds_muon.initialize`` or the script's ``enable()``)."""
+    return _auto and _depth == 1
+
+
+def _hand_over(config_class, reasons: list[str]) -> None:
+    hand_over(config_class)
+    if _is_rank0():
+        ds_logger.warning(HANDOVER_NOTICE.format(reasons="; ".join(reasons)))
+
+
 def _set_optimizer_flags(config_class, model) -> None:
     global _auto_notice_done
+    params = getattr(config_class, "_param_dict", None)
+    if (_may_hand_over() and not is_parsed(config_class) and isinstance(params, dict)
+            and optimizer_kind(params) == MUON):
+        reasons = unserved_modes(params)
+        if reasons:
+            _hand_over(config_class, reasons)
+            return _originals["set_optimizer_flags"](config_class, model)
     try:
         cfg = parsed_config(config_class)
     except ConfigError as err:
@@ -124,40 +157,48 @@ def log_info(message: str) -> None:
         handler.handle(record)
 
 
-def _check_moe_layers(engine: DeepSpeedEngine) -> None:
-    """Refuse DeepSpeed's MoE layers (native ``deepspeed.moe.layer.MoE`` and AutoEP) with the reason.
+def _engine_problem(engine: DeepSpeedEngine) -> tuple[Optional[str], bool]:
+    """What ds_muon cannot serve about this engine (its config served), and whether DeepSpeed's built-in Muon
+    could: ``(message naming the fix, built-in could)``, or ``(None, False)``.
 
-    Native layers: DeepSpeed itself refuses them under ZeRO stage 3 (deepspeed 0.19.8,
-    ``DeepSpeedEngine._validate_zero3_moe_compatibility``: "Native DeepSpeed MoE is not supported
-    with ZeRO Stage 3. Use AutoEP or choose ZeRO stage 1/2."), and ds_muon serves only stage 3, so
-    there is no configuration in which they could train with ds_muon. AutoEP layers (DeepSpeed's
-    ZeRO-3 route to expert parallelism): their expert parameters are partitioned over the
-    expert-data-parallel group, each expert sub-group's partition group, in which ds_muon's owner
-    exchange runs; a CPU probe trained with them (W=4, ``autoep_size`` 2), but without a parity test
-    they stay refused. Raised before DeepSpeed builds the optimizer, so the message says what to use.
-
-    Raises:
-        ConfigError: the model holds DeepSpeed MoE layers, naming the first native one.
+    * an ``mpu`` (model parallelism): Muon must orthogonalize whole matrices, not tensor-parallel slices;
+    * DeepSpeed's native MoE layers (``deepspeed.moe.layer.MoE``): at stage 3 DeepSpeed itself refuses them
+      (deepspeed 0.19.8, ``DeepSpeedEngine._validate_zero3_moe_compatibility``: "Native DeepSpeed MoE is not
+      supported with ZeRO Stage 3. Use AutoEP or choose ZeRO stage 1/2."); at stages 1/2 their expert
+      parameters are partitioned over the expert-data-parallel group, which ds_muon has not parity-tested;
+    * AutoEP layers (``expert_parallel``): expert parallelism with ds_muon is not parity-tested.
     """
+    if engine.mpu is not None:
+        return ("ds_muon does not support model parallelism (an mpu was given): Muon must orthogonalize whole "
+                "matrices, not tensor-parallel slices", True)
     if not engine.has_moe_layers:
-        return
+        return None, False
     from deepspeed.moe.layer import MoE
     native = [name for name, m in engine.module.named_modules() if isinstance(m, MoE)]
     use_instead = "Use stacked expert weights instead (e.g. a Hugging Face MoE model: each expert is a Muon matrix)"
+    if native and engine.zero_optimization_stage() == 3:
+        return (f"the model holds DeepSpeed's native MoE layers ({native[0]!r}{', ...' if len(native) > 1 else ''}), "
+                "which DeepSpeed 0.19.8 does not support with ZeRO stage 3 (\"Native DeepSpeed MoE is not supported "
+                f"with ZeRO Stage 3. Use AutoEP or choose ZeRO stage 1/2.\"). {use_instead}", False)
     if native:
-        raise ConfigError(
-            f"the model holds DeepSpeed's native MoE layers ({native[0]!r}{', ...' if len(native) > 1 else ''}), "
-            "which DeepSpeed 0.19.8 does not support with ZeRO stage 3 (\"Native DeepSpeed MoE is not supported "
-            f"with ZeRO Stage 3. Use AutoEP or choose ZeRO stage 1/2.\"), and ds_muon serves only stage 3. {use_instead}")
-    raise ConfigError("ds_muon does not support DeepSpeed's AutoEP MoE layers (\"expert_parallel\") yet: expert "
-                      f"parallelism with ds_muon is not parity-tested. {use_instead}, or turn expert_parallel off")
+        return (f"the model holds DeepSpeed's native MoE layers ({native[0]!r}{', ...' if len(native) > 1 else ''}), "
+                "whose expert-parallel partitions ds_muon does not serve yet (not parity-tested). "
+                f"{use_instead}", True)
+    return ("ds_muon does not support DeepSpeed's AutoEP MoE layers (\"expert_parallel\") yet: expert parallelism "
+            f"with ds_muon is not parity-tested. {use_instead}, or turn expert_parallel off", True)
 
 
 def _configure_basic_optimizer(self: DeepSpeedEngine, model_parameters):
     cfg = parsed_config(self._config)
     if cfg is None:
         return _originals["_configure_basic_optimizer"](self, model_parameters)
-    _check_moe_layers(self)
+    problem, builtin_could = _engine_problem(self)
+    if problem is not None:
+        if builtin_could and cfg.is_muon and _may_hand_over():
+            _hand_over(self._config, [problem])
+            _originals["set_optimizer_flags"](self._config, self.module)  # DeepSpeed's own use_muon tags
+            return _originals["_configure_basic_optimizer"](self, model_parameters)
+        raise ConfigError(problem)
     # DeepSpeed's own choice of AdamW class: torch.optim.AdamW (torch_adam, foreach), else FusedAdam, or
     # DeepSpeedCPUAdam under optimizer offload.
     adam_cls, adam_kwargs = self.get_optimizer_configuration(cfg.params.adamw_implementation(), True)
@@ -169,28 +210,32 @@ def _configure_basic_optimizer(self: DeepSpeedEngine, model_parameters):
         groups = adam_mini_param_groups(self.module, cfg.params.group_defaults(), cfg.params.block_rule)
         return ZeroAdamMiniInner(groups, adamw_factory, cfg.params)
     groups = split_param_groups(model_parameters, cfg.params.muon_group_defaults(), cfg.params.adamw_group_defaults())
-    return ZeroMuonInner(groups, adamw_factory, cfg.params)
+    inner = ZeroMuonInner if self.zero_optimization_stage() == 3 else FlatPartitionInner
+    return inner(groups, adamw_factory, cfg.params)
 
 
 def _configure_zero_optimizer(self: DeepSpeedEngine, optimizer):
     if not isinstance(optimizer, DsMuonInner):
         return _originals["_configure_zero_optimizer"](self, optimizer)
     stage = self.zero_optimization_stage()
-    if stage != 3:
-        raise ConfigError(f"zero_optimization.stage is {stage}; ds_muon serves ZeRO stage 3 (which runs on one GPU "
-                          "too). Set zero_optimization.stage to 3.")
-    if self.super_offload():
+    if stage not in (1, 2, 3):  # the config checks keep stage 0 away; DeepSpeed calls this for ZeRO only
+        raise ConfigError(f"zero_optimization.stage is {stage}; ds_muon serves ZeRO stages 1, 2 and 3")
+    if stage == 3 and self.super_offload():  # DeepSpeed builds SuperOffload at stage 3 only
         raise ConfigError("zero_optimization.super_offload is not supported by ds_muon; turn it off")
-    if self.mpu is not None:
-        raise ConfigError("ds_muon does not support model parallelism (an mpu was given): Muon must orthogonalize "
-                          "whole matrices, not tensor-parallel slices")
     # Held under the lock: another thread's non-Muon initialize must not see the swapped class.
-    with _lock, _swapped(ds_stage3, "DeepSpeedZeroOptimizer_Stage3", MuonZeroOptimizer):
-        zero_optimizer = _originals["_configure_zero_optimizer"](self, optimizer)
-    # MuonZeroOptimizer's ZeRO checkpoint holds the real tensors of NVMe-swapped sub-groups and loads
-    # them through the swapper, so the engine's NVMe special case (copy the raw swap files, skip the
-    # optimizer-state load) is turned off for this engine; it only guards checkpoint save/load.
-    self.zero_nvme_offload_optimizer = lambda: False
+    if stage == 3:
+        with _lock, _swapped(ds_stage3, "DeepSpeedZeroOptimizer_Stage3", MuonZeroOptimizer):
+            zero_optimizer = _originals["_configure_zero_optimizer"](self, optimizer)
+        # MuonZeroOptimizer's ZeRO checkpoint holds the real tensors of NVMe-swapped sub-groups and loads
+        # them through the swapper, so the engine's NVMe special case (copy the raw swap files, skip the
+        # optimizer-state load) is turned off for this engine; it only guards checkpoint save/load.
+        self.zero_nvme_offload_optimizer = lambda: False
+    else:
+        def zero12(*args, **kwargs):  # DeepSpeed's ZeRO-1/2 optimizer is not given the module; ds_muon's needs it
+            return MuonZero12Optimizer(*args, module=self.module, **kwargs)
+
+        with _lock, _swapped(ds_engine, "DeepSpeedZeroOptimizer", zero12):
+            zero_optimizer = _originals["_configure_zero_optimizer"](self, optimizer)
     if self.monitor.enabled:  # per-step Muon figures go to DeepSpeed's own monitor, not to a logger of ours
         engine = weakref.ref(self)
 
@@ -199,7 +244,10 @@ def _configure_zero_optimizer(self: DeepSpeedEngine, optimizer):
             return None if e is None else e.global_samples + e.train_batch_size()
 
         zero_optimizer.attach_monitor(self.monitor, samples_after_this_step)
-    install_load_checks(self)  # clear errors for checkpoints that do not fit (ds_muon.integration.checkpoint_hooks)
+    if stage == 3:
+        install_load_checks(self)  # clear errors for checkpoints that do not fit (ds_muon.integration.checkpoint_hooks)
+    else:
+        install_atomic_save(self)
     return zero_optimizer
 
 
@@ -258,7 +306,7 @@ def enable() -> None:
             DeepSpeedEngine._configure_zero_optimizer = _configure_zero_optimizer
             DeepSpeedEngine._scheduler_from_config = _scheduler_from_config
             # DeepSpeed asks for zero_allow_untested_optimizer unless the inner optimizer's type is listed.
-            for inner in (ZeroMuonInner, ZeroAdamMiniInner):
+            for inner in INNER_TYPES:
                 if inner not in ds_zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
                     ds_zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(inner)
             # DeepSpeed's sanity check accepts only optimizer names it knows (lower-cased by its config).
@@ -279,7 +327,7 @@ def disable() -> None:
             DeepSpeedEngine._configure_basic_optimizer = _originals.pop("_configure_basic_optimizer")
             DeepSpeedEngine._configure_zero_optimizer = _originals.pop("_configure_zero_optimizer")
             DeepSpeedEngine._scheduler_from_config = _originals.pop("_scheduler_from_config")
-            for inner in (ZeroMuonInner, ZeroAdamMiniInner):
+            for inner in INNER_TYPES:
                 if inner in ds_zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
                     ds_zero_utils.ZERO_SUPPORTED_OPTIMIZERS.remove(inner)
             if ADAM_MINI_TYPE in ds_runtime_config.DEEPSPEED_OPTIMIZERS:

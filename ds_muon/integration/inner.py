@@ -6,7 +6,8 @@ ZeRO optimizer around it. ds_muon's inner optimizers hold every param group (eac
 are stepped by DeepSpeed's own AdamW class (FusedAdam, DeepSpeedCPUAdam under optimizer offload, or
 ``torch.optim.AdamW`` with ``torch_adam``), which shares these group dicts and this state, so checkpoints see
 a single optimizer. Muon and Adam-mini groups are stepped by the ZeRO optimizer subclass
-(:class:`ds_muon.integration.zero3.MuonZeroOptimizer`), which needs the owner exchange.
+(:class:`ds_muon.integration.zero3.MuonZeroOptimizer` at stage 3, :class:`ds_muon.integration.zero12.MuonZero12Optimizer`
+at stages 1 and 2), which needs the owner exchange.
 
 They are deliberately not DeepSpeed's ``MuonWithAuxAdam``: that class switches on the built-in ZeRO-3 Muon
 path, which must never run alongside ds_muon's.
@@ -19,7 +20,7 @@ import torch
 
 from ..names import ADAMW, ALGORITHM_KEY, MOMENTUM_KEY, MUON, algorithm_of
 
-__all__ = ["DsMuonInner", "ZeroMuonInner", "ZeroAdamMiniInner", "cast_momentum_"]
+__all__ = ["DsMuonInner", "ZeroMuonInner", "FlatPartitionInner", "ZeroAdamMiniInner", "cast_momentum_"]
 
 AdamWFactory = Callable[[list[dict]], torch.optim.Optimizer]
 
@@ -89,19 +90,32 @@ class DsMuonInner(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Step the element-wise AdamW groups that currently hold parameters.
+        """Step the element-wise AdamW groups in ``self.param_groups`` that hold parameters.
+
+        ZeRO-3 leaves ``params`` empty except in the sub-group it steps; ZeRO-1/2 replace ``self.param_groups`` by
+        ``[the group]`` while they step it. Either way only the groups listed now are stepped.
 
         Raises:
-            RuntimeError: a Muon or Adam-mini group holds parameters (those are stepped by MuonZeroOptimizer).
+            RuntimeError: a Muon or Adam-mini group holds parameters (those are stepped by the ZeRO optimizer
+                subclass, :class:`~ds_muon.integration.zero3.MuonZeroOptimizer` or
+                :class:`~ds_muon.integration.zero12.MuonZero12Optimizer`).
         """
         for group in self.param_groups:
             if group[ALGORITHM_KEY] != ADAMW and group["params"]:
-                raise RuntimeError("Muon and Adam-mini param groups are stepped by "
-                                   "ds_muon.integration.zero3.MuonZeroOptimizer, not by the inner optimizer; was ZeRO "
-                                   "stage 3 configured?")
+                raise RuntimeError("Muon and Adam-mini param groups are stepped by ds_muon's ZeRO optimizer "
+                                   "(MuonZeroOptimizer, MuonZero12Optimizer), not by the inner optimizer; was the "
+                                   "engine built with a ZeRO stage ds_muon serves (1, 2 or 3)?")
         if self.adamw is None:
             return closure() if closure is not None else None
-        return self.adamw.step(closure)
+        current = self._elementwise_groups()
+        everything = self.adamw.param_groups
+        if len(current) == len(everything):
+            return self.adamw.step(closure)
+        self.adamw.param_groups = current
+        try:
+            return self.adamw.step(closure)
+        finally:
+            self.adamw.param_groups = everything
 
 
 class ZeroMuonInner(DsMuonInner):
@@ -110,6 +124,15 @@ class ZeroMuonInner(DsMuonInner):
     :class:`ds_muon.config.MuonOptimizerParams`."""
 
     optimizer_type = "Muon"
+
+
+class FlatPartitionInner(ZeroMuonInner):
+    """:class:`ZeroMuonInner` for ZeRO stages 1 and 2 (:class:`~ds_muon.integration.zero12.MuonZero12Optimizer`).
+
+    The same optimizer under a class name without "muon": DeepSpeed 0.19.8's ``DeepSpeedZeroOptimizer`` runs its
+    own Muon update inside gradient reduction whenever ``'muon' in type(optimizer).__name__.lower()``
+    (``_is_muon_group``), which must never run alongside ds_muon's step.
+    """
 
 
 class ZeroAdamMiniInner(DsMuonInner):

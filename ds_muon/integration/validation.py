@@ -16,7 +16,7 @@ from ..config import DsMuonConfig, optimizer_kind, parse_ds_config
 from ..errors import ConfigError
 from .probes import host_problems
 
-__all__ = ["validate", "validated_once", "parsed_config"]
+__all__ = ["validate", "validated_once", "parsed_config", "hand_over", "is_parsed"]
 
 _ATTR = "_ds_muon_config"  # on DeepSpeed's DeepSpeedConfig object: the validated DsMuonConfig (or None)
 _pending = threading.local()
@@ -76,3 +76,14 @@ def parsed_config(config_class: Any) -> Optional[DsMuonConfig]:
         cfg = validate(config_class._param_dict)
     setattr(config_class, _ATTR, cfg)
     return cfg
+
+
+def hand_over(config_class: Any) -> None:
+    """Mark DeepSpeed's config object as not ds_muon's: every later :func:`parsed_config` of it returns None, so the
+    engine hooks pass it to DeepSpeed untouched (the zero-code hand-over, :mod:`ds_muon.integration.hooks`)."""
+    setattr(config_class, _ATTR, None)
+
+
+def is_parsed(config_class: Any) -> bool:
+    """Whether :func:`parsed_config` (or :func:`hand_over`) already decided for this config object."""
+    return hasattr(config_class, _ATTR)

@@ -15,47 +15,35 @@ every sub-group in the same order, so the owner exchange's collectives are safe 
 """
 from __future__ import annotations
 
-import time
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-from deepspeed.utils import logger
 
-from ..core.dtypes import resolve_exchange_dtype, resolve_ns_dtype
-from ..core.ns_compile import COMPILE_GRAPH_LIMIT
-from ..core.qk_clip import factor_vector
-from ..errors import SUPPORTED_DEEPSPEED, ConfigError, DeepSpeedVersionError
-from ..model.attention import check_recorded, factor_spans, find_clip_targets, take_max_logits
-from ..names import ADAM_MINI, ALGORITHM_KEY, BLOCK_ATTR, BLOCK_STATE_KEY, MOMENTUM_KEY, MUON, SPLIT_ATTR
+from ..errors import SUPPORTED_DEEPSPEED, DeepSpeedVersionError
+from ..model.attention import factor_spans, find_clip_targets
+from ..names import ADAM_MINI, ALGORITHM_KEY, BLOCK_ATTR, BLOCK_STATE_KEY, MUON, SPLIT_ATTR
 from ..sharded.adam_mini_step import AdamMiniShardStep
 from ..sharded.blocks import build_block_map
 from ..sharded.collectives import named_collective
-from ..sharded.exchange import BufferPool, OwnerExchange
+from ..sharded.exchange import BufferPool
+from ..sharded.layout import chunked_pieces
 from ..sharded.muon_step import MuonShardStep
 from ..sharded.no_grad import GradientFlags
-from ..sharded.ownership import ParamInfo, build_bucketed_plan
+from ..sharded.ownership import ParamInfo
 from ..sharded.qk_clip import scale_shard_, shard_ranges
-from .faults import SkippedSteps, TrainableSet, first_non_finite_grad
+from .faults import first_non_finite_grad
 from .inner import DsMuonInner
-from .monitor import MonitorReporter
 from .nvme import SwapGuard
 from .zero3_checkpoint import ZeroCheckpointing
+from .zero_common import AdamMiniSlot, DsMuonZeroSteps
 
 __all__ = ["MuonZeroOptimizer", "AdamMiniSlot"]
 
 
-class AdamMiniSlot:
-    """One parameter of an Adam-mini sub-group as :func:`ds_muon.sharded.blocks.build_block_map` reads it (elements)."""
-
-    def __init__(self, name: str, shape: tuple, numel: int, chunk: int, shard_offset: int, block: int) -> None:
-        self.name, self.shape, self.numel, self.chunk, self.shard_offset, self.block = (
-            name, shape, numel, chunk, shard_offset, block)
-
-
-class MuonZeroOptimizer(ZeroCheckpointing, DeepSpeedZeroOptimizer_Stage3):
+class MuonZeroOptimizer(ZeroCheckpointing, DsMuonZeroSteps, DeepSpeedZeroOptimizer_Stage3):
     """``DeepSpeedZeroOptimizer_Stage3`` with ds_muon's Muon and Adam-mini sub-group steps (docs/design.md).
 
     Per Muon sub-group and optimizer step, on the local fp32 shard: the momentum step (element-wise, never
@@ -69,10 +57,8 @@ class MuonZeroOptimizer(ZeroCheckpointing, DeepSpeedZeroOptimizer_Stage3):
     Attributes:
         muon_steps: ``{sub_group: MuonShardStep}``; muon_plans: their owner plans.
         adam_mini_steps: ``{sub_group: AdamMiniShardStep}``; adam_mini_maps: their block maps.
-        step_count: optimizer steps applied (overflow-skipped ones excluded); muon_step_count: those that ran
-            the Muon update (``step_count`` when there are Muon sub-groups, else 0).
-        skipped_step_count, consecutive_skipped_steps, last_non_finite_param: see :class:`ds_muon.integration.faults.SkippedSteps`.
-        qk_clip_stats: the last applied step's QK-clip figures (``heads_clipped``, ``max_logit``, per layer, per head).
+        step_count, muon_step_count, skipped_step_count, qk_clip_stats, ...: see
+            :class:`~ds_muon.integration.zero_common.DsMuonZeroSteps`.
         swap_guard: the :class:`~ds_muon.integration.nvme.SwapGuard` under NVMe optimizer offload, else None.
     """
 
@@ -87,26 +73,17 @@ class MuonZeroOptimizer(ZeroCheckpointing, DeepSpeedZeroOptimizer_Stage3):
                             "build the engine through ds_muon.initialize or ds_muon.enable()")
         if self.swap_optimizer:  # in case DeepSpeed's step that runs initialize_optimizer_states was renamed
             self._require_swap_guard().check_names()
-        cfg = self.optimizer.config
-        self.step_count = 0
-        self.skips = SkippedSteps(cfg.max_consecutive_skipped_steps)
-        self.trainable = TrainableSet(self.module, self.param_names)
-        self.step_seconds = {MUON: 0.0, ADAM_MINI: 0.0}
-        self.monitor_reporter: Optional[MonitorReporter] = None
         self._offloaded_grad_ids: set[int] = set()  # ds_ids whose gradient DeepSpeed offloaded this window
         # zero_optimization.save_muon_momentum_buffer_in_memory: keep Muon momentum out of the NVMe swap.
         self._momentum_in_memory = bool(self.swap_optimizer and self.save_muon_momentum_buffer_in_memory)
         self._device = torch.device(get_accelerator().current_device_name())
         self._pool = BufferPool()
+        self._init_steps()
         self.muon_steps = self._build_muon_steps()
         self.muon_plans = {i: s.plan for i, s in self.muon_steps.items()}
         self.gradient_flags = GradientFlags({i: s.block_map for i, s in self.muon_steps.items()}, self._device)
         self.adam_mini_steps = self._build_adam_mini_steps()
         self.adam_mini_maps = {i: s.block_map for i, s in self.adam_mini_steps.items()}
-        self.qk_clip_targets: list = []
-        self._qk_ranges: dict[int, list[tuple[int, int, int]]] = {}
-        self._qk_factors: Optional[list[float]] = None
-        self.qk_clip_stats: Optional[dict] = None
         self._build_qk_clip()
         self._check_autotune_graphs()
 
@@ -118,70 +95,23 @@ class MuonZeroOptimizer(ZeroCheckpointing, DeepSpeedZeroOptimizer_Stage3):
     def _group(self, i: int) -> dict:
         return self.optimizer.param_groups[self.sub_group_to_group_id[i]]
 
-    @property
-    def muon_step_count(self) -> int:
-        return self.step_count if self.muon_steps else 0
-
-    @property
-    def skipped_step_count(self) -> int:
-        return self.skips.count
-
-    @property
-    def consecutive_skipped_steps(self) -> int:
-        return self.skips.consecutive
-
-    @property
-    def last_non_finite_param(self) -> Optional[str]:
-        return self.skips.last_param
-
     def _name(self, p) -> str:
         return self.param_names.get(p, f"ds_id={p.ds_id}")
 
     def _build_muon_steps(self) -> dict[int, MuonShardStep]:
         steps = {}
-        cfg = self.optimizer.config
         for i, params in enumerate(self.fp16_groups):
             if self.sub_group_algorithm(i) != MUON:
                 continue
-            group = self._group(i)
             infos = [ParamInfo(self._name(p), tuple(p.ds_shape), int(p.ds_numel), getattr(p, SPLIT_ATTR, None))
                      for p in params]
-            compute = resolve_ns_dtype(group["ns_dtype"], group["ns_method"], self._device)
-            wire = resolve_exchange_dtype(group["exchange_dtype"], compute)
-            bucket_elements = max(1, int(cfg.exchange_bucket_mb * 2**20) // wire.itemsize)
-            plan = build_bucketed_plan(infos, self._get_sub_group_partition_count(i), bucket_elements,
-                                       group["ns_steps"], group["ns_method"])
-            if plan.shard_numel != self.fp16_partitioned_groups_flat_numel[i]:
+            steps[i] = step = self._muon_step_of(f"ZeRO sub-group {i}", infos, self._get_sub_group_partition_count(i),
+                                                 None, self._group(i), self._get_sub_group_process_group(i))
+            if step.plan.shard_numel != self.fp16_partitioned_groups_flat_numel[i]:
                 raise RuntimeError(f"ds_muon: sub-group {i} holds {self.fp16_partitioned_groups_flat_numel[i]} "
-                                   f"elements but its owner plan covers {plan.shard_numel}; this DeepSpeed "
+                                   f"elements but its owner plan covers {step.plan.shard_numel}; this DeepSpeed "
                                    "version lays out ZeRO-3 partitions differently than ds_muon expects")
-            rank = self._get_sub_group_partition_rank(i)
-            exchange = OwnerExchange(self._get_sub_group_process_group(i), wire, compute, self._device, self._pool)
-            steps[i] = MuonShardStep(f"ZeRO sub-group {i}", plan, build_block_map(plan.slots, rank, plan.shard_numel),
-                                     exchange, group, cfg.ns_compile, cfg.ns_autotune)
-            if rank == 0:
-                logger.info("ds_muon sub-group %d: %s", i, plan.describe())
         return steps
-
-    def _check_autotune_graphs(self) -> None:
-        """With ``ns_autotune`` on CUDA: every distinct Newton–Schulz call shape of a rank is a static graph;
-        refuse more than ``COMPILE_GRAPH_LIMIT`` of them (past it torch.compile would run the rest eagerly).
-        Every rank has every plan, so all ranks see the same count and raise together.
-
-        Raises:
-            ConfigError: naming ``optimizer.params.ns_autotune`` and the count.
-        """
-        cfg = self.optimizer.config
-        if not (self.muon_plans and cfg.ns_autotune and cfg.ns_compile and self._device.type == "cuda"):
-            return
-        plans = list(self.muon_plans.values())
-        worst = max(len(set().union(*(p.ns_call_shapes(r) for p in plans)))
-                    for r in range(max(p.world_size for p in plans)))
-        if worst > COMPILE_GRAPH_LIMIT:
-            raise ConfigError(f"optimizer.params.ns_autotune: this model's owner plan makes {worst} distinct "
-                              f"Newton-Schulz call shapes on one rank, more than the {COMPILE_GRAPH_LIMIT} static "
-                              "graphs ds_muon lets torch.compile build (the rest would silently run eagerly); "
-                              "set ns_autotune: false (dynamic shapes, few graphs)")
 
     def _build_adam_mini_steps(self) -> dict[int, AdamMiniShardStep]:
         """The Adam-mini step of every Adam-mini sub-group on this rank, from the parameters' global numel and
@@ -197,7 +127,8 @@ class MuonZeroOptimizer(ZeroCheckpointing, DeepSpeedZeroOptimizer_Stage3):
                 if not block or numel % block or chunk != -(-numel // self._get_sub_group_partition_count(i)):
                     raise RuntimeError(f"ds_muon: Adam-mini parameter {self._name(p)!r} ({numel} elements, block "
                                        f"{block}, chunk {chunk}) does not fit the ZeRO-3 layout ds_muon expects")
-                slots.append(AdamMiniSlot(self._name(p), tuple(p.ds_shape), numel, int(chunk), int(offset), int(block)))
+                pieces = chunked_pieces(numel, self._get_sub_group_partition_count(i), int(offset))
+                slots.append(AdamMiniSlot(self._name(p), tuple(p.ds_shape), numel, pieces, int(block)))
             shard = int(self.fp16_partitioned_groups_flat_numel[i])
             block_map = build_block_map(slots, self._get_sub_group_partition_rank(i), shard, block_numel=lambda s: s.block)
             block_numel = [s.block for s in sorted(slots, key=lambda s: s.shard_offset) for _ in range(s.numel // s.block)]
@@ -215,20 +146,12 @@ class MuonZeroOptimizer(ZeroCheckpointing, DeepSpeedZeroOptimizer_Stage3):
         def locate(p):
             if id(p) not in trained:
                 return None
-            i, offset, chunk = self.grad_position[self.get_param_id(p)]
-            return i, offset, int(p.ds_numel), chunk, self._get_sub_group_partition_rank(i)
+            i, offset, _ = self.grad_position[self.get_param_id(p)]
+            pieces = chunked_pieces(int(p.ds_numel), self._get_sub_group_partition_count(i), offset)
+            return i, pieces[self._get_sub_group_partition_rank(i)]
 
         names = {id(p): n for n, p in self.module.named_parameters()}
         self._qk_ranges = shard_ranges(factor_spans(self.qk_clip_targets), names, locate)
-
-    def attach_monitor(self, monitor, step_fn: Callable[[], Optional[int]]) -> None:
-        """Report per-step figures to DeepSpeed's monitor (the events: :mod:`ds_muon.integration.monitor`)."""
-        self.monitor_reporter = MonitorReporter(monitor, step_fn)
-
-    def exchange_bytes(self) -> int:
-        """Bytes this rank sends per optimizer step in the owner exchange (both directions)."""
-        return sum(s.plan.sent_elements(self._get_sub_group_partition_rank(i)) * s.exchange.exchange_dtype.itemsize
-                   for i, s in self.muon_steps.items())
 
     # ---- NVMe (ds_muon.integration.nvme) -------------------------------------------------------
     def _configure_tensor_swapping(self, offload_optimizer_config, aio_config):
@@ -294,51 +217,12 @@ class MuonZeroOptimizer(ZeroCheckpointing, DeepSpeedZeroOptimizer_Stage3):
                 every later step).
             RuntimeError: a parameter's ``requires_grad`` changed since initialize; too many skipped steps in a row.
         """
-        self.step_seconds = {MUON: 0.0, ADAM_MINI: 0.0}
         self._refuse_after_swap_failure()
-        self.trainable.check()
-        self.gradient_flags.begin_step()
-        stats = self._qk_clip_prepare()
-        self._stepping = True
-        try:
-            with named_collective("a collective of DeepSpeed's ZeRO-3 optimizer step (overflow/gradient-norm "
-                                  "all_reduce, parameter all_gather)"):
-                super().step(closure)
-        finally:
-            self._stepping = False
-            self.gradient_flags.begin_step()
-            self._qk_factors = None
-            self._offloaded_grad_ids.clear()
-            self._zero_grad_partitions()
-            self._pool.clear()
+        with self._step_scope("ZeRO-3") as stats:
+            super().step(closure)
         self._agree_on_swap_errors("an optimizer step")
-        if not self.overflow:
-            self.qk_clip_stats = stats
-            self.step_count += 1
-            self.skips.applied()
-            if self.monitor_reporter is not None:
-                self.monitor_reporter.applied(self)
-        else:
-            rank0 = self.dp_process_group is None or dist.get_rank(group=self.dp_process_group) == 0
-            self.skips.skipped(rank0, self.loss_scale,
-                               self.monitor_reporter.skipped if self.monitor_reporter is not None else None)
-
-    def _qk_clip_prepare(self) -> Optional[dict]:
-        """The step's QK-clip factors, before DeepSpeed's step runs: the recorded per-head max logits of every
-        attention module, reduced over the data-parallel group by one all_reduce(MAX) of all heads concatenated
-        (an overflow-skipped step never reaches :meth:`_optimizer_step`, so it clips nothing). Returns the step's
-        figures, or None."""
-        if not self.qk_clip_targets:
-            return None
-        s = take_max_logits(self.qk_clip_targets, self._device)
-        with named_collective("the QK-clip max-logit all_reduce"):
-            dist.all_reduce(s, op=dist.ReduceOp.MAX, group=self.dp_process_group)
-        s = s.cpu()
-        check_recorded(s)
-        clip = self.optimizer.config.qk_clip
-        factors, stats = factor_vector(self.qk_clip_targets, s, clip.threshold, clip.alpha)
-        self._qk_factors = factors.tolist()
-        return stats
+        rank0 = self.dp_process_group is None or dist.get_rank(group=self.dp_process_group) == 0
+        self._after_step(self.overflow, stats, rank0)
 
     def _loss_scale_update_and_overflow_cleanup(self):
         """DeepSpeed's; on a skipped step first finds the parameter to name (the gradients are still there:
@@ -346,6 +230,10 @@ class MuonZeroOptimizer(ZeroCheckpointing, DeepSpeedZeroOptimizer_Stage3):
         if self.overflow and self._stepping:
             self.skips.last_param = first_non_finite_grad(self, self._offloaded_grad_ids)
         return super()._loss_scale_update_and_overflow_cleanup()
+
+    def _clean_after_step(self) -> None:
+        self._offloaded_grad_ids.clear()
+        self._zero_grad_partitions()
 
     def _zero_grad_partitions(self) -> None:
         if getattr(self, "grad_partitions_flat_buffer", None) is not None:
@@ -401,17 +289,7 @@ class MuonZeroOptimizer(ZeroCheckpointing, DeepSpeedZeroOptimizer_Stage3):
         if algorithm not in self.step_seconds:
             super()._optimizer_step(sub_group_id)
         else:
-            timed = self.monitor_reporter is not None
-            if timed:
-                get_accelerator().synchronize()
-                start = time.perf_counter()
-            if algorithm == MUON:
-                self._muon_step(sub_group_id)
-            else:
-                self._adam_mini_step(sub_group_id)
-            if timed:
-                get_accelerator().synchronize()
-                self.step_seconds[algorithm] += time.perf_counter() - start
+            self._own_step(sub_group_id, algorithm)
         if self._qk_factors is not None and sub_group_id in self._qk_ranges:
             scale_shard_(self.fp32_partitioned_groups_flat[sub_group_id].data, self._qk_ranges[sub_group_id],
                          self._qk_factors)
@@ -420,14 +298,7 @@ class MuonZeroOptimizer(ZeroCheckpointing, DeepSpeedZeroOptimizer_Stage3):
     def _muon_step(self, i: int) -> None:
         fp32 = self.fp32_partitioned_groups_flat[i]
         group = self._group(i)
-        state = self.optimizer.state[fp32]
-        momentum = state.get(MOMENTUM_KEY)
-        if momentum is None:
-            # Created in the first step with the fp32 shard's length: the NVMe swapper latches a sub-group's
-            # state keys on its first swap-out.
-            momentum = state[MOMENTUM_KEY] = torch.zeros_like(fp32, dtype=getattr(torch, group["momentum_dtype"]))
-            if self._momentum_in_memory:
-                momentum.swappable = False  # the swapper leaves tensors marked so in memory
+        momentum = self._momentum_of(fp32, group, self._momentum_in_memory)
         had = self.gradient_flags.blocks_with_gradient(i, fp32.grad, self._get_sub_group_process_group(i),
                                                        self._resident_ahead(i))
         self.muon_steps[i].run(fp32, fp32.grad, momentum, had, group)
@@ -455,14 +326,6 @@ class MuonZeroOptimizer(ZeroCheckpointing, DeepSpeedZeroOptimizer_Stage3):
     def _adam_mini_step(self, i: int) -> None:
         fp32 = self.fp32_partitioned_groups_flat[i]
         step = self.adam_mini_steps[i]
-        state = self.optimizer.state[fp32]
-        if "exp_avg" not in state:
-            # Created in the first step: under NVMe the swapper latches exp_avg (the shard's length) on the
-            # first swap-out; the per-block second moments (4 bytes per block) always stay in memory.
-            state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(fp32)
-            state[BLOCK_STATE_KEY] = torch.zeros(step.n_blocks, dtype=torch.float32, device=fp32.device)
-            state[BLOCK_STATE_KEY].swappable = False
-        state["step"] += 1
+        state = self._adam_mini_state(fp32, step.n_blocks)
         step.run(fp32, fp32.grad, state["exp_avg"], state[BLOCK_STATE_KEY], state["step"], self._group(i),
                  self._get_sub_group_process_group(i), self._device)

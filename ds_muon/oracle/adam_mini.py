@@ -60,7 +60,7 @@ class AdamMini(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 state = self.state[p]
-                block = getattr(p, BLOCK_ATTR, None) if group[ALGORITHM_KEY] == ADAM_MINI else None
+                block = getattr(p, BLOCK_ATTR, None) if algorithm_of(group) == ADAM_MINI else None
                 if "step" not in state:
                     state["step"] = 0
                     state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)

@@ -22,7 +22,7 @@ from ..model.attention import check_recorded, factor_spans, find_clip_targets, s
 from ..model.param_groups import split_param_groups
 from ..model.selection import SelectionRules
 from ..model.structure import param_shape
-from ..names import ALGORITHM_KEY, MOMENTUM_KEY, MUON, SPLIT_ATTR
+from ..names import MOMENTUM_KEY, MUON, SPLIT_ATTR, algorithm_of
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -144,7 +144,7 @@ class MuonAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if group[ALGORITHM_KEY] == MUON:
+                if algorithm_of(group) == MUON:  # saved groups of 2026-12-01 and before have no "algorithm"
                     self._muon(p, group)
                 else:
                     self._adamw(p, group)

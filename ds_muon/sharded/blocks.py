@@ -1,11 +1,11 @@
-"""Block maps: which flat ranges of one rank's ZeRO-3 shard belong to which Newton–Schulz block.
+"""Block maps: which flat ranges of one rank's shard belong to which Newton–Schulz (or Adam-mini) block.
 
 Layer ``sharded``, pure and deterministic, built once per Muon sub-group from the owner
-plan's slots (shapes, chunk sizes, shard offsets) and the rank, with no process group. A *block* is
+plan's slots (shapes and each rank's piece, :mod:`ds_muon.sharded.layout`) and the rank, with no process group. A *block* is
 one matrix of a parameter's Newton–Schulz view (:func:`ds_muon.core.matrix.ns_view_shape`): the single
 matrix of a 2-D or conv weight, or one expert of a stacked ``(E, m, n)`` parameter. Its elements
 are contiguous in the flattened parameter, so on a rank's shard a block is at most one contiguous
-range per parameter chunk.
+range per parameter piece.
 
 Used to find the blocks that got no gradient in a step (:mod:`ds_muon.sharded.no_grad`; docs/how-it-works.md,
 "Steps with no gradient") and by Adam-mini's block sums (:mod:`ds_muon.sharded.adam_mini_step`): one ``segment_reduce`` over the shard gives, per segment, the largest
@@ -50,57 +50,65 @@ class BlockMap:
         return out
 
 
+def _order(slot) -> tuple[int, int]:
+    """A global order of a sub-group's parameters, the same on every rank: the first rank that holds a piece of
+    the parameter, and where it starts in that rank's shard (ZeRO-3: the shard order; ZeRO-1/2: the flat order)."""
+    r = next((r for r, p in enumerate(slot.pieces) if p.length), 0)
+    return r, slot.pieces[r].shard_offset
+
+
 def build_block_map(slots: Sequence, rank: int, shard_numel: int,
                     block_numel: Optional[Callable[[object], int]] = None) -> BlockMap:
-    """The :class:`BlockMap` of ``rank`` for a sub-group whose Muon parameters are ``slots``.
+    """The :class:`BlockMap` of ``rank`` for a sub-group whose Muon (or Adam-mini) parameters are ``slots``.
 
     Args:
-        slots: objects with ``name``, ``shape`` (logical parameter shape), ``numel``, ``chunk``
-            (``ceil(numel / W)``, the elements each rank holds, padding included) and
-            ``shard_offset`` (where this parameter's chunk starts in the local shard), e.g.
-            :class:`ds_muon.sharded.ownership.MatrixSlot`; any order.
-        rank: this rank's index in the sub-group's partition group, ``0 <= rank < W``.
+        slots: objects with ``name``, ``shape`` (logical parameter shape), ``numel`` and ``pieces`` (one
+            :class:`~ds_muon.sharded.layout.Piece` per rank: which elements of the parameter each rank holds, where
+            in its shard, and how many shard elements belong to it, padding included), e.g.
+            :class:`ds_muon.sharded.ownership.MatrixSlot`; any order. Blocks are numbered in a global parameter
+            order (the same on every rank, also for parameters this rank holds no piece of).
+        rank: this rank's index in the partition group, ``0 <= rank < W``.
         shard_numel: elements of the local flat shard.
         block_numel: ``slot -> elements per block`` (dividing ``slot.numel``; an Adam-mini block, see
             :mod:`ds_muon.model.adam_mini_blocks`); default: one block per matrix of the slot's Newton–Schulz view.
 
     Returns:
-        The map. Shard elements not covered by a slot are :data:`PADDING` segments.
+        The map. Shard elements not covered by a slot's piece are :data:`PADDING` segments.
 
     Raises:
-        ValueError: slots overlap or run past ``shard_numel``.
+        ValueError: pieces overlap or run past ``shard_numel``.
     """
     lengths: list[int] = []
     blocks: list[int] = []
     names: list[str] = []
     offset = 0
-    for slot in sorted(slots, key=lambda s: s.shard_offset):
-        if slot.shard_offset < offset or slot.shard_offset + slot.chunk > shard_numel:
-            raise ValueError(f"block map: parameter {slot.name!r} at shard offset {slot.shard_offset} "
-                             f"(+{slot.chunk}) overlaps another or runs past the shard ({shard_numel} elements)")
-        if slot.shard_offset > offset:
-            lengths.append(slot.shard_offset - offset)
-            blocks.append(PADDING)
+    for slot in sorted(slots, key=_order):
         if block_numel is not None:
             size = block_numel(slot)
         else:  # one block per matrix of the Newton–Schulz view (the slot's own: it knows conv weights)
             size = slot.numel // (getattr(slot, "ns_shape", None) or ns_view_shape(slot.shape))[0]
-        batch = slot.numel // size
         base = len(names)
-        names.extend(f"{slot.name}[{k}]" for k in range(batch))
-        start, end = rank * slot.chunk, min((rank + 1) * slot.chunk, slot.numel)  # in the flat parameter
-        pos = start
+        names.extend(f"{slot.name}[{k}]" for k in range(slot.numel // size))
+        piece = slot.pieces[rank]
+        if not piece.sent:
+            continue
+        if piece.shard_offset < offset or piece.shard_offset + piece.sent > shard_numel:
+            raise ValueError(f"block map: parameter {slot.name!r} at shard offset {piece.shard_offset} "
+                             f"(+{piece.sent}) overlaps another or runs past the shard ({shard_numel} elements)")
+        if piece.shard_offset > offset:
+            lengths.append(piece.shard_offset - offset)
+            blocks.append(PADDING)
+        pos, end = piece.start, piece.start + piece.length  # in the flat parameter
         while pos < end:
             k = pos // size
             stop = min(end, (k + 1) * size)
             lengths.append(stop - pos)
             blocks.append(base + k)
             pos = stop
-        padding = slot.chunk - max(0, end - start)
-        if padding:
-            lengths.append(padding)
+        if piece.sent > piece.length:
+            lengths.append(piece.sent - piece.length)
             blocks.append(PADDING)
-        offset = slot.shard_offset + slot.chunk
+        offset = piece.shard_offset + piece.sent
     if offset < shard_numel:
         lengths.append(shard_numel - offset)
         blocks.append(PADDING)

@@ -126,21 +126,22 @@ class OwnerExchange:
 
         def start_in(k: int) -> None:
             b, slot = buckets[k], k % PIPELINE_DEPTH
-            splits, mine = list(b.split_sizes), b.split_sizes[self.rank]
-            shard_side = self.pool.get(f"shard_side{slot}", sum(splits), self.exchange_dtype, device)
-            owner_side = self.pool.get(f"owner_side{slot}", W * mine, self.exchange_dtype, device)
-            torch._foreach_copy_(list(shard_side.split([s.chunk for s in b.slots])),
-                                 [u[s.shard_offset:s.shard_offset + s.chunk] for s in b.slots])
-            in_flight[k] = (self._all_to_all(owner_side, shard_side, [mine] * W, splits), shard_side, owner_side)
+            out_splits, in_splits = self._splits(b)
+            shard_side = self.pool.get(f"shard_side{slot}", sum(in_splits), self.exchange_dtype, device)
+            owner_side = self.pool.get(f"owner_side{slot}", sum(out_splits), self.exchange_dtype, device)
+            mine = [s.pieces[self.rank] for s in b.slots]
+            torch._foreach_copy_(list(shard_side.split([p.sent for p in mine])),
+                                 [u.narrow(0, p.shard_offset, p.sent) for p in mine])
+            in_flight[k] = (self._all_to_all(owner_side, shard_side, out_splits, in_splits), shard_side, owner_side)
 
         def finish_out(k: int) -> None:
             work, shard_side, _ = in_flight.pop(k)
             if work is not None:
                 with record_function("ds_muon/wait_exchange_out"):
                     work.wait()
-            b = buckets[k]
-            torch._foreach_copy_([out[s.shard_offset:s.shard_offset + s.chunk] for s in b.slots],
-                                 list(shard_side.split([s.chunk for s in b.slots])))
+            mine = [s.pieces[self.rank] for s in buckets[k].slots]
+            torch._foreach_copy_([out.narrow(0, p.shard_offset, p.sent) for p in mine],
+                                 list(shard_side.split([p.sent for p in mine])))
 
         if buckets:
             start_in(0)
@@ -155,16 +156,40 @@ class OwnerExchange:
                     work.wait()
             with record_function("ds_muon/newton_schulz"):
                 self._owner_compute(b, owner_side, fn, device)
-            splits, mine = list(b.split_sizes), b.split_sizes[self.rank]
-            in_flight[k] = (self._all_to_all(shard_side, owner_side, splits, [mine] * W), shard_side, owner_side)
+            out_splits, in_splits = self._splits(b)
+            in_flight[k] = (self._all_to_all(shard_side, owner_side, in_splits, out_splits), shard_side, owner_side)
         for k in sorted(in_flight):
             finish_out(k)
 
+    def _splits(self, b: ExchangePlan) -> tuple[list[int], list[int]]:
+        """``(received from each rank, sent to each rank)`` of this rank in bucket ``b``'s exchange-in."""
+        return [row[self.rank] for row in b.sends], list(b.sends[self.rank])
+
     def _owner_compute(self, b: ExchangePlan, owner_side: torch.Tensor, fn: OrthogonalizeFn,
                        device: torch.device) -> None:
-        """In place on the owner's ``(W, split_sizes[rank])`` block: rebuild each owned parameter from its
-        W chunks, orthogonalize the blocks of its matrix view (batched over the parameters with the
-        same view, one call per block group), write the result back as chunks (padding zeroed)."""
+        """In place on what the owner received: rebuild each owned parameter from every rank's piece,
+        orthogonalize the blocks of its matrix view (batched over the parameters with the same view, one call
+        per block group), write the result back as pieces (ZeRO-3's padding zeroed)."""
+        if b.chunked:
+            self._owner_compute_chunked(b, owner_side, fn, device)
+            return
+        received = [row[self.rank] for row in b.sends]
+        starts = [sum(received[:s]) for s in range(self.world_size)]
+        for batch in b.batches[self.rank]:
+            k, numel = batch.count, batch.numel
+            full = self.pool.get("matrix", k * numel, self.assembly_dtype, device).view(k, numel)
+            pieces = [(full[j].narrow(0, p.start, p.length), owner_side.narrow(0, starts[s] + slot.owner_offsets[s],
+                                                                                 p.length))
+                      for j, slot in enumerate(batch.members) for s, p in enumerate(slot.pieces) if p.length]
+            torch._foreach_copy_([f for f, _ in pieces], [w for _, w in pieces])
+            view = batch.view if batch.view is not None else matrix_view(batch.ns_shape)
+            orthogonalize_blocks_(full, view, fn)  # one batched call per block group of the view
+            torch._foreach_copy_([w for _, w in pieces], [f for f, _ in pieces])
+
+    def _owner_compute_chunked(self, b: ExchangePlan, owner_side: torch.Tensor, fn: OrthogonalizeFn,
+                               device: torch.device) -> None:
+        """:meth:`_owner_compute` for ZeRO-3's layout: the owner's ``(W, split_sizes[rank])`` block holds every
+        owned parameter as ``W`` equal chunks, so a batch is one strided copy each way."""
         W, mine = self.world_size, b.split_sizes[self.rank]
         block = owner_side.view(W, mine)
         for batch in b.batches[self.rank]:

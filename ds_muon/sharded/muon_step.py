@@ -39,19 +39,29 @@ class MuonShardStep:
         plan: the sub-group's owner plan (:func:`ds_muon.sharded.ownership.build_bucketed_plan`).
         block_map: this rank's :class:`~ds_muon.sharded.blocks.BlockMap` of the sub-group.
         exchange: the :class:`~ds_muon.sharded.exchange.OwnerExchange` over the sub-group's partition group.
-        group: the param group (``ns_method``, ``ns_steps``, ``update_scale`` are fixed here; ``lr``,
-            ``weight_decay``, ``momentum``, ``nesterov`` are read at every step, so schedulers apply).
+        group: the param group; its ``lr``, ``weight_decay``, ``momentum``, ``nesterov``, ``ns_method``, ``ns_steps``
+            and ``update_scale`` are read at every step (schedulers apply; a loaded checkpoint's groups bring theirs).
         ns_compile, ns_autotune: the config keys (compiled Newton–Schulz and fused element-wise passes on CUDA).
     """
 
     def __init__(self, name: str, plan: BucketedPlan, block_map: BlockMap, exchange: OwnerExchange, group: dict,
                  ns_compile: bool, ns_autotune: bool) -> None:
         self.name, self.plan, self.block_map, self.exchange = name, plan, block_map, exchange
-        self._ns_compile = ns_compile
-        self._owner_update = scaled_orthogonalizer(
-            group["ns_method"], group["ns_steps"], exchange.compute_dtype, group["update_scale"],
-            compiled=ns_compile and exchange.device is not None and exchange.device.type == "cuda",
-            autotune=ns_autotune)
+        self._ns_compile, self._ns_autotune = ns_compile, ns_autotune
+        self._ns_key: Optional[tuple] = None
+        self._owner_update = self._orthogonalizer(group)
+
+    def _orthogonalizer(self, group: dict):
+        """The owner-side function for the group's current ``ns_method``, ``ns_steps`` and ``update_scale``,
+        rebuilt only when one of them changed (a loaded checkpoint's param groups bring their own)."""
+        key = (group["ns_method"], group["ns_steps"], group["update_scale"])
+        if key != self._ns_key:
+            device = self.exchange.device
+            self._owner_update = scaled_orthogonalizer(
+                *key[:2], self.exchange.compute_dtype, key[2],
+                compiled=self._ns_compile and device is not None and device.type == "cuda", autotune=self._ns_autotune)
+            self._ns_key = key
+        return self._owner_update
 
     @torch.no_grad()
     def run(self, fp32: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor, had: Optional[torch.Tensor],
@@ -82,7 +92,7 @@ class MuonShardStep:
                                                                              group["nesterov"])
         with record_function("ds_muon/exchange_and_newton_schulz"), \
                 named_collective(f"the Muon owner exchange (all_to_all) of {self.name}"):
-            self.exchange.run(self.plan, update, grad, self._owner_update)
+            self.exchange.run(self.plan, update, grad, self._orthogonalizer(group))
         with record_function("ds_muon/apply_update"):
             (fused_apply_update_ if fused else apply_update_)(fp32, grad, group["lr"], group["weight_decay"])
             if put_back is not None:  # blocks with no gradient: as they were

@@ -1,21 +1,29 @@
 """The owner plan: which rank of a partition group orthogonalizes which Muon matrix (layer ``sharded``).
 
-Pure and deterministic (docs/design.md, "One optimizer step"): built from shapes and the world size
-alone, identically on every rank, so no collective is needed to agree on it. One plan per Muon sub-group.
+Pure and deterministic (docs/design.md, "One optimizer step"): built from shapes and a partition layout
+alone, identically on every rank, so no collective is needed to agree on it. One plan per Muon sub-group
+(ZeRO-3) or per Muon param group (ZeRO-1/2).
 
-Layout facts it relies on (DeepSpeed ZeRO-3): a parameter with ``numel`` elements is split into
-``W`` chunks of ``chunk = ceil(numel / W)`` elements, zero padded past ``numel``; rank ``r`` holds
-chunk ``r``; a sub-group's local fp32 shard concatenates its parameters' chunks in order.
+The layout is an input (:class:`~ds_muon.sharded.layout.Piece`: which elements of each parameter each rank
+holds, and where in its flat shard). Two layouts occur:
+
+* ZeRO-3 (*chunked*, :func:`~ds_muon.sharded.layout.chunked_pieces`): a parameter of ``numel`` elements is cut into ``W`` chunks of ``chunk = ceil(numel / W)``
+  elements, zero padded past ``numel``; rank ``r`` holds chunk ``r``; a sub-group's local shard concatenates
+  its parameters' chunks in order, so every rank's shard has the same structure. Each rank sends its whole
+  padded chunk (``Piece.sent == chunk``).
+* ZeRO-1/2 (*flat*, :func:`~ds_muon.sharded.layout.flat_pieces`): a param group is one flat buffer cut into ``W`` equal partitions, so a parameter lies in
+  one or several consecutive ranks' partitions in pieces of unequal length; each rank sends exactly its piece.
 
 Exchange layout (both directions use the same per-rank ordering):
 
-* Every rank sends to owner ``d`` its chunks of the matrices ``d`` owns, in plan order:
-  ``split_sizes[d] = sum(chunk for slots owned by d)`` elements.
-* Owner ``d`` therefore receives a ``(W, split_sizes[d])`` block, row ``s`` from source ``s``; a
-  matrix it owns occupies columns ``[owner_offset, owner_offset + chunk)`` of every row, so row-major
-  over ``(W, chunk)`` it is the full padded flat matrix.
-* The way back is the transpose: owner ``d`` sends row ``s`` to rank ``s``, which receives, per
-  owner, its own chunks in the same order it sent them.
+* Every rank ``s`` sends to owner ``d`` its pieces of the matrices ``d`` owns, in plan order:
+  ``sends[s][d] = sum(piece.sent for the slots owned by d)`` elements.
+* Owner ``d`` receives the blocks of ``sends[s][d]`` elements from every ``s``, in rank order; a matrix it owns
+  occupies ``[owner_offsets[s], owner_offsets[s] + pieces[s].sent)`` of source ``s``'s block. In the chunked
+  layout every row has the same length (``split_sizes[d]``), so the owner's buffer is a ``(W, split_sizes[d])``
+  block and, row-major over ``(W, chunk)``, a matrix is its full padded flat form.
+* The way back is the transpose: owner ``d`` sends source ``s`` its block back, holding its own pieces of the
+  orthogonalized matrices in the order it sent them.
 """
 from __future__ import annotations
 
@@ -24,11 +32,12 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from ..core.matrix import MatrixView, Split, matrix_view
+from .layout import Piece, chunked_pieces
 
 
 @dataclass(frozen=True)
 class MatrixSlot:
-    """One Muon parameter in a sub-group's plan.
+    """One Muon parameter in a plan.
 
     Attributes:
         index: position of the parameter in the sub-group's parameter list.
@@ -36,10 +45,10 @@ class MatrixSlot:
         shape: logical parameter shape.
         ns_shape: ``(batch, rows, cols)`` view Newton–Schulz runs on.
         numel: logical element count.
-        chunk: elements each rank holds, ``ceil(numel / W)`` (padded).
-        shard_offset: element offset of this parameter's chunk in the local flat shard.
+        pieces: one :class:`Piece` per rank of the partition group.
         owner: rank that runs Newton–Schulz on it.
-        owner_offset: column offset of its chunk inside the owner's ``(W, split_sizes[owner])`` block.
+        owner_offsets: per source rank, where this parameter's piece starts in the block the owner receives
+            from that rank.
         cost: Newton–Schulz matmul FLOPs for it (summed over the blocks of its view).
         view: its :class:`~ds_muon.core.matrix.MatrixView` (the blocks Newton–Schulz orthogonalizes).
     """
@@ -49,12 +58,42 @@ class MatrixSlot:
     shape: tuple[int, ...]
     ns_shape: tuple[int, int, int]
     numel: int
-    chunk: int
-    shard_offset: int
+    pieces: tuple[Piece, ...]
     owner: int
-    owner_offset: int
+    owner_offsets: tuple[int, ...]
     cost: int
     view: Optional[MatrixView] = None
+
+    @property
+    def chunked(self) -> bool:
+        """ZeRO-3's layout: every rank ``r`` exchanges the same number of elements ``c``, elements ``[r c, (r+1) c)``
+        of the (padded) parameter, at the same shard offset."""
+        first = self.pieces[0]
+        return all(p.sent == first.sent and p.shard_offset == first.shard_offset and p.start == r * first.sent
+                   for r, p in enumerate(self.pieces))
+
+    @property
+    def chunk(self) -> int:
+        """Elements each rank exchanges, ``ceil(numel / W)`` (chunked layout only)."""
+        return self._uniform("sent", self.pieces)
+
+    @property
+    def shard_offset(self) -> int:
+        """Where the parameter's chunk starts in every rank's flat shard (chunked layout only)."""
+        return self._uniform("shard_offset", self.pieces)
+
+    @property
+    def owner_offset(self) -> int:
+        """Where its chunk starts in every row of the owner's ``(W, split_sizes[owner])`` block (chunked only)."""
+        if len(set(self.owner_offsets)) != 1:
+            raise ValueError(f"{self.name}: owner offsets differ between source ranks (not a chunked layout)")
+        return self.owner_offsets[0]
+
+    def _uniform(self, attr: str, pieces) -> int:
+        values = {getattr(p, attr) for p in pieces}
+        if len(values) != 1:
+            raise ValueError(f"{self.name}: {attr} differs between ranks (not a chunked layout)")
+        return values.pop()
 
 
 @dataclass(frozen=True)
@@ -62,34 +101,63 @@ class ShapeBatch:
     """Parameters with the same matrix view, which one owner orthogonalizes together: one batched
     Newton–Schulz call per block group of the view (:func:`ds_muon.core.matrix.orthogonalize_blocks_`).
 
-    Their chunks are adjacent in the owner's block: columns ``[start, start + count * chunk)``.
+    Attributes:
+        members: the slots, in exchange order; in the chunked layout their chunks are adjacent in the owner's
+            block: columns ``[start, start + count * chunk)``.
     """
 
     ns_shape: tuple[int, int, int]
     numel: int
-    chunk: int
-    start: int
-    count: int
+    members: tuple[MatrixSlot, ...]
     view: Optional[MatrixView] = None
+
+    @property
+    def count(self) -> int:
+        return len(self.members)
+
+    @property
+    def chunk(self) -> int:
+        return self.members[0].chunk
+
+    @property
+    def start(self) -> int:
+        return self.members[0].owner_offset
 
 
 @dataclass(frozen=True)
 class ExchangePlan:
-    """Owner plan for one Muon sub-group.
+    """Owner plan for one Muon sub-group (or one exchange bucket of it).
 
     Attributes:
-        world_size: data-parallel size ``W``.
+        world_size: partition-group size ``W``.
         slots: the Muon matrices, in exchange order (by owner, then by shape, then index).
-        split_sizes: elements every rank sends to each owner (and gets back from it), length ``W``.
+        sends: ``sends[s][d]``: elements rank ``s`` sends to owner ``d`` (and gets back from it).
         batches: per rank, its :class:`ShapeBatch` list.
         shard_numel: elements of the local flat shard the plan covers.
     """
 
     world_size: int
     slots: tuple[MatrixSlot, ...]
-    split_sizes: tuple[int, ...]
+    sends: tuple[tuple[int, ...], ...]
     batches: tuple[tuple[ShapeBatch, ...], ...]
     shard_numel: int
+
+    @property
+    def chunked(self) -> bool:
+        """Every slot is in ZeRO-3's chunked layout (:attr:`MatrixSlot.chunked`), so every rank sends each owner
+        the same amount."""
+        return all(s.chunked for s in self.slots)
+
+    @property
+    def split_sizes(self) -> tuple[int, ...]:
+        """Elements every rank sends to each owner, length ``W`` (chunked layout).
+
+        Raises:
+            ValueError: the ranks send different amounts (a flat ZeRO-1/2 layout: use :attr:`sends`).
+        """
+        if any(row != self.sends[0] for row in self.sends):
+            raise ValueError("split_sizes: the ranks send different amounts to the owners; use sends[s][d]")
+        return self.sends[0]
 
     def load(self) -> list[int]:
         """Newton–Schulz FLOPs per rank."""
@@ -102,11 +170,15 @@ class ExchangePlan:
         """max / mean Newton–Schulz FLOPs over ranks (1.0 = perfect; 1.0 when there is no work)."""
         return _imbalance(self.load())
 
+    def received(self, rank: int) -> int:
+        """Elements owner ``rank`` receives from all ranks (itself included) per exchange-in."""
+        return sum(row[rank] for row in self.sends)
+
     def sent_elements(self, rank: int) -> int:
-        """Elements ``rank`` sends per step in both exchanges: its chunks of the matrices it does
-        not own, plus ``W - 1`` chunks of each matrix it owns."""
-        out = sum(self.split_sizes) - self.split_sizes[rank]
-        return out + (self.world_size - 1) * self.split_sizes[rank]
+        """Elements ``rank`` sends per step in both exchanges: its pieces of the matrices it does not own, plus
+        every other rank's pieces of each matrix it owns (chunked: ``W - 1`` chunks of it)."""
+        out = sum(self.sends[rank]) - self.sends[rank][rank]
+        return out + self.received(rank) - self.sends[rank][rank]
 
     def describe(self) -> str:
         """A short printable summary: matrices, FLOPs per rank, imbalance."""
@@ -122,12 +194,19 @@ def _imbalance(loads: list[int]) -> float:
 
 @dataclass(frozen=True)
 class ParamInfo:
-    """What the plan needs to know about one parameter of a sub-group."""
+    """What the plan needs to know about one parameter.
+
+    Attributes:
+        name, shape, numel, split: the parameter and its declared or detected :class:`~ds_muon.core.matrix.Split`.
+        pieces: its :class:`Piece` on every rank; None: ZeRO-3's chunked layout (:func:`chunk_size`), the
+            parameters' chunks back to back in the shard in list order.
+    """
 
     name: str
     shape: tuple[int, ...]
     numel: int
     split: Optional[Split] = None
+    pieces: Optional[tuple[Piece, ...]] = None
 
 
 def chunk_size(numel: int, world_size: int) -> int:
@@ -135,46 +214,92 @@ def chunk_size(numel: int, world_size: int) -> int:
     return math.ceil(numel / world_size)
 
 
-def _assign_owners(infos: list, world_size: int, policy: str) -> dict[int, int]:
+@dataclass(frozen=True)
+class _Info:
+    index: int
+    param: ParamInfo
+    pieces: tuple[Piece, ...]
+    cost: int
+    view: MatrixView
+
+    @property
+    def largest(self) -> int:
+        return max(p.sent for p in self.pieces)
+
+
+#: How far above the mean Newton–Schulz load a rank may go to own a matrix it holds more of (flat layouts).
+HOME_SLACK = 0.10
+
+
+def _moved(t: _Info, r: int) -> int:
+    """Elements that cross the wire (both ways) if rank ``r`` owns the matrix: every other rank's piece, twice."""
+    return 2 * sum(p.sent for k, p in enumerate(t.pieces) if k != r)
+
+
+def _assign_owners(infos: list[_Info], world_size: int, policy: str) -> dict[int, int]:
+    """Owner rank per matrix index. ``"lpt"``: largest Newton–Schulz cost first, each to the least-loaded rank
+    (ties to the lower rank), except where the layout makes some owners cheaper than others (ZeRO-1/2's flat
+    layout, where a rank may hold a matrix whole or most of it): there the matrix goes to the rank that moves
+    the fewest elements among those whose load stays within ``1 + HOME_SLACK`` of the mean, and to the
+    least-loaded rank only when none does. In ZeRO-3's chunked layout every owner moves the same, so this is
+    plain LPT."""
     if policy == "round_robin":
-        return {t[0]: t[0] % world_size for t in infos}
+        return {t.index: t.index % world_size for t in infos}
     loads = [0] * world_size
+    cap = (1 + HOME_SLACK) * sum(t.cost for t in infos) / world_size
     owners: dict[int, int] = {}
-    for i, _, _, chunk, _, cost, _ in sorted(infos, key=lambda t: (-t[5], -t[3], t[0])):
-        r = min(range(world_size), key=lambda k: (loads[k], k))
-        owners[i] = r
-        loads[r] += cost
+    for t in sorted(infos, key=lambda t: (-t.cost, -t.largest, t.index)):
+        moved = [_moved(t, r) for r in range(world_size)]
+        fits = [r for r in range(world_size) if loads[r] + t.cost <= cap and moved[r] < max(moved)]
+        if fits:
+            r = min(fits, key=lambda k: (moved[k], loads[k], k))
+        else:
+            r = min(range(world_size), key=lambda k: (loads[k], k))
+        owners[t.index] = r
+        loads[r] += t.cost
     return owners
 
 
-def _layout(infos: list, owners: dict[int, int], world_size: int, shard_numel: int) -> ExchangePlan:
-    """Exchange layout of the given matrices: by owner, then shape, then index."""
-    order = sorted(infos, key=lambda t: (owners[t[0]], t[6].sort_key(), t[0]))
-    split = [0] * world_size
+def _layout(infos: list[_Info], owners: dict[int, int], world_size: int, shard_numel: int) -> ExchangePlan:
+    """Exchange layout of the given matrices: by owner, then view, then index."""
+    order = sorted(infos, key=lambda t: (owners[t.index], t.view.sort_key(), t.index))
+    sends = [[0] * world_size for _ in range(world_size)]
     slots = []
-    for i, p, ns_shape, chunk, off, cost, view in order:
-        r = owners[i]
-        slots.append(MatrixSlot(i, p.name, tuple(p.shape), ns_shape, p.numel, chunk, off, r, split[r], cost, view))
-        split[r] += chunk
+    for t in order:
+        d = owners[t.index]
+        offsets = tuple(sends[s][d] for s in range(world_size))
+        p = t.param
+        slots.append(MatrixSlot(t.index, p.name, tuple(p.shape), t.view.ns_shape, p.numel, t.pieces, d, offsets,
+                                t.cost, t.view))
+        for s in range(world_size):
+            sends[s][d] += t.pieces[s].sent
     batches: list[list[ShapeBatch]] = [[] for _ in range(world_size)]
     for s in slots:
         rank_batches = batches[s.owner]
         last = rank_batches[-1] if rank_batches else None
-        if last is not None and last.view.sort_key() == s.view.sort_key() and last.start + last.count * last.chunk == s.owner_offset:
-            rank_batches[-1] = ShapeBatch(last.ns_shape, last.numel, last.chunk, last.start, last.count + 1, last.view)
+        if last is not None and last.view.sort_key() == s.view.sort_key():
+            rank_batches[-1] = ShapeBatch(last.ns_shape, last.numel, last.members + (s,), last.view)
         else:
-            rank_batches.append(ShapeBatch(s.ns_shape, s.numel, s.chunk, s.owner_offset, 1, s.view))
-    return ExchangePlan(world_size, tuple(slots), tuple(split), tuple(tuple(b) for b in batches), shard_numel)
+            rank_batches.append(ShapeBatch(s.ns_shape, s.numel, (s,), s.view))
+    return ExchangePlan(world_size, tuple(slots), tuple(tuple(row) for row in sends),
+                        tuple(tuple(b) for b in batches), shard_numel)
 
 
-def _infos(params: Sequence[ParamInfo], world_size: int, ns_steps: int, ns_method: str) -> tuple[list, int]:
+def _infos(params: Sequence[ParamInfo], world_size: int, ns_steps: int, ns_method: str,
+           shard_numel: Optional[int]) -> tuple[list[_Info], int]:
     infos, offset = [], 0
     for i, p in enumerate(params):
         view = matrix_view(p.shape, p.split)
-        chunk = chunk_size(p.numel, world_size)
-        infos.append((i, p, view.ns_shape, chunk, offset, view.cost(ns_steps, ns_method), view))
-        offset += chunk
-    return infos, offset
+        if p.pieces is None:
+            pieces = chunked_pieces(p.numel, world_size, offset)
+            offset += pieces[0].sent
+        else:
+            pieces = p.pieces
+            if len(pieces) != world_size or sum(q.length for q in pieces) != p.numel:
+                raise ValueError(f"parameter {p.name!r}: pieces {pieces} do not tile its {p.numel} elements over "
+                                 f"{world_size} ranks")
+        infos.append(_Info(i, p, pieces, view.cost(ns_steps, ns_method), view))
+    return infos, (offset if shard_numel is None else shard_numel)
 
 
 def _check(world_size: int, policy: str) -> None:
@@ -185,24 +310,28 @@ def _check(world_size: int, policy: str) -> None:
 
 
 def build_plan(params: Sequence[ParamInfo], world_size: int, ns_steps: int = 5, ns_method: str = "standard",
-               policy: str = "lpt") -> ExchangePlan:
+               policy: str = "lpt", shard_numel: Optional[int] = None) -> ExchangePlan:
     """Assign each Muon matrix of a sub-group to an owner rank (one exchange for the whole sub-group).
 
     Args:
         params: the sub-group's parameters, in the sub-group's order (all of them Muon).
-        world_size: data-parallel size.
+        world_size: partition-group size.
         ns_steps, ns_method: used for the cost model (:func:`ds_muon.core.ns_cost.ns_flops`).
         policy: ``"lpt"`` (longest processing time first: largest cost to the least-loaded rank,
-            ties to the lower rank) or ``"round_robin"`` (the baseline: matrix ``i`` to rank ``i % W``).
+            ties to the lower rank; in a flat layout a matrix that one rank holds whole stays there within
+            :data:`HOME_SLACK` of the mean load) or ``"round_robin"`` (the baseline: matrix ``i`` to rank ``i % W``).
+        shard_numel: elements of each rank's flat shard when the parameters carry their pieces (a flat layout);
+            default: the chunks back to back.
 
     Returns:
         The :class:`ExchangePlan`.
 
     Raises:
-        ValueError: ``world_size < 1``, an unknown policy, or a parameter with fewer than 2 dims.
+        ValueError: ``world_size < 1``, an unknown policy, a parameter with fewer than 2 dims, or pieces that do
+            not tile a parameter.
     """
     _check(world_size, policy)
-    infos, shard_numel = _infos(params, world_size, ns_steps, ns_method)
+    infos, shard_numel = _infos(params, world_size, ns_steps, ns_method, shard_numel)
     return _layout(infos, _assign_owners(infos, world_size, policy), world_size, shard_numel)
 
 
@@ -259,19 +388,19 @@ class BucketedPlan:
 
         Returns:
             ``(wire, compute)``: elements in the exchange dtype (per pipeline slot, this rank's
-            chunks of a bucket, and the ``W`` chunks of each matrix it owns there, each buffer
+            pieces of a bucket, and every rank's pieces of each matrix it owns there, each buffer
             sized for the largest bucket that cycles through its slot) and in the Newton–Schulz
-            compute dtype (the largest same-shape batch of whole matrices it owns). Each is below
+            compute dtype (the largest same-view batch of whole matrices it owns). Each is below
             ``depth * (1 + 1/W) * bucket_elements`` and ``bucket_elements`` plus padding, unless a
             single matrix is larger than a bucket.
         """
-        W = self.world_size
         shard_side, owner_side = [0] * depth, [0] * depth
         compute = 0
         for k, b in enumerate(self.buckets):
-            shard_side[k % depth] = max(shard_side[k % depth], sum(b.split_sizes))
-            owner_side[k % depth] = max(owner_side[k % depth], W * b.split_sizes[rank])
-            compute = max([compute] + [batch.count * W * batch.chunk for batch in b.batches[rank]])
+            shard_side[k % depth] = max(shard_side[k % depth], sum(b.sends[rank]))
+            owner_side[k % depth] = max(owner_side[k % depth], b.received(rank))
+            compute = max([compute] + [sum(sum(p.sent for p in s.pieces) for s in batch.members)
+                                       for batch in b.batches[rank]])
         return sum(shard_side) + sum(owner_side), compute
 
     def describe(self) -> str:
@@ -281,7 +410,8 @@ class BucketedPlan:
 
 
 def build_bucketed_plan(params: Sequence[ParamInfo], world_size: int, bucket_elements: int, ns_steps: int = 5,
-                        ns_method: str = "standard", policy: str = "lpt") -> BucketedPlan:
+                        ns_method: str = "standard", policy: str = "lpt",
+                        shard_numel: Optional[int] = None) -> BucketedPlan:
     """:func:`build_plan`, then cut into exchange buckets of at most ``bucket_elements`` matrix elements.
 
     Raises:
@@ -290,14 +420,14 @@ def build_bucketed_plan(params: Sequence[ParamInfo], world_size: int, bucket_ele
     _check(world_size, policy)
     if bucket_elements < 1:
         raise ValueError(f"bucket_elements must be >= 1, got {bucket_elements}")
-    infos, shard_numel = _infos(params, world_size, ns_steps, ns_method)
+    infos, shard_numel = _infos(params, world_size, ns_steps, ns_method, shard_numel)
     owners = _assign_owners(infos, world_size, policy)
-    per_owner = [sorted((t for t in infos if owners[t[0]] == r), key=lambda t: (-t[5], t[0]))
+    per_owner = [sorted((t for t in infos if owners[t.index] == r), key=lambda t: (-t.cost, t.index))
                  for r in range(world_size)]
     interleaved = [q[k] for k in range(max((len(q) for q in per_owner), default=0)) for q in per_owner if k < len(q)]
     buckets, current, size = [], [], 0
     for t in interleaved:
-        numel = t[1].numel
+        numel = t.param.numel
         if current and size + numel > bucket_elements:
             buckets.append(current)
             current, size = [], 0

@@ -1,8 +1,8 @@
 """QK-clip on ZeRO partitions: which flat ranges of a rank's shard hold which head (layer ``sharded``).
 
 The spans come from :func:`ds_muon.model.attention.factor_spans` (a head's rows are one contiguous
-range of its flattened parameter); here they are intersected with this rank's chunk of each
-parameter, once at start-up, and scaled element-wise on the local fp32 partition after the
+range of its flattened parameter); here they are intersected with this rank's piece of each
+parameter (:mod:`ds_muon.sharded.layout`), once at start-up, and scaled element-wise on the local fp32 partition after the
 optimizer update (no gather). The rule is :mod:`ds_muon.core.qk_clip`.
 """
 from __future__ import annotations
@@ -12,25 +12,22 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ..errors import ConfigError
+from .layout import Piece
 
 __all__ = ["local_span", "shard_ranges", "scale_shard_"]
 
-#: ``param -> (key, shard offset of the param's chunk, numel, chunk, rank)``, or None: not stepped here.
-Locate = Callable[[Any], Optional[tuple[Any, int, int, int, int]]]
+#: ``param -> (key, this rank's Piece of it)``, or None: not stepped here.
+Locate = Callable[[Any], Optional[tuple[Any, Piece]]]
 
 
-def local_span(lo: int, hi: int, numel: int, chunk: int, rank: int) -> Optional[tuple[int, int]]:
-    """The part of the flat element range ``[lo, hi)`` of a parameter that rank ``rank``'s ZeRO-3 chunk holds.
-
-    The parameter (``numel`` elements, flattened row-major) is cut into chunks of ``chunk`` =
-    ``ceil(numel / W)`` elements; rank ``r`` holds ``[r*chunk, (r+1)*chunk)`` (zero padding past ``numel``).
+def local_span(lo: int, hi: int, piece: Piece) -> Optional[tuple[int, int]]:
+    """The part of the flat element range ``[lo, hi)`` of a parameter that this rank's ``piece`` holds.
 
     Returns:
-        ``(offset in the chunk, length)`` (elements), or None when the chunk holds none of it.
+        ``(offset in the rank's shard, length)`` (elements), or None when the piece holds none of it.
     """
-    lo_r, hi_r = rank * chunk, min((rank + 1) * chunk, numel)
-    a, b = max(lo, lo_r), min(hi, hi_r)
-    return (a - lo_r, b - a) if a < b else None
+    a, b = max(lo, piece.start), min(hi, piece.start + piece.length)
+    return (piece.shard_offset + a - piece.start, b - a) if a < b else None
 
 
 def shard_ranges(spans: Sequence[tuple[Any, int, int, int]], names: dict[int, str],
@@ -55,10 +52,10 @@ def shard_ranges(spans: Sequence[tuple[Any, int, int, int]], names: dict[int, st
             raise ConfigError(f"optimizer.params.qk_clip: {names.get(id(param), '?')!r} is not trained by this "
                               "optimizer (frozen?); QK-clip scales the query and key weights after each step, so "
                               "they must be trainable (or disable qk_clip)")
-        key, offset, numel, chunk, rank = where
-        part = local_span(lo, hi, numel, chunk, rank)
+        key, piece = where
+        part = local_span(lo, hi, piece)
         if part is not None:
-            out.setdefault(key, []).append((offset + part[0], part[1], k))
+            out.setdefault(key, []).append((part[0], part[1], k))
     return out
 
 

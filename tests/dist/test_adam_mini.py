@@ -282,9 +282,13 @@ CASES = {
         dict(name="nvme", wide=True, zero={"offload_optimizer": {"device": "nvme", "buffer_count": 3}}),
         dict(name="nvme-resume", wide=True, resume=True, zero={"offload_optimizer": {"device": "nvme"}}),
         dict(name="load-errors"),  # loads "resume"'s checkpoint
-        dict(name="universal-save")],
+        dict(name="universal-save"),
+        # ZeRO stages 1/2 (MuonZero12Optimizer): blocks cut by the flat partitions' boundaries
+        dict(name="stage2", zero={"stage": 2}),
+        dict(name="stage1-cpu-offload", zero={"stage": 1, "offload_optimizer": {"device": "cpu"}})],
     # the chunked step with windows of 97 elements (default: CHUNK_ELEMENTS, one window per shard here)
-    3: [dict(name="plain-97-element-windows", chunk=97), dict(name="universal-load")],
+    3: [dict(name="plain-97-element-windows", chunk=97), dict(name="universal-load"),
+        dict(name="stage2-97-element-windows", chunk=97, zero={"stage": 2})],
     4: [dict(name="plain"), dict(name="neuron-rule", params={"block_rule": "neuron"})],
 }
 

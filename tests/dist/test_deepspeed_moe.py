@@ -1,13 +1,14 @@
 """DeepSpeed's native MoE layers (``deepspeed.moe.layer.MoE``) under ds_muon.
 
 DeepSpeed 0.19.8 itself refuses native MoE layers with ZeRO stage 3
-(``DeepSpeedEngine._validate_zero3_moe_compatibility``), and ds_muon serves only stage 3, so ds_muon
-refuses them first, with the reason and what to use instead. Both halves are asserted: if a future
-DeepSpeed accepts native MoE under ZeRO-3, the first check fails and says to revisit this.
+(``DeepSpeedEngine._validate_zero3_moe_compatibility``), so ds_muon refuses them there first, with the reason
+and what to use instead. Both halves are asserted: if a future DeepSpeed accepts native MoE under ZeRO-3, the
+first check fails and says to revisit this. At stages 1/2 DeepSpeed runs them; ds_muon does not serve their
+expert-parallel partitions yet, so the zero-code path hands them to the built-in and ds_muon.initialize
+refuses them naming why.
 """
 from __future__ import annotations
 
-import pytest
 
 from tests.support.spawn import run_distributed
 
@@ -66,13 +67,57 @@ def test_native_moe_is_refused_by_deepspeed_and_by_ds_muon_with_the_reason():
 
 
 def test_autoep_layers_are_refused_naming_the_key():
-    """AutoEP (DeepSpeed's ZeRO-3 expert parallelism) is refused until it is parity-tested."""
+    """AutoEP (DeepSpeed's ZeRO-3 expert parallelism) is not served until it is parity-tested: an error naming
+    the key through ds_muon.initialize, a hand-over to the built-in on the zero-code path (``builtin could``)."""
     from types import SimpleNamespace
 
     from torch import nn
 
+    from ds_muon.integration.hooks import _engine_problem
+
+    def engine(moe: bool):
+        return SimpleNamespace(mpu=None, has_moe_layers=moe, module=nn.Linear(2, 2), zero_optimization_stage=lambda: 3)
+
+    assert _engine_problem(engine(False)) == (None, False)  # no MoE: served
+    problem, builtin_could = _engine_problem(engine(True))
+    assert builtin_could and problem is not None
+    assert "AutoEP MoE layers (\"expert_parallel\")" in problem and "not parity-tested" in problem, problem
+
+
+def _native_moe_at_stage_2(rank: int, world_size: int) -> dict:
+    """ZeRO stage 2 (where DeepSpeed runs native MoE): ds_muon.initialize refuses it naming the reason; the
+    zero-code path hands it to the built-in, which builds its ZeRO-1/2 optimizer and trains."""
+    import deepspeed
+    import torch
+
+    import ds_muon
     from ds_muon.config import ConfigError
-    from ds_muon.integration.hooks import _check_moe_layers
-    _check_moe_layers(SimpleNamespace(has_moe_layers=False, module=nn.Linear(2, 2)))  # no MoE: passes
-    with pytest.raises(ConfigError, match=r'AutoEP MoE layers \("expert_parallel"\).*not parity-tested.*stacked'):
-        _check_moe_layers(SimpleNamespace(has_moe_layers=True, module=nn.Linear(2, 2)))
+    from ds_muon.integration import hooks
+    cfg = dict(_config("Muon"), zero_optimization={"stage": 2})
+    out = {}
+    try:
+        model = _moe_model()
+        ds_muon.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        out["explicit"] = "accepted"
+    except ConfigError as exc:
+        out["explicit"] = str(exc)
+    hooks.auto_enable()
+    try:
+        model = _moe_model()
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        out["auto"] = type(engine.optimizer).__name__
+        loss = engine(torch.randint(0, 16, (1, 4))).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        out["trained"] = bool(torch.isfinite(loss))
+        engine.destroy()
+    finally:
+        hooks.disable()
+        hooks._auto = False
+    return out
+
+
+def test_native_moe_at_stage_2_is_handed_to_the_builtin():
+    res = run_distributed(_native_moe_at_stage_2, 2)[0]
+    assert "native MoE layers ('moe'" in res["explicit"] and "not serve yet" in res["explicit"], res
+    assert res["auto"] == "DeepSpeedZeroOptimizer" and res["trained"], res

@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+from tests.support.precision import FP16_SKIP, fp16_supported
 from tests.support.spawn import run_distributed
 from tests.support.harness import (PARITY_RTOL, build_engine, clone_tags, compare, ds_config, gathered_params,
                            fp32_master_params, reference_model)
@@ -60,18 +61,20 @@ def _train_steps(engine, rank: int, steps, when: dict | None = None) -> list[flo
 
 
 def _adam_steps(engine) -> list[int]:
-    """The Adam ``step`` of every AdamW sub-group's state (DeepSpeed keeps it per sub-group)."""
+    """The Adam ``step`` of every AdamW sub-group's state (DeepSpeed keeps it per sub-group; ZeRO-1/2: per
+    param group)."""
     opt = engine.optimizer
     steps = []
-    for i, fp32 in enumerate(opt.fp32_partitioned_groups_flat):
+    flats = getattr(opt, "fp32_partitioned_groups_flat", None) or opt.single_partition_of_fp32_groups
+    for i, fp32 in enumerate(flats):
         if i not in opt.muon_plans:
             value = opt.optimizer.state.get(fp32, {}).get("step")
             steps.append(int(value) if value is not None else 0)
     return steps
 
 
-def _dtype_cfg(dtype: str, **params) -> dict:
-    cfg = ds_config(gas=GAS, clip=CLIP)
+def _dtype_cfg(dtype: str, stage: int = 3, **params) -> dict:
+    cfg = ds_config(gas=GAS, clip=CLIP, stage=stage)
     cfg["optimizer"]["params"].update(params)
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
@@ -82,11 +85,12 @@ def _dtype_cfg(dtype: str, **params) -> dict:
     return cfg
 
 
-def _non_finite_cases(rank: int, world_size: int, csv_dir: str) -> dict:
+def _non_finite_cases(rank: int, world_size: int, csv_dir: str, dtypes: tuple = ("fp32", "bf16"),
+                      stage: int = 3) -> dict:
     import ds_muon
     out = {}
-    for dtype in ("fp32", "bf16", "fp16"):
-        cfg = _dtype_cfg(dtype)
+    for dtype in dtypes:
+        cfg = _dtype_cfg(dtype, stage)
         if dtype == "fp32":
             cfg["csv_monitor"] = {"enabled": True, "output_path": csv_dir, "job_name": "faults"}
         engine, model = build_engine(cfg)
@@ -123,7 +127,7 @@ def _non_finite_cases(rank: int, world_size: int, csv_dir: str) -> dict:
                 want = {n: p.detach().clone() for n, p in ref.named_parameters()}
                 res["errors"] = compare(res["got"], want, init)
         else:  # the same dtype's ds_muon run that never saw the skipped steps
-            engine, model = build_engine(_dtype_cfg(dtype))
+            engine, model = build_engine(_dtype_cfg(dtype, stage))
             _train_steps(engine, rank, clean_steps)
             want = fp32_master_params(model)
             res["errors"] = compare(res["got"], want, init)
@@ -132,8 +136,10 @@ def _non_finite_cases(rank: int, world_size: int, csv_dir: str) -> dict:
         del res["got"]
         out[dtype] = res
 
+    if "fp32" not in dtypes:
+        return out
     # N consecutive skips stop the run, naming the first parameter with a non-finite gradient
-    engine, model = build_engine(_dtype_cfg("fp32", max_consecutive_skipped_steps=3))
+    engine, model = build_engine(_dtype_cfg("fp32", stage, max_consecutive_skipped_steps=3))
     when = {"inject": [(s, 1, 0, "kv_proj.weight", float("nan")) for s in range(1, 10)], "now": None}
     _poison_hooks(model, rank, when)
     try:
@@ -152,15 +158,10 @@ def _non_finite_cases(rank: int, world_size: int, csv_dir: str) -> dict:
     return out
 
 
-def test_non_finite_gradients_skip_count_report_and_stop(tmp_path):
-    """A NaN (rank 1) and an Inf (rank 0) injected into one parameter's gradient, GAS 2, clipping 0.5,
-    in fp32, bf16 and fp16: both steps are skipped, counted, logged and reported to the monitor; the
-    state equals the run that never saw them (Adam counts applied steps only); three skips in a row
-    stop the run with an error naming the poisoned parameter."""
-    results = run_distributed(_non_finite_cases, 2, str(tmp_path))
+def _check_non_finite(results: list[dict], dtypes: tuple) -> None:
     applied = STEPS - len(SKIPPED)
     for rank, out in enumerate(results):
-        for dtype in ("fp32", "bf16", "fp16"):
+        for dtype in dtypes:
             res = out[dtype]
             assert res["skipped"] == len(SKIPPED), (dtype, res)
             assert res["consecutive"] == 0, (dtype, res)
@@ -171,12 +172,31 @@ def test_non_finite_gradients_skip_count_report_and_stop(tmp_path):
                 tol_rel, tol_upd = TOL[dtype]
                 for name, e in res["errors"].items():
                     assert e["rel"] <= tol_rel and (e["rel_update"] <= tol_upd or e["moved"] == 0), (dtype, name, e)
+        if "fp32" not in dtypes:
+            continue
         msg, muon_steps, skipped = out["stop"]
         assert "3 consecutive optimizer steps skipped" in msg and "kv_proj.weight" in msg, msg
         assert "max_consecutive_skipped_steps" in msg, msg
         assert (muon_steps, skipped) == (1, 3), out["stop"]
-    csv_rows = results[0]["csv"]["Train_ds_muon_skipped_steps.csv"]
-    assert [float(r[1]) for r in csv_rows[1:]] == [1.0, 2.0], csv_rows
+    if "fp32" in dtypes:
+        csv_rows = results[0]["csv"]["Train_ds_muon_skipped_steps.csv"]
+        assert [float(r[1]) for r in csv_rows[1:]] == [1.0, 2.0], csv_rows
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_non_finite_gradients_skip_count_report_and_stop(tmp_path, stage):
+    """A NaN (rank 1) and an Inf (rank 0) injected into one parameter's gradient, GAS 2, clipping 0.5,
+    in fp32 and bf16, at ZeRO stage 3 and 2: both steps are skipped, counted, logged and reported to the
+    monitor; the state equals the run that never saw them (Adam counts applied steps only); three skips in a
+    row stop the run with an error naming the poisoned parameter."""
+    dtypes = ("fp32", "bf16")
+    _check_non_finite(run_distributed(_non_finite_cases, 2, str(tmp_path), dtypes, stage), dtypes)
+
+
+@pytest.mark.skipif(not fp16_supported(), reason=FP16_SKIP)
+def test_non_finite_gradients_fp16(tmp_path):
+    """As above in fp16 (static loss scale 128), ZeRO stage 3."""
+    _check_non_finite(run_distributed(_non_finite_cases, 2, str(tmp_path), ("fp16",)), ("fp16",))
 
 
 # ------------------------------------------------------------------------------------------------

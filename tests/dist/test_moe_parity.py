@@ -4,7 +4,8 @@ MoE experts (Qwen3-MoE, Mixtral: one matrix per expert, gate and up apart), fuse
 qkv_proj) and declared splits.
 
 CPU, gloo, fp32, GAS 2, gradient clipping on; one process group per world size (2 and 3) runs all
-cases. Tolerance as tests/dist/test_zero3_parity.py: 1e-5 relative to each parameter, 1e-3 relative to
+cases, at ZeRO stage 3 and (the ``stage2-`` cases) at stage 2, where experts and heads lie across the flat
+partitions' boundaries. Tolerance as tests/dist/test_zero3_parity.py: 1e-5 relative to each parameter, 1e-3 relative to
 its update. Each case also trains the oracle with every split removed: the ZeRO-3 result must be
 far from that (so a path that ignores the views cannot pass).
 """
@@ -96,6 +97,7 @@ def _run_case(rank: int, world_size: int, case: dict) -> dict | None:
     from ds_muon.names import SPLIT_ATTR
     from ds_muon.core.matrix import matrix_view
     cfg = ds_config(gas=GAS, clip=CLIP)
+    cfg["zero_optimization"]["stage"] = case.get("stage", 3)
     cfg["optimizer"]["params"].update(case.get("params", {}))
     model_fn = MODELS[case["model"]]
     before = _declare if case.get("declare") else None
@@ -106,13 +108,14 @@ def _run_case(rank: int, world_size: int, case: dict) -> dict | None:
     norms = train_engine(engine, STEPS, rank, GAS)
     got = gathered_params(model)
     blocks = sum(s.view.num_blocks for plan in engine.optimizer.muon_plans.values() for s in plan.slots)
+    kind = type(engine.optimizer).__name__
     engine.destroy()
     if rank != 0:
         return {"norms": norms}
     params = cfg["optimizer"]["params"]
     ref, ref_norms = _oracle(init, tags, model_fn, params, world_size, before)
     expected = sum(matrix_view(init[n].shape, splits[n]).num_blocks for n in init if tags[n] and n in splits)
-    result = {"norms": norms, "ref_norms": ref_norms, "tags": tags, "splits": splits, "blocks": blocks,
+    result = {"norms": norms, "ref_norms": ref_norms, "tags": tags, "splits": splits, "blocks": blocks, "type": kind,
               "expected_blocks": expected,
               "errors": compare(got, {n: p.detach().clone() for n, p in ref.named_parameters()}, init)}
     unsplit, _ = _oracle(init, tags, model_fn, params, world_size, before, unsplit=True)
@@ -135,11 +138,17 @@ CASES = {
         dict(name="phi3-per-head", model="phi3", params={"per_head_muon": True}, twin=True,
              expect={"self_attn.qkv_proj.weight": "per head", "mlp.gate_up_proj.weight": "gate/up"}),
         dict(name="llama-gqa-per-head", model="llama", params={"per_head_muon": True},
+             expect={"self_attn.q_proj.weight": "per head", "self_attn.k_proj.weight": "per head"}),
+        # ZeRO stage 2 (MuonZero12Optimizer, the flat layout): experts and heads cut across partitions
+        dict(name="stage2-qwen3-moe", model="qwen3_moe", stage=2, expect={"mlp.experts.gate_up_proj": "gate/up"}),
+        dict(name="stage2-llama-gqa-per-head", model="llama", stage=2, params={"per_head_muon": True},
              expect={"self_attn.q_proj.weight": "per head", "self_attn.k_proj.weight": "per head"})],
     3: [dict(name="qwen3-moe-per-head", model="qwen3_moe", params={"per_head_muon": True},
              expect={"mlp.experts.gate_up_proj": "gate/up", "self_attn.v_proj.weight": "per head"}),
         dict(name="phi3-qkv", model="phi3", twin=True,
              expect={"self_attn.qkv_proj.weight": "q/k/v", "mlp.gate_up_proj.weight": "gate/up"}),
+        dict(name="stage2-qwen3-moe-per-head", model="qwen3_moe", stage=2, params={"per_head_muon": True},
+             expect={"mlp.experts.gate_up_proj": "gate/up", "self_attn.v_proj.weight": "per head"}),
         dict(name="llama-declared", model="llama", declare=True,
              params={"muon_splits": {"model.layers.1.self_attn.o_proj.weight": [8, 24]}},
              expect={"layers.1.self_attn.o_proj.weight": "declared", "layers.0.mlp.down_proj.weight": "declared"})],
@@ -154,6 +163,7 @@ def test_moe_and_split_views_match_oracle(world_size: int) -> None:
     results = run_distributed(moe_worker, world_size, cases)
     for k, case in enumerate(cases):
         res, name = results[0][k], case["name"]
+        assert res["type"] == ("MuonZero12Optimizer" if case.get("stage") == 2 else "MuonZeroOptimizer"), name
         for other in results:
             assert other[k]["norms"] == res["norms"], name
         torch.testing.assert_close(torch.tensor(res["norms"]), torch.tensor(res["ref_norms"]), rtol=1e-5, atol=0)

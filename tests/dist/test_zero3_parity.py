@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+from tests.support.precision import FP16_SKIP, fp16_supported
 from tests.support.spawn import run_distributed
 from tests.support.models import ParityNet, late_groups, late_parity_net, wide_parity_net
 from tests.support.harness import (PARITY_RTOL, build_engine, clone_tags, compare, ds_config, fp32_master_params,
@@ -163,17 +164,17 @@ def _fp16_overflow_case(rank: int, world_size: int, case: dict, nvme_dir: str = 
     import ds_muon
     from tests.support.harness import fp32_master_params
     from tests.support.models import batch, use_extra
-    cfg = ds_config(gas=1, clip=case.get("clip", 0.0))
+    cfg = ds_config(gas=1, clip=case.get("clip", 0.0), stage=case.get("stage", 3))
     cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
     engine, model = build_engine(cfg)
     init, tags = gathered_params(model), clone_tags(model)
     opt = engine.optimizer
+    flats = getattr(opt, "fp32_partitioned_groups_flat", None) or opt.single_partition_of_fp32_groups  # ZeRO-3, 1/2
     out: dict = {"skipped": [], "scales": []}
     for step in range(FP16_STEPS):
         if step == FP16_POISONED:
-            momentum = {i: opt.optimizer.state[opt.fp32_partitioned_groups_flat[i]]["momentum_buffer"].clone()
-                        for i in opt.muon_plans}
-            weights = [t.clone() for t in opt.fp32_partitioned_groups_flat]
+            momentum = {i: opt.optimizer.state[flats[i]]["momentum_buffer"].clone() for i in opt.muon_plans}
+            weights = [t.clone() for t in flats]
             muon_steps = opt.muon_step_count
         tokens, targets = batch(step, rank, 0)
         loss = engine(tokens, targets, use_extra(step))
@@ -185,15 +186,16 @@ def _fp16_overflow_case(rank: int, world_size: int, case: dict, nvme_dir: str = 
         out["skipped"].append(bool(opt.overflow))
         out["scales"].append(float(opt.loss_scale))
         if step == FP16_POISONED:
-            out["same_momentum"] = all(torch.equal(momentum[i], opt.optimizer.state[
-                opt.fp32_partitioned_groups_flat[i]]["momentum_buffer"]) for i in opt.muon_plans)
-            out["same_weights"] = all(torch.equal(a, b) for a, b in zip(weights, opt.fp32_partitioned_groups_flat))
+            out["same_momentum"] = all(torch.equal(momentum[i], opt.optimizer.state[flats[i]]["momentum_buffer"])
+                                       for i in opt.muon_plans)
+            out["same_weights"] = all(torch.equal(a, b) for a, b in zip(weights, flats))
             # for the message if not: (sub-group, Muon?, elements changed, of, max |change|)
             out["changed"] = [(i, i in opt.muon_plans, int((a != b).sum()), a.numel(), float((a - b).abs().max()))
-                              for i, (a, b) in enumerate(zip(weights, opt.fp32_partitioned_groups_flat))
+                              for i, (a, b) in enumerate(zip(weights, flats))
                               if not torch.equal(a, b)]
             out["muon_steps_across"] = (muon_steps, opt.muon_step_count)
     out["steps"] = opt.muon_step_count
+    out["named"] = opt.last_non_finite_param
     got = fp32_master_params(model)
     engine.destroy()
     if rank != 0:
@@ -268,10 +270,21 @@ CASES = {
 
 @pytest.mark.parametrize("world_size", sorted(CASES))
 def test_parity_with_oracle(world_size: int) -> None:
-    cases = CASES[world_size]
+    cases = [c for c in CASES[world_size] if not c.get("fp16_overflow")]
     results = run_distributed(parity_worker, world_size, cases)
     for k, case in enumerate(cases):
         check_parity(case, [r[k] for r in results])
+
+
+@pytest.mark.skipif(not fp16_supported(), reason=FP16_SKIP)
+def test_fp16_loss_scale_overflow_parity() -> None:
+    """The fp16 cases of :data:`CASES` (their own process group: only where the accelerator trains fp16)."""
+    for world_size, all_cases in CASES.items():
+        cases = [c for c in all_cases if c.get("fp16_overflow")]
+        if cases:
+            results = run_distributed(parity_worker, world_size, cases)
+            for k, case in enumerate(cases):
+                check_parity(case, [r[k] for r in results])
 
 
 def check_fp16_overflow(case: dict, per_rank: list[dict]) -> None:

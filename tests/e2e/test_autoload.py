@@ -192,13 +192,15 @@ def test_ds_muon_imported_before_deepspeed_still_activates() -> None:
 
 
 def test_error_under_auto_activation_names_the_way_out() -> None:
-    """A config ds_muon refuses (ZeRO-2 here) names DS_MUON=0 when only the start-up hook enabled ds_muon."""
+    """A config ds_muon refuses (a bad value: momentum 1.5) names DS_MUON=0 when only the start-up hook enabled
+    ds_muon. (A mode ds_muon does not serve is handed over instead: tests/dist/test_handover.py.)"""
     code = ("from ds_muon import _autoload as a; a.install(); import deepspeed; from ds_muon.integration import hooks as i\n"
-            "class Cfg: _param_dict = {'optimizer': {'type': 'Muon', 'params': {}}, 'zero_optimization': {'stage': 2}}\n"
+            "class Cfg: _param_dict = {'optimizer': {'type': 'Muon', 'params': {'momentum': 1.5}}, "
+            "'zero_optimization': {'stage': 3}}\n"
             "for explicit in (False, True):\n"
             "    if explicit: i.enable()\n"
             "    try: i._set_optimizer_flags(Cfg(), None)\n"
-            "    except Exception as e: print('MSG', explicit, 'DS_MUON=0' in str(e), 'stage' in str(e))\n")
+            "    except Exception as e: print('MSG', explicit, 'DS_MUON=0' in str(e), 'momentum' in str(e))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=str(REPO), DS_MUON="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]

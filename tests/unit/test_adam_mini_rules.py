@@ -74,8 +74,10 @@ def test_block_map_of_adam_mini_slots_takes_any_shape() -> None:
     computed for an Adam-mini slot."""
     from ds_muon.sharded.blocks import build_block_map
     from ds_muon.integration.zero3 import AdamMiniSlot
+    from ds_muon.sharded.layout import chunked_pieces
     # W = 2: a (6,) norm as one block (chunk 3) then an (4, 5) weight in blocks of 5 (chunk 10)
-    slots = [AdamMiniSlot("norm", (6,), 6, 3, 0, 6), AdamMiniSlot("w", (4, 5), 20, 10, 3, 5)]
+    slots = [AdamMiniSlot("norm", (6,), 6, chunked_pieces(6, 2, 0), 6),
+             AdamMiniSlot("w", (4, 5), 20, chunked_pieces(20, 2, 3), 5)]
     for rank, want in ((0, [("norm[0]", 3), ("w[0]", 5), ("w[1]", 5)]), (1, [("norm[0]", 3), ("w[2]", 5), ("w[3]", 5)])):
         bm = build_block_map(slots, rank, 13, block_numel=lambda s: s.block)
         assert [(bm.block_names[b], n) for b, n in zip(bm.block_of_segment, bm.lengths)] == want
@@ -96,8 +98,8 @@ def test_config_errors_name_the_key() -> None:
                        ({"weight_decay": -0.1}, r"optimizer.params.weight_decay: -0.1 is invalid.*allowed: a number >= 0")):
         with pytest.raises(ConfigError, match=match):
             parse_adam_mini_params(bad)
-    with pytest.raises(ConfigError, match=r"zero_optimization.stage: 2 is invalid.*stage 3"):
-        validate_adam_mini_config({"optimizer": {"type": "AdamMini"}, "zero_optimization": {"stage": 2}})
+    with pytest.raises(ConfigError, match=r"zero_optimization.stage: 0 is invalid.*stages 1, 2 and 3"):
+        validate_adam_mini_config({"optimizer": {"type": "AdamMini"}, "zero_optimization": {"stage": 0}})
     assert validate_adam_mini_config({"optimizer": {"type": "AdamW"}}) is None
     base = {"optimizer": {"type": "AdamMini"}, "zero_optimization": {"stage": 3}}
     with pytest.raises(ConfigError, match=r"zero_optimization.zenflow: is not supported"):

@@ -122,6 +122,7 @@ def test_ns_autotune_refuses_more_static_graphs_than_the_limit(monkeypatch):
     import types
 
     import ds_muon.integration.zero3 as zero3
+    import ds_muon.integration.zero_common as zero_common
     from ds_muon.config import ConfigError, parse_muon_params
     CausalLM, ModelConfig = model_module.CausalLM, model_module.ModelConfig
 
@@ -143,10 +144,10 @@ def test_ns_autotune_refuses_more_static_graphs_than_the_limit(monkeypatch):
                                      optimizer=types.SimpleNamespace(config=parse_muon_params(params)))
 
     check = zero3.MuonZeroOptimizer._check_autotune_graphs
-    monkeypatch.setattr(zero3, "COMPILE_GRAPH_LIMIT", shapes - 1)
+    monkeypatch.setattr(zero_common, "COMPILE_GRAPH_LIMIT", shapes - 1)
     with pytest.raises(ConfigError, match=rf"optimizer.params.ns_autotune: .* {shapes} distinct .* set ns_autotune: false"):
         check(fake(cuda, ns_autotune=True))
     check(fake(torch.device("cpu"), ns_autotune=True))
     check(fake(cuda, ns_autotune=False))
-    monkeypatch.setattr(zero3, "COMPILE_GRAPH_LIMIT", shapes)
+    monkeypatch.setattr(zero_common, "COMPILE_GRAPH_LIMIT", shapes)
     check(fake(cuda, ns_autotune=True))

@@ -21,7 +21,8 @@ def test_exchange_dtype_rule():
 
 
 def test_the_runtime_uses_the_rule():
-    """The ZeRO-3 optimizer builds its exchanges with this rule (no second copy of it)."""
-    import ds_muon.integration.zero3 as zero3
-    assert zero3.resolve_exchange_dtype is resolve_exchange_dtype and zero3.resolve_ns_dtype is resolve_ns_dtype
+    """The ZeRO optimizers (stage 3 and stages 1/2) build their exchanges with this rule (no second copy of it)."""
+    import ds_muon.integration.zero_common as zero_common
+    assert (zero_common.resolve_exchange_dtype is resolve_exchange_dtype
+            and zero_common.resolve_ns_dtype is resolve_ns_dtype)
 

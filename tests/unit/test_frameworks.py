@@ -46,14 +46,14 @@ def test_stage_error_names_the_fix_for_the_framework(module, expected) -> None:
     from ds_muon.integration import hooks as integration
 
     class Cfg:  # what DeepSpeed passes: its config object with the raw dict
-        _param_dict = {"optimizer": {"type": "Muon", "params": {"lr": 0.02}}, "zero_optimization": {"stage": 2}}
+        _param_dict = {"optimizer": {"type": "Muon", "params": {"lr": 0.02}}, "zero_optimization": {"stage": 0}}
 
     scope = {"__name__": module, "flags": integration._set_optimizer_flags, "Cfg": Cfg}
     exec("def build():\n    flags(Cfg(), None)\n", scope)
     with pytest.raises(ConfigError) as err:
         scope["build"]()
     text = str(err.value)
-    assert "zero_optimization.stage: 2 is invalid" in text
+    assert "zero_optimization.stage: 0 is invalid" in text
     framework = {"transformers.trainer": TRAINER, "accelerate.accelerator": ACCELERATE}.get(module, DIRECT)
     assert f"for this {framework} setup: " in text and expected in text
     assert "DS_MUON=0" not in text  # ds_muon was not enabled by the start-up hook here

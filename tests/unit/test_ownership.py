@@ -1,4 +1,4 @@
-"""Tests for the owner plan (ds_muon.ownership) and the single-process owner exchange (ds_muon.exchange)."""
+"""Tests for the owner plan (ds_muon.sharded.ownership), the partition layouts (ds_muon.sharded.layout) and the single-process owner exchange (ds_muon.sharded.exchange)."""
 from __future__ import annotations
 
 import math
@@ -314,3 +314,97 @@ def test_single_process_exchange_with_buckets_matches_per_matrix():
     OwnerExchange(None, torch.float32, torch.float32).run(
         plan, u, u, lambda x: orthogonalize(x, "standard", 5, torch.float32))  # out aliases u
     torch.testing.assert_close(u, expect, rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# ZeRO-1/2's flat layout (ds_muon.sharded.layout.flat_pieces)
+# ------------------------------------------------------------------------------------------------
+def flat_infos(shapes, W: int, gap: int = 0) -> tuple[list[ParamInfo], int]:
+    """Parameters back to back in one flat buffer (``gap`` elements of padding after each), cut into W equal
+    partitions as DeepSpeed's ZeRO-1/2 optimizer does; returns the infos and the partition size."""
+    from ds_muon.sharded.layout import flat_pieces
+    offsets, at = [], 0
+    for s in shapes:
+        offsets.append(at)
+        at += math.prod(s) + gap
+    size = -(-at // W)
+    return [ParamInfo(f"p{i}", tuple(s), math.prod(s), None, flat_pieces(o, math.prod(s), size, W))
+            for i, (s, o) in enumerate(zip(shapes, offsets))], size
+
+
+def test_flat_pieces_tile_each_parameter():
+    from ds_muon.sharded.layout import flat_pieces
+    pieces = flat_pieces(10, 25, 16, 3)  # [10, 35) over partitions [0,16) [16,32) [32,48)
+    assert [(p.start, p.length, p.shard_offset, p.sent) for p in pieces] == [(0, 6, 10, 6), (6, 16, 0, 16),
+                                                                            (22, 3, 0, 3)]
+    assert [p.length for p in flat_pieces(0, 8, 16, 3)] == [8, 0, 0]
+    with pytest.raises(ValueError, match="does not fit 3 partitions of 16"):
+        flat_pieces(40, 9, 16, 3)
+
+
+def test_flat_layout_matrices_stay_where_they_lie():
+    """Equal matrices, each inside one partition: every matrix is owned by the rank holding it, nothing crosses
+    the wire, and the Newton–Schulz load is balanced."""
+    W = 4
+    params, size = flat_infos([(16, 16)] * 8, W)
+    plan = build_plan(params, W, shard_numel=size)
+    assert not plan.chunked
+    assert all(s.pieces[s.owner].length == s.numel for s in plan.slots)
+    assert [plan.sent_elements(r) for r in range(W)] == [0] * W
+    assert plan.imbalance() == 1.0
+
+
+def test_flat_layout_straddling_matrix_goes_to_its_larger_piece():
+    W = 2
+    params, size = flat_infos([(8, 8), (8, 8), (8, 8)], W)  # 192 elements: p1 is cut 32 | 32, p0 on 0, p2 on 1
+    plan = build_plan(params, W, shard_numel=size)
+    owners = {s.name: s.owner for s in plan.slots}
+    assert owners["p0"] == 0 and owners["p2"] == 1
+    assert sum(plan.sent_elements(r) for r in range(W)) == 2 * 32  # p1's smaller piece, there and back
+
+
+def test_flat_layout_balance_beats_locality():
+    """One rank holds every large matrix: keeping them all there would overload it, so matrices move (LPT) until
+    no rank is above (1 + HOME_SLACK) of the mean by more than one matrix."""
+    from ds_muon.sharded.ownership import HOME_SLACK
+    W = 2
+    params, size = flat_infos([(32, 32)] * 4 + [(2, 2)] * 300, W)
+    plan = build_plan(params, W, shard_numel=size)
+    loads = plan.load()
+    assert max(loads) <= (1 + HOME_SLACK) * sum(loads) / W + max(s.cost for s in plan.slots)
+    assert 0 < plan.sent_elements(0)
+
+
+def test_chunked_layout_is_plain_lpt():
+    """ZeRO-3's chunked layout gives every owner the same traffic, so owners are LPT's (cost order, least loaded,
+    ties to the lower rank), as before the flat layout existed."""
+    W = 3
+    params = infos(MIXED)
+    plan = build_plan(params, W)
+    loads, want = [0] * W, {}
+    for i, p in sorted(enumerate(params), key=lambda ip: (-next(s.cost for s in plan.slots if s.index == ip[0]),
+                                                          -chunk_size(ip[1].numel, W), ip[0])):
+        cost = next(s.cost for s in plan.slots if s.index == i)
+        r = min(range(W), key=lambda k: (loads[k], k))
+        want[i], loads[r] = r, loads[r] + cost
+    assert {s.index: s.owner for s in plan.slots} == want
+
+
+@pytest.mark.parametrize("general", [False, True])
+def test_flat_layout_single_process_exchange_matches_per_matrix(general, monkeypatch):
+    """The exchange at W=1 on a flat layout with padding gaps, through the chunked fast path and (``general``)
+    the general piece-by-piece path: both equal per-matrix Newton–Schulz times the update scale (the W>1 flat
+    exchange is checked against the oracle in tests/dist/test_zero12_parity.py)."""
+    torch.manual_seed(0)
+    params, size = flat_infos([(8, 8), (6, 10), (3, 4, 5)], 1, gap=3)
+    plan = build_plan(params, 1, shard_numel=size)
+    if general:
+        monkeypatch.setattr(ExchangePlan, "chunked", property(lambda self: False))
+    u = torch.randn(size)
+    out = torch.zeros(size)
+    OwnerExchange(None, torch.float32, torch.float32).run(plan, u, out, scaled_orth)
+    for info in params:
+        p = info.pieces[0]
+        t = u.narrow(0, p.shard_offset, info.numel).view(info.shape)
+        torch.testing.assert_close(out.narrow(0, p.shard_offset, info.numel).view(info.shape), expected_update(t),
+                                   rtol=1e-6, atol=1e-6, msg=info.name)

@@ -64,29 +64,34 @@ def test_rule_leaves_non_finite_and_small_logits_alone():
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_local_head_ranges_cover_each_head_exactly(world_size):
-    """Every element of a head's rows lies in exactly one rank's ZeRO-3 chunk range of that head
-    (:func:`ds_muon.sharded.qk_clip.local_span` over the spans of :meth:`ds_muon.model.attention.HeadRows.head_span`)."""
+    """Every element of a head's rows lies in exactly one rank's range of that head, for ZeRO-3's chunks and for
+    ZeRO-1/2's flat pieces (:func:`ds_muon.sharded.qk_clip.local_span` over the spans of
+    :meth:`ds_muon.model.attention.HeadRows.head_span`)."""
     from ds_muon.model.attention import HeadRows
+    from ds_muon.sharded.layout import chunked_pieces, flat_pieces
     from ds_muon.sharded.qk_clip import local_span
 
-    def local_head_ranges(hr, numel, chunk, rank):
+    def local_head_ranges(hr, piece):
         return [(part[0], part[1], h) for h in range(hr.num_heads)
-                if (part := local_span(*hr.head_span(h), numel, chunk, rank)) is not None]
+                if (part := local_span(*hr.head_span(h), piece)) is not None]
     for rows, cols, start, hd, heads in ((24, 7, 0, 6, 4), (40, 5, 16, 4, 2), (24, 1, 0, 6, 4), (9, 3, 3, 3, 2)):
         hr = HeadRows(None, "p", start, hd, heads, cols)
         numel = rows * cols
-        chunk = -(-numel // world_size)
         want = torch.full((numel,), -1)
         for h in range(heads):
             want[(start + h * hd) * cols:(start + (h + 1) * hd) * cols] = h
-        got = torch.full((numel,), -1)
-        for r in range(world_size):
-            for offset, n, h in local_head_ranges(hr, numel, chunk, r):
-                lo = r * chunk + offset
-                assert 0 <= offset and offset + n <= chunk and lo + n <= numel
-                assert (got[lo:lo + n] == -1).all(), "a range is covered twice"
-                got[lo:lo + n] = h
-        assert torch.equal(got, want), (rows, cols, start, world_size)
+        # ZeRO-3: every chunk at shard offset 5; ZeRO-1/2: the parameter at flat offset 7 of partitions that hold
+        # it and 3 more elements of padding
+        partition = -(-(7 + numel + 3) // world_size)
+        for pieces in (chunked_pieces(numel, world_size, 5), flat_pieces(7, numel, partition, world_size)):
+            got = torch.full((numel,), -1)
+            for piece in pieces:
+                for offset, n, h in local_head_ranges(hr, piece):
+                    lo = piece.start + offset - piece.shard_offset  # in the parameter
+                    assert piece.shard_offset <= offset and offset + n <= piece.shard_offset + piece.length
+                    assert (got[lo:lo + n] == -1).all(), "a range is covered twice"
+                    got[lo:lo + n] = h
+            assert torch.equal(got, want), (rows, cols, start, world_size, pieces)
 
 
 def test_find_clip_targets_geometry():

@@ -1,0 +1,227 @@
+"""``MuonZero12Optimizer``: DeepSpeed's ZeRO-1/2 optimizer with ds_muon's steps for Muon and Adam-mini param groups.
+
+Layer ``integration``: DeepSpeed overrides only; the step itself is the one ZeRO-3 runs
+(:class:`~ds_muon.sharded.muon_step.MuonShardStep`, :class:`~ds_muon.sharded.adam_mini_step.AdamMiniShardStep`),
+built on ZeRO-1/2's flat layout (:func:`ds_muon.sharded.layout.flat_pieces`). Checked against deepspeed 0.19.8
+(docs/design.md, "Where DeepSpeed is hooked").
+
+The layout: DeepSpeed's ``DeepSpeedZeroOptimizer`` flattens each param group into one buffer (its parameters
+in ``round_robin_bit16_groups[i]`` order, at ``round_robin_bit16_offsets[i]``, with alignment padding) and cuts
+it into ``W`` equal partitions of ``partition_size[i]`` elements; rank ``r`` keeps the fp32 master copy of
+partition ``r`` (``single_partition_of_fp32_groups[i]``), so a parameter can start on one rank and end on
+another. The owner plan takes each parameter's piece on every rank as input and sends exactly those pieces; a
+matrix that lies inside one rank's partition is owned by that rank where the load balance allows, and then
+costs no exchange at all (:func:`ds_muon.sharded.ownership.build_plan`).
+
+When DeepSpeed's ``step()`` calls ``_optimizer_step(i)``, group ``i``'s gradient partition in
+``single_partition_of_fp32_groups[i].grad`` is final: accumulated over micro-batches, reduced, unscaled and
+clipped on the raw global norm; every rank calls it for every group in the same order, so the owner exchange's
+collectives are safe there. DeepSpeed then copies the fp32 partition into the bf16/fp16 one and all-gathers
+the parameters.
+
+DeepSpeed 0.19.8's own ZeRO-1/2 Muon path switches on when the inner optimizer's class name contains "muon"
+(``DeepSpeedZeroOptimizer._is_muon_group``); it then runs Newton–Schulz on every gradient partition it
+builds, per micro-batch. ds_muon's inner optimizer at these stages is
+:class:`~ds_muon.integration.inner.FlatPartitionInner`, whose name does not, so that path stays off.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+from ..model.attention import factor_spans, find_clip_targets
+from ..names import ADAM_MINI, ADAMW, ALGORITHM_KEY, BLOCK_ATTR, BLOCK_STATE_KEY, MUON, SPLIT_ATTR
+from ..sharded.adam_mini_step import AdamMiniShardStep
+from ..sharded.blocks import build_block_map
+from ..sharded.exchange import BufferPool
+from ..sharded.layout import Piece, flat_pieces
+from ..sharded.no_grad import GradientFlags
+from ..sharded.ownership import ParamInfo
+from ..sharded.qk_clip import scale_shard_, shard_ranges
+from .inner import DsMuonInner
+from .zero_common import AdamMiniSlot, DsMuonZeroSteps
+
+__all__ = ["MuonZero12Optimizer"]
+
+
+class MuonZero12Optimizer(DsMuonZeroSteps, DeepSpeedZeroOptimizer):
+    """``DeepSpeedZeroOptimizer`` (ZeRO stage 1 or 2) with ds_muon's Muon and Adam-mini param-group steps.
+
+    Per Muon param group and optimizer step, on this rank's flat fp32 partition ``(partition_size,)``: the
+    momentum step (element-wise, never communicated), the owner exchange (all_to_all of this rank's pieces to
+    each matrix's owner rank, Newton–Schulz there, all_to_all back), and the decoupled-weight-decay update; no
+    gradient, no step per block (:mod:`ds_muon.sharded.no_grad`); QK-clip on the partitions after the update.
+    Per Adam-mini group: per-block sums of ``g**2`` all-reduced, then the update. AdamW groups go to
+    DeepSpeed's own step (FusedAdam, DeepSpeedCPUAdam under CPU offload, or torch's AdamW). The owner plans and
+    block maps are built once, identically on every rank. ``__init__`` passes ``*args, **kwargs`` through
+    unchanged; ``module`` (the engine's model, which DeepSpeed's ZeRO-1/2 optimizer is not given) is ds_muon's.
+
+    Attributes:
+        muon_steps: ``{param group: MuonShardStep}``; muon_plans: their owner plans.
+        adam_mini_steps: ``{param group: AdamMiniShardStep}``; adam_mini_maps: their block maps.
+        pieces: per param group, ``[(param, its Piece on every rank)]`` in the flat buffer's order.
+        step_count, muon_step_count, skipped_step_count, qk_clip_stats, ...: see
+            :class:`~ds_muon.integration.zero_common.DsMuonZeroSteps`.
+
+    Raises:
+        TypeError: the inner optimizer is not ds_muon's.
+        ConfigError: ``ns_autotune`` would make too many static Newton–Schulz graphs; QK-clip on a frozen weight.
+        ValueError: a parameter does not fit the partitions DeepSpeed reports (a DeepSpeed layout change).
+    """
+
+    _stepping = False
+
+    def __init__(self, *args, module: Optional[torch.nn.Module] = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if module is None:
+            raise TypeError("MuonZero12Optimizer needs the engine's module (module=...); ds_muon's engine hook "
+                            "passes it")
+        self.module = module
+        if not isinstance(self.optimizer, DsMuonInner):
+            raise TypeError("MuonZero12Optimizer needs a ds_muon inner optimizer (FlatPartitionInner or "
+                            "ZeroAdamMiniInner); build the engine through ds_muon.initialize or ds_muon.enable()")
+        # DeepSpeed replaces optimizer.param_groups by [group i] while it steps group i: read them once here.
+        self._algorithms = [g[ALGORITHM_KEY] for g in self.optimizer.param_groups]
+        self._device = torch.device(get_accelerator().current_device_name())
+        self._pool = BufferPool()
+        self._init_steps()
+        self.pieces = [self._group_pieces(i) for i in range(len(self.bit16_groups))]
+        self.muon_steps = {i: self._muon_step_of(f"ZeRO param group {i}", self._infos(i), self._world(i),
+                                                 int(self.partition_size[i]), self.optimizer.param_groups[i],
+                                                 self.real_dp_process_group[i])
+                           for i, a in enumerate(self._algorithms) if a == MUON}
+        self.muon_plans = {i: s.plan for i, s in self.muon_steps.items()}
+        self.gradient_flags = GradientFlags({i: s.block_map for i, s in self.muon_steps.items()}, self._device)
+        self.adam_mini_steps = {i: self._adam_mini_step_of(i) for i, a in enumerate(self._algorithms) if a == ADAM_MINI}
+        self.adam_mini_maps = {i: s.block_map for i, s in self.adam_mini_steps.items()}
+        self._build_qk_clip()
+        self._check_autotune_graphs()
+
+    # ---- the layout ------------------------------------------------------------------------------
+    def _world(self, i: int) -> int:
+        return dist.get_world_size(group=self.real_dp_process_group[i])
+
+    def _rank(self, i: int) -> int:
+        return dist.get_rank(group=self.real_dp_process_group[i])
+
+    def _group_pieces(self, i: int) -> list[tuple[torch.nn.Parameter, tuple[Piece, ...]]]:
+        """Every parameter of group ``i`` with its :class:`Piece` on every rank (from DeepSpeed's offsets; the
+        shapes from its meta tensors, which stay valid when parameter storage is swapped out)."""
+        size, world = int(self.partition_size[i]), self._world(i)
+        return [(p, flat_pieces(int(offset), meta.numel(), size, world))
+                for p, meta, offset in zip(self.round_robin_bit16_groups[i], self.round_robin_bit16_meta[i],
+                                           self.round_robin_bit16_offsets[i])]
+
+    def _name(self, p) -> str:
+        return self.param_names.get(p, f"param of shape {tuple(p.shape)}")
+
+    def _infos(self, i: int) -> list[ParamInfo]:
+        return [ParamInfo(self._name(p), tuple(meta.shape), meta.numel(), getattr(p, SPLIT_ATTR, None), pieces)
+                for (p, pieces), meta in zip(self.pieces[i], self.round_robin_bit16_meta[i])]
+
+    def _adam_mini_step_of(self, i: int) -> AdamMiniShardStep:
+        slots = []
+        for (p, pieces), meta in zip(self.pieces[i], self.round_robin_bit16_meta[i]):
+            block, numel = getattr(p, BLOCK_ATTR, None), meta.numel()
+            if not block or numel % block:
+                raise ValueError(f"ds_muon: Adam-mini parameter {self._name(p)!r} ({numel} elements) has block "
+                                 f"{block}, which does not divide it")
+            slots.append(AdamMiniSlot(self._name(p), tuple(meta.shape), numel, pieces, int(block)))
+        block_map = build_block_map(slots, self._rank(i), int(self.partition_size[i]), block_numel=lambda s: s.block)
+        return AdamMiniShardStep(f"ZeRO param group {i}", block_map, [s.block for s in slots
+                                                                      for _ in range(s.numel // s.block)])
+
+    def _build_qk_clip(self) -> None:
+        """QK-clip's plan (``optimizer.params.qk_clip``): the attention modules and, per param group, the flat
+        ranges of this rank's fp32 partition that hold each query/key head's rows."""
+        if self.optimizer.optimizer_type != "Muon" or not self.optimizer.config.qk_clip.enabled:
+            return
+        self.qk_clip_targets = find_clip_targets(self.module)
+        where = {id(p): (i, pieces[self._rank(i)]) for i, group in enumerate(self.pieces) for p, pieces in group}
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        self._qk_ranges = shard_ranges(factor_spans(self.qk_clip_targets), names, lambda p: where.get(id(p)))
+
+    # ---- the step --------------------------------------------------------------------------------
+    def step(self, closure=None):
+        """DeepSpeed's ZeRO-1/2 step; counts the steps that were not skipped for overflow.
+
+        Afterwards the exchange's buffer pool is released to the caching allocator and, under CPU optimizer
+        offload, the fp32 gradient partitions are zeroed: DeepSpeed copies each parameter's gradient into its
+        slot at the accumulation boundary, so a parameter that gets no gradient in a step would otherwise be
+        stepped with what the slot held before (the oracle reads a zero gradient).
+
+        Raises:
+            RuntimeError: a parameter's ``requires_grad`` changed since initialize; too many skipped steps in a row.
+        """
+        with self._step_scope("ZeRO-1/2") as stats:
+            super().step(closure)
+        self._after_step(self.overflow, stats, dist.get_rank(group=self.dp_process_group) == 0)
+
+    def _clean_after_step(self) -> None:
+        if self.cpu_offload:
+            for fp32 in self.single_partition_of_fp32_groups:
+                if fp32.grad is not None:
+                    fp32.grad.zero_()
+
+    def _update_scale(self, has_overflow=False):
+        """DeepSpeed's; on a skipped step first finds the parameter to name (the gradients are still there)."""
+        if has_overflow and self._stepping:
+            self.skips.last_param = self._first_non_finite_grad()
+        return super()._update_scale(has_overflow)
+
+    def _local_grad_partition(self, i: int) -> Optional[torch.Tensor]:
+        """This rank's flat gradient partition of group ``i`` at the overflow check, wherever DeepSpeed keeps it."""
+        if self.cpu_offload:
+            return self.single_partition_of_fp32_groups[i].grad
+        grads = (self.averaged_gradients or {}).get(i)
+        return None if not grads else torch.cat([g.reshape(-1) for g in grads])
+
+    def _first_non_finite_grad(self) -> Optional[str]:
+        """Name of the first parameter (group order, over all data-parallel ranks) whose gradient holds a NaN or
+        Inf, or None. Collective: one all_reduce(MIN) of one int64."""
+        ordered = [(i, p, pieces[self._rank(i)]) for i, group in enumerate(self.pieces) for p, pieces in group]
+        first = len(ordered)
+        flats = {i: self._local_grad_partition(i) for i in range(len(self.pieces))}
+        for k, (i, p, piece) in enumerate(ordered):
+            flat = flats[i]
+            if (piece.length and flat is not None and piece.shard_offset + piece.length <= flat.numel()
+                    and not torch.isfinite(flat.narrow(0, piece.shard_offset, piece.length)).all()):
+                first = k
+                break
+        found = torch.tensor([first], dtype=torch.int64, device=self._device)
+        dist.all_reduce(found, op=dist.ReduceOp.MIN, group=self.dp_process_group)
+        k = int(found.item())
+        return None if k == len(ordered) else self._name(ordered[k][1])
+
+    def _optimizer_step(self, group_no: int) -> None:
+        """Group ``group_no``'s update (Muon, Adam-mini, or DeepSpeed's AdamW), then QK-clip on its fp32 partition
+        (DeepSpeed copies it into the bf16/fp16 partition right after)."""
+        algorithm = self._algorithms[group_no]
+        if algorithm == ADAMW:
+            super()._optimizer_step(group_no)
+        else:
+            self._own_step(group_no, algorithm)
+            self._lazy_init_hp_params_optimizer_state()  # as DeepSpeed's _optimizer_step: link the new state
+        if self._qk_factors is not None and group_no in self._qk_ranges:
+            scale_shard_(self.single_partition_of_fp32_groups[group_no].data, self._qk_ranges[group_no],
+                         self._qk_factors)
+
+    @torch.no_grad()
+    def _muon_step(self, i: int) -> None:
+        fp32 = self.single_partition_of_fp32_groups[i]
+        group = self.optimizer.param_groups[i]
+        momentum = self._momentum_of(fp32, group)
+        had = self.gradient_flags.blocks_with_gradient(i, fp32.grad, self.real_dp_process_group[i], {})
+        self.muon_steps[i].run(fp32, fp32.grad, momentum, had, group)
+
+    @torch.no_grad()
+    def _adam_mini_step(self, i: int) -> None:
+        fp32 = self.single_partition_of_fp32_groups[i]
+        step = self.adam_mini_steps[i]
+        state = self._adam_mini_state(fp32, step.n_blocks)
+        step.run(fp32, fp32.grad, state["exp_avg"], state[BLOCK_STATE_KEY], state["step"],
+                 self.optimizer.param_groups[i], self.real_dp_process_group[i], self._device)
