@@ -56,6 +56,10 @@ def algorithm_of(group: Mapping[str, Any]) -> str:
 # deepspeed.checkpoint.constants).
 FP32_FLAT_GROUPS = "fp32_flat_groups"
 OPTIMIZER_STATE_DICT = "optimizer_state_dict"
+# ZeRO-1/2's keys inside ``optimizer_state_dict``: the fp32 partitions (the last one without its end padding) and
+# the inner optimizer's state dict
+SINGLE_PARTITION_OF_FP32_GROUPS = "single_partition_of_fp32_groups"
+BASE_OPTIMIZER_STATE = "base_optimizer_state"
 PARAM = "param"
 PARAM_GROUPS = "param_groups"
 PARTITION_COUNT = "partition_count"

@@ -126,7 +126,18 @@ def convert_hint(load_dir: str, tag: str) -> str:
             "\"checkpoint\": {\"load_universal\": true} in the DeepSpeed config (docs/checkpointing.md)")
 
 
-def check_tag(load_dir: str, tag: Optional[str], universal: bool, world_size: int) -> None:
+def saved_layout(ckpt_dir: str) -> Optional[str]:
+    """``"chunked"`` (ZeRO-3: per-rank model-state files) or ``"flat"`` (ZeRO-1/2: one ``mp_rank_00`` model-state
+    file) from a tag's files, or None when neither is there."""
+    if glob.glob(os.path.join(ckpt_dir, "zero_pp_rank_*_mp_rank_*_model_states.pt")):
+        return "chunked"
+    if glob.glob(os.path.join(ckpt_dir, "mp_rank_*_model_states.pt")):
+        return "flat"
+    return None
+
+
+def check_tag(load_dir: str, tag: Optional[str], universal: bool, world_size: int,
+              zero3: Optional[bool] = None) -> None:
     """The checks a ds_muon engine's ``load_checkpoint`` runs first (from the files alone; collective: every rank
     calls it).
 
@@ -135,6 +146,8 @@ def check_tag(load_dir: str, tag: Optional[str], universal: bool, world_size: in
             ``latest_universal``).
         universal: the engine's ``checkpoint.load_universal``.
         world_size: the engine's data-parallel world size (what DeepSpeed compares against).
+        zero3: whether the engine is at ZeRO stage 3 (None: not checked); a checkpoint of the other layout
+            (stage 1/2 against 3) is refused naming the conversion.
 
     Raises:
         CheckpointError: a file of the tag is missing, truncated or damaged (:func:`verify_checkpoint_files`);
@@ -168,7 +181,12 @@ def check_tag(load_dir: str, tag: Optional[str], universal: bool, world_size: in
                               "true} in the DeepSpeed config to load it")
     if universal:
         return
+    layout = saved_layout(ckpt_dir)
+    if zero3 is not None and layout is not None and (layout == "chunked") != zero3:
+        saved_stage, this_stage = ("3", "1/2") if layout == "chunked" else ("1/2", "3")
+        raise CheckpointError(f"{ckpt_dir} was saved at ZeRO stage {saved_stage}, this run is at ZeRO stage "
+                              f"{this_stage}; their partitions differ, so " + convert_hint(load_dir, str(tag)))
     saved = saved_world_size(ckpt_dir)  # weights-only loads too: ds_muon loads the tag's ZeRO partitions
     if saved is not None and saved != world_size:
         raise CheckpointError(f"{ckpt_dir} was saved at data-parallel world size {saved}, this run has {world_size}; "
-                              "ZeRO-3 partitions depend on the world size, so " + convert_hint(load_dir, str(tag)))
+                              "ZeRO partitions depend on the world size, so " + convert_hint(load_dir, str(tag)))

@@ -17,11 +17,12 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from ..errors import CheckpointError
-from ..names import ADAM_MINI, BLOCK_STATE_KEY, FP32_FLAT_GROUPS, MOMENTUM_KEY, MUON, OPTIMIZER_STATE_DICT, PARTITION_COUNT
+from ..names import (ADAM_MINI, BASE_OPTIMIZER_STATE, BLOCK_STATE_KEY, FP32_FLAT_GROUPS, MOMENTUM_KEY, MUON,
+                     OPTIMIZER_STATE_DICT, PARTITION_COUNT)
 
 __all__ = ["DS_MUON_KEY", "METADATA_VERSION", "CONVERT_COMMAND", "SubGroupInfo", "ZeroLayout", "metadata",
            "saved_step_counts", "zero_state_dict_problems", "param_table", "param_problems", "adam_mini_problems",
-           "no_momentum", "raise_on_every_rank"]
+           "no_momentum", "raise_on_every_rank", "stage_of"]
 
 logger = logging.getLogger("ds_muon")
 
@@ -40,6 +41,9 @@ class SubGroupInfo:
         params: ``((name, shape), ...)`` in the order of the flat fp32 partition.
         blocks: Adam-mini sub-groups: elements per block of each parameter, in the same order.
         partition_numel: elements of this rank's fp32 partition.
+        offsets: ZeRO-1/2's flat layout: where each parameter starts in the param group's flat buffer (elements;
+            rank ``r``'s partition is ``[r * partition_numel, (r+1) * partition_numel)`` of it,
+            :func:`ds_muon.partitions.flat_pieces`); None: ZeRO-3's chunked layout.
     """
 
     group: int
@@ -48,6 +52,7 @@ class SubGroupInfo:
     params: tuple[tuple[str, tuple[int, ...]], ...]
     blocks: Optional[tuple[int, ...]] = None
     partition_numel: int = 0
+    offsets: Optional[tuple[int, ...]] = None
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,8 @@ class ZeroLayout:
         sub_groups: one :class:`SubGroupInfo` per sub-group, in order.
         optimizer: ``"Muon"`` or ``"AdamMini"``; block_rule: AdamMini's ``block_rule`` (None for Muon).
         muon_step_count: optimizer steps that ran the Muon update; step_count: steps applied (any algorithm).
+        layout: ``"chunked"`` (ZeRO-3: one sub-group per entry) or ``"flat"`` (ZeRO-1/2: one param group per
+            entry, its parameters' ``offsets`` given).
     """
 
     world_size: int
@@ -67,6 +74,7 @@ class ZeroLayout:
     block_rule: Optional[str] = None
     muon_step_count: int = 0
     step_count: int = 0
+    layout: str = "chunked"
 
 
 def metadata(layout: ZeroLayout) -> dict:
@@ -76,6 +84,8 @@ def metadata(layout: ZeroLayout) -> dict:
     sub-group in order: ``group``, ``use_muon``, ``adam_mini`` (an Adam-mini block sub-group), ``state_id``,
     ``params`` (a list of ``[name, shape]``) and for Adam-mini sub-groups ``blocks``; ``optimizer`` ("Muon" or
     "AdamMini") and, for AdamMini, ``block_rule``. (The format of 2026-12-01 and before, plus ``step_count``.)
+    ZeRO-1/2 checkpoints (``layout`` ``"flat"``) also have ``layout`` and, per entry (a param group),
+    ``offsets`` and ``partition_numel``.
     """
     sub_groups = []
     for sg in layout.sub_groups:
@@ -84,13 +94,23 @@ def metadata(layout: ZeroLayout) -> dict:
                  "params": [[name, [int(d) for d in shape]] for name, shape in sg.params]}
         if entry["adam_mini"]:
             entry["blocks"] = [int(b) for b in sg.blocks]
+        if layout.layout == "flat":
+            entry["offsets"] = [int(o) for o in sg.offsets]
+            entry["partition_numel"] = int(sg.partition_numel)
         sub_groups.append(entry)
     meta = {"version": METADATA_VERSION, "world_size": int(layout.world_size),
             "muon_step_count": int(layout.muon_step_count), "step_count": int(layout.step_count),
             "sub_groups": sub_groups, "optimizer": layout.optimizer}
     if layout.block_rule is not None:
         meta["block_rule"] = layout.block_rule
+    if layout.layout == "flat":
+        meta["layout"] = "flat"
     return meta
+
+
+def stage_of(meta: dict) -> str:
+    """How messages name the ZeRO stage(s) whose layout ``meta`` describes."""
+    return "ZeRO stage 1/2" if meta.get("layout") == "flat" else "ZeRO stage 3"
 
 
 def saved_step_counts(meta: Optional[dict]) -> Optional[tuple[int, int]]:
@@ -186,6 +206,12 @@ def raise_on_every_rank(problems: list[str], group, header: str) -> None:
 # ------------------------------------------------------------------------------------------------
 # Same-world-size load: checks before DeepSpeed restores anything
 # ------------------------------------------------------------------------------------------------
+def _partition_count(state_dict: dict, saved: dict) -> int:
+    """The saved data-parallel world size (ZeRO-1/2 save ``partition_count`` per param group)."""
+    count = state_dict.get(PARTITION_COUNT, saved["world_size"])
+    return int(count[0] if isinstance(count, (list, tuple)) else count)
+
+
 def zero_state_dict_problems(state_dict: dict, layout: ZeroLayout, load_optimizer_states: bool = True) -> list[str]:
     """The problems of loading this rank's ZeRO state dict into an optimizer of ``layout`` (same world size).
 
@@ -209,21 +235,28 @@ def zero_state_dict_problems(state_dict: dict, layout: ZeroLayout, load_optimize
     if saved is None:  # written before ds_muon saved metadata: nothing to check against
         logger.warning("ds_muon: this checkpoint has no ds_muon metadata (saved by an older ds_muon?); parameter "
                        "shapes and Muon/AdamW selection are not checked")
-    elif state_dict.get(PARTITION_COUNT, saved["world_size"]) != current["world_size"]:
+    elif _partition_count(state_dict, saved) != current["world_size"]:
         problems.append(f"the checkpoint was saved at data-parallel world size {saved['world_size']}, this run has "
-                        f"{current['world_size']}: ZeRO-3 partitions depend on it; convert it with "
+                        f"{current['world_size']}: ZeRO partitions depend on it; convert it with "
                         f"`{CONVERT_COMMAND}` and load the result with \"checkpoint\": {{\"load_universal\": true}}")
+    elif saved.get("layout", "chunked") != current.get("layout", "chunked"):
+        problems.append(f"the checkpoint was saved at {stage_of(saved)}, this run is at {stage_of(current)}: their "
+                        f"partitions differ; convert it with `{CONVERT_COMMAND}` and load the result with "
+                        "\"checkpoint\": {\"load_universal\": true}")
     else:
         # a weights-only load takes no optimizer state, so another optimizer or other blocks do not matter
         problems = ((adam_mini_problems(saved, current) if load_optimizer_states else [])
                     or param_problems(param_table(saved), param_table(current)))
-        saved_layout = [(sg["group"], [n for n, _ in sg["params"]]) for sg in saved["sub_groups"]]
-        if not problems and saved_layout != [(sg["group"], [n for n, _ in sg["params"]]) for sg in current["sub_groups"]]:
+        saved_layout = [(sg["group"], [n for n, _ in sg["params"]], sg.get("offsets")) for sg in saved["sub_groups"]]
+        if not problems and saved_layout != [(sg["group"], [n for n, _ in sg["params"]], sg.get("offsets"))
+                                             for sg in current["sub_groups"]]:
             problems.append("the ZeRO sub-groups hold other parameters than when saved (was "
-                            "zero_optimization.sub_group_size changed?); a universal checkpoint does not depend on "
-                            f"them: convert with `{CONVERT_COMMAND}` and load with \"load_universal\": true")
+                            "zero_optimization.sub_group_size, round_robin_gradients or parameter_alignment "
+                            "changed?); a universal checkpoint does not depend on them: convert with "
+                            f"`{CONVERT_COMMAND}` and load with \"load_universal\": true")
         if not problems and load_optimizer_states and saved["muon_step_count"] > 0:
-            state = state_dict[OPTIMIZER_STATE_DICT]["state"]
+            inner = state_dict.get(OPTIMIZER_STATE_DICT) or state_dict.get(BASE_OPTIMIZER_STATE) or {}
+            state = inner.get("state", {})
             problems = [line for sg in saved["sub_groups"]
                         if sg["use_muon"] and MOMENTUM_KEY not in state.get(sg["state_id"], {})
                         for line in no_momentum([n for n, _ in sg["params"]], saved["muon_step_count"])]

@@ -1,13 +1,14 @@
 """The universal checkpoint: ds_muon's any-world-size format, its converter and its reader (layer ``checkpoint``).
 
-A ZeRO-3 partition depends on the world size W (a parameter of ``numel`` elements has ``partition_numel =
-ceil(numel / W)``; rank r holds flattened elements ``[r*partition_numel, (r+1)*partition_numel)``, zero-padded
-past ``numel``), so the per-rank files only load at the W they were saved at. ``python -m ds_muon.checkpoint
-to-universal CKPT_DIR OUT_DIR [--tag TAG]`` (:func:`convert_to_universal`) writes DeepSpeed's
-universal-checkpoint layout with full, padding-free tensors per parameter. A ds_muon engine at any W loads it
-with ``"checkpoint": {"load_universal": true}`` and the usual ``engine.load_checkpoint(OUT_DIR)``; the glue
-(:mod:`ds_muon.integration.zero3_checkpoint`) checks it with :func:`universal_problems` and fills each
-sub-group with :func:`universal_loader`.
+A ZeRO partition depends on the world size W and the stage (:mod:`ds_muon.partitions`: ZeRO-3 cuts every
+parameter into W chunks of ``ceil(numel / W)`` elements, zero-padded; ZeRO-1/2 cut each param group's flat buffer
+into W equal partitions), so the per-rank files only load at the W and stage they were saved at. ``python -m
+ds_muon.checkpoint to-universal CKPT_DIR OUT_DIR [--tag TAG]`` (:func:`convert_to_universal`) writes DeepSpeed's
+universal-checkpoint layout with full, padding-free tensors per parameter, from either layout. A ds_muon engine at
+any W and stage 1, 2 or 3 loads it with ``"checkpoint": {"load_universal": true}`` and the usual
+``engine.load_checkpoint(OUT_DIR)``; the glue (:mod:`ds_muon.integration.zero3_checkpoint`,
+:mod:`ds_muon.integration.zero12_checkpoint`) checks it with :func:`universal_problems` and fills each partition
+with :func:`universal_loader`.
 
 Why ds_muon's own loader and not DeepSpeed's stage-3 universal loader
 (``load_hp_checkpoint_state_from_checkpoint_dir_stage3``, deepspeed 0.19.8): that loader reads the fixed keys
@@ -41,7 +42,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ..errors import CheckpointError
-from ..names import BLOCK_STATE_KEY, FP32_FLAT_GROUPS, MOMENTUM_KEY, OPTIMIZER_STATE_DICT, PARAM, PARAM_GROUPS
+from ..names import (BASE_OPTIMIZER_STATE, BLOCK_STATE_KEY, FP32_FLAT_GROUPS, MOMENTUM_KEY, OPTIMIZER_STATE_DICT, PARAM,
+                     PARAM_GROUPS, SINGLE_PARTITION_OF_FP32_GROUPS)
+from ..partitions import chunked_pieces, flat_pieces
 from .files import LATEST, LATEST_UNIVERSAL, UNIVERSAL_STATE_FILE, optim_files, read_tag
 from .metadata import (CONVERT_COMMAND, DS_MUON_KEY, METADATA_VERSION, ZeroLayout, adam_mini_problems, metadata,
                        no_momentum, param_problems, param_table)
@@ -61,8 +64,29 @@ def _save(path: str, obj: Any) -> None:
     torch.save(obj, path)
 
 
+def _source_keys(meta: dict) -> tuple[str, str]:
+    """``(fp32 partitions key, inner optimizer state key)`` inside a rank file's ``optimizer_state_dict``."""
+    if meta.get("layout") == "flat":  # ZeRO-1/2
+        return SINGLE_PARTITION_OF_FP32_GROUPS, BASE_OPTIMIZER_STATE
+    return FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT
+
+
+def _pieces(sg: dict, world: int, flat: bool) -> list[tuple]:
+    """Per parameter of a saved sub-group (ZeRO-3) or param group (ZeRO-1/2): its
+    :class:`~ds_muon.partitions.Piece` on every rank."""
+    if flat:
+        return [flat_pieces(int(o), math.prod(shape), int(sg["partition_numel"]), world)
+                for (_, shape), o in zip(sg["params"], sg["offsets"])]
+    out, offset = [], 0
+    for _, shape in sg["params"]:
+        out.append(chunked_pieces(math.prod(shape), world, offset))
+        offset += out[-1][0].sent
+    return out
+
+
 def convert_to_universal(ckpt_dir: str, out_dir: str, tag: Optional[str] = None) -> str:
-    """Convert a ds_muon ZeRO-3 checkpoint to a universal checkpoint that loads at any world size.
+    """Convert a ds_muon ZeRO checkpoint (stage 3, or stages 1/2) to a universal checkpoint that loads at any world
+    size and any of those stages.
 
     Reads ``ckpt_dir/<tag>/`` (every rank's ``*_optim_states.pt`` and the ``*_model_states.pt``
     files) one parameter at a time through memory-mapped files, and writes ``out_dir/<tag>/`` in
@@ -104,6 +128,8 @@ def convert_to_universal(ckpt_dir: str, out_dir: str, tag: Optional[str] = None)
                               "ds_muon version older than its checkpoint metadata; resume it at its world size and "
                               "save it again")
     world = meta["world_size"]
+    flat = meta.get("layout") == "flat"
+    fp32_key, inner_key = _source_keys(meta)
     if sorted(files) != list(range(world)):
         raise CheckpointError(f"{src}: expected the optimizer state files of ranks 0..{world - 1}, found ranks "
                               f"{sorted(files)}")
@@ -112,15 +138,18 @@ def convert_to_universal(ckpt_dir: str, out_dir: str, tag: Optional[str] = None)
     # First check every sub-group, then write: a failed conversion leaves no half-written parameters.
     plans, problems = [], []
     for s, sg in enumerate(meta["sub_groups"]):
-        flats = [sd[FP32_FLAT_GROUPS][s] for sd in states]
-        per_rank = [sd[OPTIMIZER_STATE_DICT]["state"].get(sg["state_id"], {}) for sd in states]
+        flats = [sd[fp32_key][s] for sd in states]
+        per_rank = [sd[inner_key]["state"].get(sg["state_id"], {}) for sd in states]
         numels = [math.prod(shape) for _, shape in sg["params"]]
-        partition = [math.ceil(n / world) for n in numels]
-        if any(f.numel() != sum(partition) for f in flats):
+        pieces = _pieces(sg, world, flat)
+        # ZeRO-1/2 save the last rank's fp32 partition without its end padding: each rank's must cover its pieces
+        need = [max((q[r].shard_offset + q[r].sent for q in pieces if q[r].sent), default=0) for r in range(world)]
+        partition_numel = int(sg["partition_numel"]) if flat else sum(q[0].sent for q in pieces)
+        if any(f.numel() < n or (not flat and f.numel() != partition_numel) for f, n in zip(flats, need)):
             raise CheckpointError(f"{src}: sub-group {s} holds {[f.numel() for f in flats]} elements per rank, its "
-                                  f"parameters need {sum(partition)}; the files do not match their metadata")
+                                  f"parameters need {need}; the files do not match their metadata")
         tensor_keys = sorted(k for k, v in per_rank[0].items() if k != BLOCK_STATE_KEY
-                             and torch.is_tensor(v) and v.dim() == 1 and v.numel() == flats[0].numel())
+                             and torch.is_tensor(v) and v.dim() == 1 and v.numel() == partition_numel)
         scalars = {k: v for k, v in per_rank[0].items() if k not in tensor_keys and k != BLOCK_STATE_KEY}
         if sg.get("adam_mini") and any(BLOCK_STATE_KEY in st for st in per_rank):
             problems += _block_state_problems(s, sg, per_rank)
@@ -130,21 +159,19 @@ def convert_to_universal(ckpt_dir: str, out_dir: str, tag: Optional[str] = None)
                                 f"({sorted(st)} vs {sorted(per_rank[0])})")
         if sg["use_muon"] and meta["muon_step_count"] > 0 and any(MOMENTUM_KEY not in st for st in per_rank):
             problems += no_momentum([n for n, _ in sg["params"]], meta["muon_step_count"])
-        plans.append((sg, flats, per_rank, numels, partition, tensor_keys, scalars))
+        plans.append((sg, flats, per_rank, numels, pieces, tensor_keys, scalars))
     if problems:
         raise CheckpointError(problems, f"ds_muon: cannot convert {src}:")
 
     params: dict[str, dict] = {}
-    for sg, flats, per_rank, numels, partition, tensor_keys, scalars in plans:
-        offset = 0
-        for (name, shape), numel, pn in zip(sg["params"], numels, partition):
+    for sg, flats, per_rank, numels, pieces, tensor_keys, scalars in plans:
+        for (name, shape), numel, piece in zip(sg["params"], numels, pieces):
             for key in ("fp32", *tensor_keys):
                 sources = flats if key == "fp32" else [st[key] for st in per_rank]
-                full = torch.cat([t.narrow(0, offset, pn) for t in sources])[:numel].reshape(shape).clone()
-                _save(os.path.join(dst, "zero", name, f"{key}.pt"), {PARAM: full})
+                full = torch.cat([t.narrow(0, q.shard_offset, q.length) for t, q in zip(sources, piece) if q.length])
+                _save(os.path.join(dst, "zero", name, f"{key}.pt"), {PARAM: full[:numel].reshape(shape).clone()})
             params[name] = {"shape": list(shape), "use_muon": sg["use_muon"], "group": sg["group"],
                             "state_keys": tensor_keys, "scalars": scalars}
-            offset += pn
         if sg.get("adam_mini"):  # per-block second moments: one vector per parameter, rank-independent
             block_state = per_rank[0].get(BLOCK_STATE_KEY)
             start = 0
@@ -156,24 +183,36 @@ def convert_to_universal(ckpt_dir: str, out_dir: str, tag: Optional[str] = None)
                           {PARAM: block_state[start:start + numel // block].clone()})
                 start += numel // block
 
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in first[OPTIMIZER_STATE_DICT][PARAM_GROUPS]]
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in first[inner_key][PARAM_GROUPS]]
     adam_step = next((p["scalars"]["step"] for p in params.values() if "step" in p["scalars"]), None)
-    header = {k: v for k, v in first.items() if k not in (FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT, DS_MUON_KEY)}
+    header = {k: v for k, v in first.items() if k not in (fp32_key, inner_key, DS_MUON_KEY, "param_slice_mappings")}
     # DeepSpeed's universal optimizer_state.pt keys, and ds_muon's metadata next to them.
     header[OPTIMIZER_STATE_DICT] = {"state": {} if adam_step is None else {0: {"step": adam_step}},
                                     PARAM_GROUPS: groups}
     header[PARAM_GROUPS] = groups
     header[DS_MUON_KEY] = {"version": METADATA_VERSION, "format": "universal", "source_world_size": world,
+                           "source_layout": meta.get("layout", "chunked"),
                            "source_tag": tag, "muon_step_count": meta["muon_step_count"],
                            "step_count": meta.get("step_count", meta["muon_step_count"]), "params": params,
                            **{k: meta[k] for k in ("optimizer", "block_rule") if k in meta}}
     _save(os.path.join(dst, UNIVERSAL_STATE_FILE), header)
     for path in glob.glob(os.path.join(src, "*_model_states.pt")):
         shutil.copy2(path, dst)
+    _model_states_for_every_stage(src, dst)
     with open(os.path.join(out_dir, LATEST_UNIVERSAL), "w", encoding="utf-8") as f:
         f.write(tag)
     carry_side_files(ckpt_dir, out_dir)
     return dst
+
+
+def _model_states_for_every_stage(src: str, dst: str) -> None:
+    """The engine-state file under the names both layouts load from a universal checkpoint: ZeRO-1/2 read
+    ``mp_rank_00_model_states.pt``, ZeRO-3 ``zero_pp_rank_0_mp_rank_00_model_states.pt`` (lr scheduler, global
+    step, client state; the weights come from ``zero/``)."""
+    flat, chunked = "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    for have, want in ((flat, chunked), (chunked, flat)):
+        if os.path.isfile(os.path.join(src, have)) and not os.path.isfile(os.path.join(dst, want)):
+            shutil.copy2(os.path.join(src, have), os.path.join(dst, want))
 
 
 def _block_state_problems(s: int, sg: dict, per_rank: list[dict]) -> list[str]:
@@ -296,7 +335,8 @@ def universal_problems(layout: ZeroLayout, folder: str, names: Sequence[Sequence
 
 def universal_loader(folder: str, header: dict, names: Sequence[Sequence[str]], partition_numels: Sequence[int],
                      block_subgroups: set[int], device: torch.device,
-                     slice_param: Callable[[str, str, int, int], torch.Tensor]) -> Callable[[int], tuple[torch.Tensor, dict]]:
+                     slice_param: Callable[[str, str, int, int], torch.Tensor],
+                     place: Optional[Callable[[int, int], int]] = None) -> Callable[[int], tuple[torch.Tensor, dict]]:
     """A function ``s -> (fp32 partition, state)`` that cuts sub-group ``s``'s partition out of the universal
     checkpoint ``folder`` (after :func:`universal_problems` found none), one sub-group at a time.
 
@@ -312,6 +352,9 @@ def universal_loader(folder: str, header: dict, names: Sequence[Sequence[str]], 
         block_subgroups: the Adam-mini sub-groups. device: where the partitions live.
         slice_param: ``(parameter folder, state key, sub-group, index of the parameter in it) -> this rank's
             slice`` of the parameter's full tensor, ZeRO padding included (DeepSpeed's ``load_hp_checkpoint_state``).
+        place: ``(sub-group, index of the parameter) -> where its slice starts in the partition`` (ZeRO-1/2's flat
+            partitions, with alignment gaps); default: the slices back to back (ZeRO-3). Elements no slice covers
+            are zero.
     """
     saved = header[DS_MUON_KEY]["params"]
     zero_dir = os.path.join(folder, "zero")
@@ -324,8 +367,9 @@ def universal_loader(folder: str, header: dict, names: Sequence[Sequence[str]], 
             offset = 0
             for k, name in enumerate(names[s]):
                 part = slice_param(os.path.join(zero_dir, name), key, s, k)
-                flat.narrow(0, offset, part.numel()).copy_(part)
-                offset += part.numel()
+                at = offset if place is None else place(s, k)
+                flat.narrow(0, at, part.numel()).copy_(part.reshape(-1))
+                offset = at + part.numel()
             flats[key] = flat
         if s in block_subgroups and first.get("block_state"):  # per-parameter vectors, in block order
             flats[BLOCK_STATE_KEY] = torch.cat([

@@ -31,7 +31,9 @@ raises `ds_muon.ConfigError` naming the key path, the value and what is allowed.
 published as JSON Schema in `ds_config_schemas/`.
 
 Besides these keys, ds_muon checks the parts of the DeepSpeed config that matter to Muon:
-`zero_optimization.stage` must be 3; an NVMe optimizer offload needs an existing, writable
+`zero_optimization.stage` must be 1, 2 or 3 (under zero-code activation a config ds_muon does not serve, such as
+stage 0, runs DeepSpeed's built-in Muon with one rank-0 line saying why: see Migration, "ZeRO stages"); an NVMe
+optimizer offload (stage 3 only) needs an existing, writable
 `nvme_path` on a filesystem with O_DIRECT, and libaio (its `buffer_count` is checked against the
 model's sub-groups when the engine is built, see Offload), and no stale JIT build lock of DeepSpeed's
 async_io op (a killed build leaves one, and DeepSpeed would wait for it forever); parameter offload to NVMe, partial offload and
@@ -56,8 +58,8 @@ _ADAM_MINI_HEADER = """
 ## AdamMini
 
 Keys of `"optimizer": {"type": "AdamMini", "params": {...}}` (Adam-mini, one second moment per block;
-see [Adam-mini](adam_mini.md)), validated the same way. It needs `zero_optimization.stage` 3; optimizer
-offload to CPU or NVMe works (the NVMe checks are Muon's); parameter offload to NVMe is refused, as for Muon.
+see [Adam-mini](adam_mini.md)), validated the same way. It needs `zero_optimization.stage` 1, 2 or 3; optimizer
+offload to CPU (NVMe at stage 3) works (the NVMe checks are Muon's); parameter offload to NVMe is refused, as for Muon.
 
 | key | type | default | allowed | description |
 |---|---|---|---|---|

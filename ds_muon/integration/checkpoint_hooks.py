@@ -22,9 +22,11 @@ from ..checkpoint.files import LATEST, check_tag, read_tag
 __all__ = ["install_load_checks", "install_atomic_save", "load_weights_of_tag"]
 
 
-def install_load_checks(engine) -> None:
-    """Make ``engine.load_checkpoint`` run :func:`ds_muon.checkpoint.files.check_tag` first, and load a tag's weights
-    for a weights-only load (:func:`load_weights_of_tag`); on this engine only, holding it weakly."""
+def install_load_checks(engine, zero3: bool = True) -> None:
+    """Make ``engine.load_checkpoint`` run :func:`ds_muon.checkpoint.files.check_tag` first, and (``zero3``) load a
+    tag's weights for a weights-only load (:func:`load_weights_of_tag`); on this engine only, holding it weakly.
+    At ZeRO-1/2 (``zero3`` False) a weights-only load is DeepSpeed's (the module file holds the full weights, at
+    any world size), so only full loads are checked."""
     engine_ref = weakref.ref(engine)
     load = type(engine).load_checkpoint
     signature = inspect.signature(load)
@@ -35,10 +37,11 @@ def install_load_checks(engine) -> None:
         bound = signature.bind(this, *args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
-        check_tag(a["load_dir"], a["tag"], bool(this.load_universal_checkpoint()), this.seq_dp_world_size)
-        result = load(this, *args, **kwargs)
         weights_only = a["load_module_only"] or not a["load_optimizer_states"]
-        if weights_only and result[0] is not None and not this.load_universal_checkpoint():
+        if zero3 or not weights_only:
+            check_tag(a["load_dir"], a["tag"], bool(this.load_universal_checkpoint()), this.seq_dp_world_size, zero3)
+        result = load(this, *args, **kwargs)
+        if zero3 and weights_only and result[0] is not None and not this.load_universal_checkpoint():
             tag = a["tag"] if a["tag"] is not None else read_tag(a["load_dir"], LATEST)
             load_weights_of_tag(this, a["load_dir"], str(tag))
         return result

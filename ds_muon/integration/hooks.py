@@ -57,7 +57,7 @@ from ..import_hooks import after_import
 from ..model.adam_mini_blocks import adam_mini_param_groups, adam_mini_plan, adam_mini_summary
 from ..model.param_groups import check_zero3_parameters, split_param_groups
 from ..model.selection import NO_MUON_WARNING, SelectionRules, tag_model
-from .checkpoint_hooks import install_atomic_save, install_load_checks
+from .checkpoint_hooks import install_load_checks
 from .frameworks import ZERO_STAGE_FIX, detect_framework, for_framework
 from .inner import DsMuonInner, FlatPartitionInner, ZeroAdamMiniInner, ZeroMuonInner
 from .schedulers import GroupRatioScheduler, broadcasts_one_lr
@@ -244,10 +244,8 @@ def _configure_zero_optimizer(self: DeepSpeedEngine, optimizer):
             return None if e is None else e.global_samples + e.train_batch_size()
 
         zero_optimizer.attach_monitor(self.monitor, samples_after_this_step)
-    if stage == 3:
-        install_load_checks(self)  # clear errors for checkpoints that do not fit (ds_muon.integration.checkpoint_hooks)
-    else:
-        install_atomic_save(self)
+    # clear errors for checkpoints that do not fit, crash-safe saves (ds_muon.integration.checkpoint_hooks)
+    install_load_checks(self, zero3=stage == 3)
     return zero_optimizer
 
 

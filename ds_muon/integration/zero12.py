@@ -2,7 +2,7 @@
 
 Layer ``integration``: DeepSpeed overrides only; the step itself is the one ZeRO-3 runs
 (:class:`~ds_muon.sharded.muon_step.MuonShardStep`, :class:`~ds_muon.sharded.adam_mini_step.AdamMiniShardStep`),
-built on ZeRO-1/2's flat layout (:func:`ds_muon.sharded.layout.flat_pieces`). Checked against deepspeed 0.19.8
+built on ZeRO-1/2's flat layout (:func:`ds_muon.partitions.flat_pieces`). Checked against deepspeed 0.19.8
 (docs/design.md, "Where DeepSpeed is hooked").
 
 The layout: DeepSpeed's ``DeepSpeedZeroOptimizer`` flattens each param group into one buffer (its parameters
@@ -38,17 +38,18 @@ from ..names import ADAM_MINI, ADAMW, ALGORITHM_KEY, BLOCK_ATTR, BLOCK_STATE_KEY
 from ..sharded.adam_mini_step import AdamMiniShardStep
 from ..sharded.blocks import build_block_map
 from ..sharded.exchange import BufferPool
-from ..sharded.layout import Piece, flat_pieces
+from ..partitions import Piece, flat_pieces
 from ..sharded.no_grad import GradientFlags
 from ..sharded.ownership import ParamInfo
 from ..sharded.qk_clip import scale_shard_, shard_ranges
 from .inner import DsMuonInner
+from .zero12_checkpoint import FlatCheckpointing
 from .zero_common import AdamMiniSlot, DsMuonZeroSteps
 
 __all__ = ["MuonZero12Optimizer"]
 
 
-class MuonZero12Optimizer(DsMuonZeroSteps, DeepSpeedZeroOptimizer):
+class MuonZero12Optimizer(FlatCheckpointing, DsMuonZeroSteps, DeepSpeedZeroOptimizer):
     """``DeepSpeedZeroOptimizer`` (ZeRO stage 1 or 2) with ds_muon's Muon and Adam-mini param-group steps.
 
     Per Muon param group and optimizer step, on this rank's flat fp32 partition ``(partition_size,)``: the
@@ -67,6 +68,9 @@ class MuonZero12Optimizer(DsMuonZeroSteps, DeepSpeedZeroOptimizer):
         step_count, muon_step_count, skipped_step_count, qk_clip_stats, ...: see
             :class:`~ds_muon.integration.zero_common.DsMuonZeroSteps`.
 
+    Checkpoints: :class:`~ds_muon.integration.zero12_checkpoint.FlatCheckpointing` (metadata, fit checks,
+    universal checkpoints).
+
     Raises:
         TypeError: the inner optimizer is not ds_muon's.
         ConfigError: ``ns_autotune`` would make too many static Newton–Schulz graphs; QK-clip on a frozen weight.
@@ -74,6 +78,7 @@ class MuonZero12Optimizer(DsMuonZeroSteps, DeepSpeedZeroOptimizer):
     """
 
     _stepping = False
+    _states_linked = False
 
     def __init__(self, *args, module: Optional[torch.nn.Module] = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -159,7 +164,18 @@ class MuonZero12Optimizer(DsMuonZeroSteps, DeepSpeedZeroOptimizer):
         """
         with self._step_scope("ZeRO-1/2") as stats:
             super().step(closure)
+        if not self.overflow and not self._states_linked:
+            self.relink_optimizer_states()
         self._after_step(self.overflow, stats, dist.get_rank(group=self.dp_process_group) == 0)
+
+    def relink_optimizer_states(self) -> None:
+        """Point every parameter's optimizer-state fragments (``safe_get_full_optimizer_state``, universal
+        checkpoints) at the current state tensors. DeepSpeed links them once, after the first param group's first
+        update (``_lazy_init_hp_params_optimizer_state``), when the other groups' state does not exist yet; ds_muon
+        links again after the first applied step and after every load."""
+        self._hp_optimizer_states_linked = False
+        self._lazy_init_hp_params_optimizer_state()
+        self._states_linked = True
 
     def _clean_after_step(self) -> None:
         if self.cpu_offload:
@@ -205,7 +221,6 @@ class MuonZero12Optimizer(DsMuonZeroSteps, DeepSpeedZeroOptimizer):
             super()._optimizer_step(group_no)
         else:
             self._own_step(group_no, algorithm)
-            self._lazy_init_hp_params_optimizer_state()  # as DeepSpeed's _optimizer_step: link the new state
         if self._qk_factors is not None and group_no in self._qk_ranges:
             scale_shard_(self.single_partition_of_fp32_groups[group_no].data, self._qk_ranges[group_no],
                          self._qk_factors)

@@ -29,7 +29,7 @@ from ..sharded.adam_mini_step import AdamMiniShardStep
 from ..sharded.blocks import build_block_map
 from ..sharded.collectives import named_collective
 from ..sharded.exchange import BufferPool
-from ..sharded.layout import chunked_pieces
+from ..partitions import chunked_pieces
 from ..sharded.muon_step import MuonShardStep
 from ..sharded.no_grad import GradientFlags
 from ..sharded.ownership import ParamInfo

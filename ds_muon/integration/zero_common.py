@@ -5,7 +5,7 @@
 ``DeepSpeedZeroOptimizer``): the step counts and skipped steps, the trainable-set check, the monitor, one Muon
 partition's :class:`~ds_muon.sharded.muon_step.MuonShardStep` from its parameters' pieces, the Muon momentum
 created on first use, QK-clip's per-step factors, and the ``ns_autotune`` graph check. Each subclass says where
-its partitions are (the layout, :mod:`ds_muon.sharded.layout`) and when DeepSpeed's step calls into it.
+its partitions are (the layout, :mod:`ds_muon.partitions`) and when DeepSpeed's step calls into it.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ __all__ = ["DsMuonZeroSteps", "AdamMiniSlot"]
 
 class AdamMiniSlot:
     """One parameter of an Adam-mini sub-group as :func:`ds_muon.sharded.blocks.build_block_map` reads it: name,
-    shape, numel, its :class:`~ds_muon.sharded.layout.Piece` on every rank, and its Adam-mini block (elements)."""
+    shape, numel, its :class:`~ds_muon.partitions.Piece` on every rank, and its Adam-mini block (elements)."""
 
     def __init__(self, name: str, shape: tuple, numel: int, pieces: tuple, block: int) -> None:
         self.name, self.shape, self.numel, self.pieces, self.block = name, shape, numel, pieces, block

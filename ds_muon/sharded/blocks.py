@@ -1,7 +1,7 @@
 """Block maps: which flat ranges of one rank's shard belong to which Newton–Schulz (or Adam-mini) block.
 
 Layer ``sharded``, pure and deterministic, built once per Muon sub-group from the owner
-plan's slots (shapes and each rank's piece, :mod:`ds_muon.sharded.layout`) and the rank, with no process group. A *block* is
+plan's slots (shapes and each rank's piece, :mod:`ds_muon.partitions`) and the rank, with no process group. A *block* is
 one matrix of a parameter's Newton–Schulz view (:func:`ds_muon.core.matrix.ns_view_shape`): the single
 matrix of a 2-D or conv weight, or one expert of a stacked ``(E, m, n)`` parameter. Its elements
 are contiguous in the flattened parameter, so on a rank's shard a block is at most one contiguous
@@ -63,7 +63,7 @@ def build_block_map(slots: Sequence, rank: int, shard_numel: int,
 
     Args:
         slots: objects with ``name``, ``shape`` (logical parameter shape), ``numel`` and ``pieces`` (one
-            :class:`~ds_muon.sharded.layout.Piece` per rank: which elements of the parameter each rank holds, where
+            :class:`~ds_muon.partitions.Piece` per rank: which elements of the parameter each rank holds, where
             in its shard, and how many shard elements belong to it, padding included), e.g.
             :class:`ds_muon.sharded.ownership.MatrixSlot`; any order. Blocks are numbered in a global parameter
             order (the same on every rank, also for parameters this rank holds no piece of).

@@ -4,14 +4,14 @@ Pure and deterministic (docs/design.md, "One optimizer step"): built from shapes
 alone, identically on every rank, so no collective is needed to agree on it. One plan per Muon sub-group
 (ZeRO-3) or per Muon param group (ZeRO-1/2).
 
-The layout is an input (:class:`~ds_muon.sharded.layout.Piece`: which elements of each parameter each rank
+The layout is an input (:class:`~ds_muon.partitions.Piece`: which elements of each parameter each rank
 holds, and where in its flat shard). Two layouts occur:
 
-* ZeRO-3 (*chunked*, :func:`~ds_muon.sharded.layout.chunked_pieces`): a parameter of ``numel`` elements is cut into ``W`` chunks of ``chunk = ceil(numel / W)``
+* ZeRO-3 (*chunked*, :func:`~ds_muon.partitions.chunked_pieces`): a parameter of ``numel`` elements is cut into ``W`` chunks of ``chunk = ceil(numel / W)``
   elements, zero padded past ``numel``; rank ``r`` holds chunk ``r``; a sub-group's local shard concatenates
   its parameters' chunks in order, so every rank's shard has the same structure. Each rank sends its whole
   padded chunk (``Piece.sent == chunk``).
-* ZeRO-1/2 (*flat*, :func:`~ds_muon.sharded.layout.flat_pieces`): a param group is one flat buffer cut into ``W`` equal partitions, so a parameter lies in
+* ZeRO-1/2 (*flat*, :func:`~ds_muon.partitions.flat_pieces`): a param group is one flat buffer cut into ``W`` equal partitions, so a parameter lies in
   one or several consecutive ranks' partitions in pieces of unequal length; each rank sends exactly its piece.
 
 Exchange layout (both directions use the same per-rank ordering):
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from ..core.matrix import MatrixView, Split, matrix_view
-from .layout import Piece, chunked_pieces
+from ..partitions import Piece, chunked_pieces
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 The spans come from :func:`ds_muon.model.attention.factor_spans` (a head's rows are one contiguous
 range of its flattened parameter); here they are intersected with this rank's piece of each
-parameter (:mod:`ds_muon.sharded.layout`), once at start-up, and scaled element-wise on the local fp32 partition after the
+parameter (:mod:`ds_muon.partitions`), once at start-up, and scaled element-wise on the local fp32 partition after the
 optimizer update (no gather). The rule is :mod:`ds_muon.core.qk_clip`.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ..errors import ConfigError
-from .layout import Piece
+from ..partitions import Piece
 
 __all__ = ["local_span", "shard_ranges", "scale_shard_"]
 

@@ -401,6 +401,7 @@ def test_zero_to_fp32_reconstructs_the_fp32_weights(saved_runs, tmp_path) -> Non
 # a checkpoint written by ds_muon before the architecture change (commit ef314f8, 2026-12-01)
 # ------------------------------------------------------------------------------------------------
 LEGACY = os.path.join(REPO, "tests", "support", "legacy")
+LEGACY_ATOL = 1e-5  # of each tensor's largest element: a few fp32 ulps of rounding, not a step
 
 
 def _legacy_worker(rank: int, world_size: int, tmp: str) -> dict:
@@ -438,8 +439,8 @@ def _legacy_worker(rank: int, world_size: int, tmp: str) -> dict:
 
 def test_checkpoint_of_2026_12_01_loads_and_continues(tmp_path) -> None:
     """The format is unchanged: checkpoints the old code wrote (param groups with an ``adam_mini`` flag and no
-    ``algorithm``, metadata without ``step_count``) load at W=2 and the 3rd step lands exactly where the old code's
-    3rd step did; converted to universal they load at W=2 with the saved weights."""
+    ``algorithm``, metadata without ``step_count``) load at W=2 and the 3rd step lands where the old code's 3rd step
+    did (bit for bit on the CPU that wrote them; within ``LEGACY_ATOL`` elsewhere); converted to universal they load at W=2 with the saved weights."""
     results = run_distributed(_legacy_worker, 2, str(tmp_path))
     for optimizer, algorithms in (("muon", ["muon", "adamw"]), ("adam_mini", ["adam_mini", "adam_mini", "adamw", "adamw"])):
         want = torch.load(os.path.join(LEGACY, optimizer, "after_step3.pt"))
@@ -448,7 +449,11 @@ def test_checkpoint_of_2026_12_01_loads_and_continues(tmp_path) -> None:
         assert got["muon_steps"] == 2, got  # every applied step, as before 2026-12-02
         assert set(got["after_step3"]) == set(want)
         for name, w in want.items():
-            assert torch.equal(got["after_step3"][name], w), (optimizer, name, (got["after_step3"][name] - w).abs().max())
+            # Bit-equal on the CPU that wrote the file; another CPU's matmul kernels (Newton–Schulz) round differently
+            # (measured: 6e-8 on 'experts', whose entries are ~0.1). A format or semantics change moves a weight by
+            # a whole update (~lr = 1e-2), far above this bound.
+            err = float((got["after_step3"][name] - w).abs().max())
+            assert err <= LEGACY_ATOL * float(w.abs().max()), (optimizer, name, err)
         saved = torch.load(os.path.join(tmp_path, optimizer, "legacy", "zero", "q.weight", "fp32.pt"))["param"]
         assert torch.equal(got["universal_masters"]["q.weight"], saved)
         assert all(torch.equal(r[optimizer]["after_step3"][n], got["after_step3"][n]) for r in results for n in want)

@@ -74,7 +74,7 @@ def test_block_map_of_adam_mini_slots_takes_any_shape() -> None:
     computed for an Adam-mini slot."""
     from ds_muon.sharded.blocks import build_block_map
     from ds_muon.integration.zero3 import AdamMiniSlot
-    from ds_muon.sharded.layout import chunked_pieces
+    from ds_muon.partitions import chunked_pieces
     # W = 2: a (6,) norm as one block (chunk 3) then an (4, 5) weight in blocks of 5 (chunk 10)
     slots = [AdamMiniSlot("norm", (6,), 6, chunked_pieces(6, 2, 0), 6),
              AdamMiniSlot("w", (4, 5), 20, chunked_pieces(20, 2, 3), 5)]

@@ -18,20 +18,22 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "ds_muon"
 ALLOWED = {
     "names": set(),
     "errors": set(),
+    "partitions": set(),
     "import_hooks": set(),
     "config": {"names", "errors"},
     "core": {"names", "errors"},
     "model": {"core", "names", "errors"},
-    "sharded": {"core", "names", "errors"},
-    "checkpoint": {"names", "errors"},
+    "sharded": {"core", "names", "errors", "partitions"},
+    "checkpoint": {"names", "errors", "partitions"},
     "oracle": {"config", "core", "model", "names", "errors"},
-    "integration": {"config", "core", "model", "sharded", "checkpoint", "oracle", "names", "errors", "import_hooks"},
+    "integration": {"config", "core", "model", "sharded", "checkpoint", "oracle", "names", "errors", "partitions",
+                    "import_hooks"},
     "_autoload": {"import_hooks", "integration"},
     "__init__": set(),  # lazy: importlib only
 }
 #: third-party top-level packages each layer may import (the standard library is always allowed).
 THIRD_PARTY = {
-    "names": set(), "errors": set(), "import_hooks": set(), "_autoload": set(), "__init__": set(),
+    "names": set(), "errors": set(), "partitions": set(), "import_hooks": set(), "_autoload": set(), "__init__": set(),
     "config": {"pydantic", "pydantic_core", "annotated_types"},
     "core": {"torch"},
     "model": {"torch", "transformers"},
@@ -222,5 +224,6 @@ def test_checkpoint_key_names_are_deepspeeds():
     from deepspeed.checkpoint import constants
 
     from ds_muon import names
-    for key in ("FP32_FLAT_GROUPS", "OPTIMIZER_STATE_DICT", "PARAM", "PARAM_GROUPS", "PARTITION_COUNT", "LOSS_SCALER"):
+    for key in ("FP32_FLAT_GROUPS", "OPTIMIZER_STATE_DICT", "PARAM", "PARAM_GROUPS", "PARTITION_COUNT", "LOSS_SCALER",
+                "SINGLE_PARTITION_OF_FP32_GROUPS", "BASE_OPTIMIZER_STATE"):
         assert getattr(names, key) == getattr(constants, key), key

@@ -1,4 +1,4 @@
-"""Tests for the owner plan (ds_muon.sharded.ownership), the partition layouts (ds_muon.sharded.layout) and the single-process owner exchange (ds_muon.sharded.exchange)."""
+"""Tests for the owner plan (ds_muon.sharded.ownership), the partition layouts (ds_muon.partitions) and the single-process owner exchange (ds_muon.sharded.exchange)."""
 from __future__ import annotations
 
 import math
@@ -317,12 +317,12 @@ def test_single_process_exchange_with_buckets_matches_per_matrix():
 
 
 # ------------------------------------------------------------------------------------------------
-# ZeRO-1/2's flat layout (ds_muon.sharded.layout.flat_pieces)
+# ZeRO-1/2's flat layout (ds_muon.partitions.flat_pieces)
 # ------------------------------------------------------------------------------------------------
 def flat_infos(shapes, W: int, gap: int = 0) -> tuple[list[ParamInfo], int]:
     """Parameters back to back in one flat buffer (``gap`` elements of padding after each), cut into W equal
     partitions as DeepSpeed's ZeRO-1/2 optimizer does; returns the infos and the partition size."""
-    from ds_muon.sharded.layout import flat_pieces
+    from ds_muon.partitions import flat_pieces
     offsets, at = [], 0
     for s in shapes:
         offsets.append(at)
@@ -333,7 +333,7 @@ def flat_infos(shapes, W: int, gap: int = 0) -> tuple[list[ParamInfo], int]:
 
 
 def test_flat_pieces_tile_each_parameter():
-    from ds_muon.sharded.layout import flat_pieces
+    from ds_muon.partitions import flat_pieces
     pieces = flat_pieces(10, 25, 16, 3)  # [10, 35) over partitions [0,16) [16,32) [32,48)
     assert [(p.start, p.length, p.shard_offset, p.sent) for p in pieces] == [(0, 6, 10, 6), (6, 16, 0, 16),
                                                                             (22, 3, 0, 3)]

@@ -68,7 +68,7 @@ def test_local_head_ranges_cover_each_head_exactly(world_size):
     ZeRO-1/2's flat pieces (:func:`ds_muon.sharded.qk_clip.local_span` over the spans of
     :meth:`ds_muon.model.attention.HeadRows.head_span`)."""
     from ds_muon.model.attention import HeadRows
-    from ds_muon.sharded.layout import chunked_pieces, flat_pieces
+    from ds_muon.partitions import chunked_pieces, flat_pieces
     from ds_muon.sharded.qk_clip import local_span
 
     def local_head_ranges(hr, piece):

@@ -1,4 +1,4 @@
-"""Partition layouts: which elements of each parameter each rank holds, and where in its flat shard (layer ``sharded``).
+"""Partition layouts: which elements of each parameter each rank holds, and where in its flat shard (a base module: standard library only).
 
 The owner plan (:mod:`ds_muon.sharded.ownership`), the block maps (:mod:`ds_muon.sharded.blocks`) and QK-clip's
 ranges (:mod:`ds_muon.sharded.qk_clip`) take a parameter's :class:`Piece` on each rank as input, so one
