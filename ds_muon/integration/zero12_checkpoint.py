@@ -12,14 +12,13 @@ to-universal``), which DeepSpeed's own ZeRO-1/2 universal loader cannot do for M
 """
 from __future__ import annotations
 
-import inspect
 import os
 
 import torch
 import torch.distributed as dist
 
 from ..checkpoint.metadata import (DS_MUON_KEY, SubGroupInfo, ZeroLayout, metadata, raise_on_every_rank,
-                                   saved_step_counts, zero_state_dict_problems)
+                                   saved_step_counts)
 from ..checkpoint.universal import universal_loader, universal_problems
 from ..names import ADAM_MINI, BLOCK_ATTR, LOSS_SCALER, MUON, PARAM, PARAM_GROUPS
 from .inner import cast_momentum_
@@ -66,17 +65,7 @@ class FlatCheckpointing:
                 ds_muon.checkpoint to-universal``), or for another model, selection or optimizer
                 (:func:`ds_muon.checkpoint.metadata.zero_state_dict_problems`).
         """
-        bound = inspect.signature(super().load_state_dict).bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
-        load_optimizer_states = bool(a["load_optimizer_states"])
-        state_dict = None
-        if not a.get("checkpoint_folder") and a["state_dict_list"] is not None:
-            rank = dist.get_rank(group=self.dp_process_group)
-            dicts = a["state_dict_list"]
-            state_dict = dicts[rank] if rank < len(dicts) else dicts[0]  # fewer files: the world size check names it
-            raise_on_every_rank(zero_state_dict_problems(state_dict, self.checkpoint_layout(), load_optimizer_states),
-                                self.dp_process_group, "ds_muon: the checkpoint does not fit this model and optimizer:")
+        load_optimizer_states, state_dict = self._check_fit_before_load(super().load_state_dict, args, kwargs)
         super().load_state_dict(*args, **kwargs)
         if load_optimizer_states:
             self.relink_optimizer_states()

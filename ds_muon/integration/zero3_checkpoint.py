@@ -14,14 +14,12 @@ the raw-file copy off (:mod:`ds_muon.integration.hooks`).
 """
 from __future__ import annotations
 
-import inspect
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from ..checkpoint.metadata import (DS_MUON_KEY, SubGroupInfo, ZeroLayout, metadata, raise_on_every_rank,
-                                   saved_step_counts, zero_state_dict_problems)
+                                   saved_step_counts)
 from ..checkpoint.universal import universal_loader, universal_problems
 from ..errors import CheckpointError
 from ..names import (BLOCK_ATTR, BLOCK_STATE_KEY, FP32_FLAT_GROUPS, LOSS_SCALER, MOMENTUM_KEY, OPTIMIZER_STATE_DICT,
@@ -178,15 +176,7 @@ class ZeroCheckpointing:
         """DeepSpeed's ZeRO-3 load (arguments passed through unchanged). At the same world size, ds_muon's fit
         checks run first (``CheckpointError`` on every rank before anything is restored) and the step counts are
         restored after; universal checkpoints go to :meth:`_load_universal_checkpoint`."""
-        bound = inspect.signature(super().load_state_dict).bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
-        load_optimizer_states = bool(a["load_optimizer_states"])
-        state_dict = None
-        if not a.get("checkpoint_folder") and a["state_dict_list"] is not None:
-            state_dict = a["state_dict_list"][dist.get_rank(group=self.dp_process_group)]
-            raise_on_every_rank(zero_state_dict_problems(state_dict, self.checkpoint_layout(), load_optimizer_states),
-                                self.dp_process_group, "ds_muon: the checkpoint does not fit this model and optimizer:")
+        load_optimizer_states, state_dict = self._check_fit_before_load(super().load_state_dict, args, kwargs)
         super().load_state_dict(*args, **kwargs)
         if state_dict is not None and load_optimizer_states:
             self._restore_step_counts(state_dict.get(DS_MUON_KEY))

@@ -10,6 +10,7 @@ its partitions are (the layout, :mod:`ds_muon.partitions`) and when DeepSpeed's 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import logger
 
+from ..checkpoint.metadata import raise_on_every_rank, zero_state_dict_problems
 from ..core.dtypes import resolve_exchange_dtype, resolve_ns_dtype
 from ..core.ns_compile import COMPILE_GRAPH_LIMIT
 from ..core.qk_clip import factor_vector
@@ -223,6 +225,30 @@ class DsMuonZeroSteps:
 
     def _clean_after_step(self) -> None:
         """The host's clean-up after every step, applied or skipped (e.g. zeroing gradient partitions)."""
+
+    def _check_fit_before_load(self, deepspeed_load: Callable, args: tuple, kwargs: dict) -> tuple[bool, Optional[dict]]:
+        """Before DeepSpeed's ``load_state_dict`` (``deepspeed_load``, called with ``args``/``kwargs``) restores
+        anything: bind its arguments and, for a same-world-size load of per-rank files, run ds_muon's fit checks
+        against :meth:`checkpoint_layout` on every rank together.
+
+        Returns:
+            ``(load_optimizer_states, this rank's state dict or None)`` (None: a universal checkpoint folder).
+
+        Raises:
+            CheckpointError: on every rank, naming each problem (:func:`ds_muon.checkpoint.metadata.zero_state_dict_problems`).
+        """
+        bound = inspect.signature(deepspeed_load).bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        load_optimizer_states = bool(a["load_optimizer_states"])
+        if a.get("checkpoint_folder") or a["state_dict_list"] is None:
+            return load_optimizer_states, None
+        rank = dist.get_rank(group=self.dp_process_group)
+        dicts = a["state_dict_list"]
+        state_dict = dicts[rank] if rank < len(dicts) else dicts[0]  # fewer files: the world size check names it
+        raise_on_every_rank(zero_state_dict_problems(state_dict, self.checkpoint_layout(), load_optimizer_states),
+                            self.dp_process_group, "ds_muon: the checkpoint does not fit this model and optimizer:")
+        return load_optimizer_states, state_dict
 
     @contextlib.contextmanager
     def _step_scope(self, what: str) -> Iterator[Optional[dict]]:
