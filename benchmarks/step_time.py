@@ -4,9 +4,18 @@ Muon vs. AdamW (FusedAdam), ZeRO-3, same model, data and GPUs, in one invocation
     python benchmarks/step_time.py --nproc 2 [--model 934m] [--steps 20] [--out results.json]
     python benchmarks/step_time.py --nproc 2 --model moe-1.5b   # MoE flavour: 8 stacked experts per layer, top 2
     python benchmarks/step_time.py --nproc 1 --stage 2 --optimizers adamw,builtin_muon,ds_muon   # ZeRO-2
+    python benchmarks/step_time.py --nproc 1 --rounds 3 --optimizers adamw,ds_muon:reduce_scatter=false --out r.json
 
 The driver launches one ``torchrun`` worker group per optimizer (a fresh process each, so peak
 memory is per optimizer), then prints a table and the ratios against AdamW and the built-in.
+An arm is an optimizer with optional ``zero_optimization`` overrides, ``name:key=value:key=value`` (e.g.
+``adamw:reduce_scatter=false``; values are JSON: true, false, numbers); the table states every arm's ZeRO
+settings. ``--rounds N`` runs the arms in rounds, ``A B C A B C ...``, one fresh worker group per arm per
+round, so a drift of the machine over the run touches every arm alike; each timing column is the median
+over all timed steps of all rounds with its spread (the min-max of the per-round medians; with one round,
+the quartiles of the steps). On CUDA every step is timed with CUDA events as well as the wall clock
+(both are reported). ``--out`` is rewritten after every arm of every round, so a run cut short keeps
+what finished.
 
 Targets (issue 14, 2xH200, micro-batch 4 x 1024, bf16): at 2.9B optimizer step <= 0.6x and step
 <= 0.8x the built-in's; at 934M optimizer step <= 0.45x the built-in's; ds_muon step - AdamW step
@@ -20,6 +29,11 @@ Targets at ZeRO stage 2 (issue 24, one H200 and 2xH200 where lent, 934M): ds_muo
 (whole steps: at stages 1/2 the built-in runs Newton–Schulz inside the last backward, so its "optimizer step"
 excludes it and the two optimizer-step columns do not measure the same work), peak memory at most 1.05x the
 built-in's (fp32 momentum against its bf16 one).
+
+Targets of issue 27 (one H200, W=1, measured with ``--rounds``): ds_muon's fwd+bwd at most 1.02x AdamW's with the
+same ZeRO settings, in one run; its whole step at most 0.85x the built-in's at 934M, 2.9B and MoE-1.5B (each arm in
+its best valid setting, said in the table); Adam-mini's optimizer step at most 1.1x AdamW's (FusedAdam) on 934M
+and its peak memory at most AdamW's (the shard step alone: ``benchmarks/adam_mini_step.py``).
 """
 from __future__ import annotations
 
@@ -42,7 +56,45 @@ OPTIMIZERS = ("adamw", "builtin_muon", "ds_muon", "ds_muon_eager", "ds_muon_gram
               "adam_mini")
 
 
+def parse_arm(spec: str) -> tuple[str, dict]:
+    """``"adamw:reduce_scatter=false:overlap_comm=false"`` -> ``("adamw", {"reduce_scatter": False, ...})``: an
+    optimizer of ``OPTIMIZERS`` and ``zero_optimization`` overrides (values JSON, else strings).
+
+    Raises:
+        ValueError: an unknown optimizer or an override without ``=``.
+    """
+    kind, *items = spec.strip().split(":")
+    if kind not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {kind!r} in arm {spec!r}; choose from {OPTIMIZERS}")
+    zero = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"arm {spec!r}: {item!r} is not key=value (a zero_optimization key)")
+        try:
+            zero[key] = json.loads(value)
+        except json.JSONDecodeError:
+            zero[key] = value
+    return kind, zero
+
+
+def arm_settings(spec: str, micro_batch: int, stage: int = 3) -> str:
+    """What an arm runs, for the table: its ZeRO settings (stage, reduce_scatter, overlap_comm and every
+    override), bf16, clipping, micro-batch, and the optimizer's params that set it apart (ns_method, ...)."""
+    kind, _ = parse_arm(spec)
+    cfg = ds_config(spec, micro_batch, stage)
+    zero = cfg["zero_optimization"]
+    text = [f"ZeRO {zero['stage']}"] + [f"{k}={json.dumps(v)}" for k, v in zero.items() if k != "stage"]
+    params = cfg["optimizer"]["params"]
+    base = ds_config("adamw" if kind in ("adamw", "adam_mini") else "ds_muon", micro_batch, stage)["optimizer"]["params"]
+    text += [f"{k}={json.dumps(v)}" for k, v in params.items() if base.get(k) != v]
+    return ", ".join(text + [f"bf16, clip {cfg['gradient_clipping']}, micro-batch {micro_batch}"])
+
+
 def ds_config(kind: str, micro_batch: int, stage: int = 3) -> dict:
+    """The DeepSpeed config of an arm (``kind``: an optimizer of ``OPTIMIZERS``, or an arm spec with
+    ``zero_optimization`` overrides, :func:`parse_arm`)."""
+    kind, zero = parse_arm(kind)
     # The built-in refuses reduce_scatter with Muon at stage 3 ("Muon and reduce scatter cannot be used together");
     # at stages 1/2 it takes it.
     cfg = {
@@ -68,6 +120,7 @@ def ds_config(kind: str, micro_batch: int, stage: int = 3) -> dict:
             cfg["optimizer"]["params"]["momentum_dtype"] = "bfloat16"
         if kind == "ds_muon_autotune":
             cfg["optimizer"]["params"]["ns_autotune"] = True
+    cfg["zero_optimization"].update(zero)
     return cfg
 
 
@@ -319,35 +372,42 @@ def worker(args) -> None:
     rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     torch.cuda.set_device(device)
+    kind, _ = parse_arm(args.optimizer)
     cfg = ds_config(args.optimizer, args.micro_batch, args.stage)
     torch.manual_seed(0)
     # no per-head max-logit recording (MuonClip): its cost is measured apart, by benchmarks/max_logit_cost.py
     model = CausalLM(ModelConfig.preset(args.model, max_seq_len=args.seq_len, record_max_logits=False))
     n_params = sum(p.numel() for p in model.parameters())
-    if args.optimizer.startswith("ds_muon") or args.optimizer == "adam_mini":
+    if kind.startswith("ds_muon") or kind == "adam_mini":
         import ds_muon
         engine, _, _, _ = ds_muon.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     else:
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     vocab = model.cfg.vocab_size
     g = torch.Generator(device="cpu").manual_seed(rank)
-    step_times, opt_times, losses = [], [], []
+    samples = {k: [] for k in ("step_s", "fwd_bwd_s", "opt_step_s", "step_s_events", "fwd_bwd_s_events",
+                               "opt_step_s_events")}
+    losses = []
     peak_fwd_bwd = peak_step = 0
     comm = None
     for i in range(args.warmup + args.steps):
         x = torch.randint(0, vocab, (args.micro_batch, args.seq_len + 1), generator=g).to(device)
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
+        events[0].record()
         counter = counting() if i == args.warmup else None
         records = counter.__enter__() if counter else None
         loss = engine(x[:, :-1], x[:, 1:])
         engine.backward(loss)
+        events[1].record()
         torch.cuda.synchronize()
         t1 = time.perf_counter()
         peak_fwd_bwd = max(peak_fwd_bwd, torch.cuda.max_memory_allocated(device))
         torch.cuda.reset_peak_memory_stats(device)
         engine.step()
+        events[2].record()
         torch.cuda.synchronize()
         t2 = time.perf_counter()
         peak_step = max(peak_step, torch.cuda.max_memory_allocated(device))
@@ -356,18 +416,20 @@ def worker(args) -> None:
             comm = dict(by_op(records))
         losses.append(loss.item())
         if i >= args.warmup:
-            step_times.append(t2 - t0)
-            opt_times.append(t2 - t1)
+            fwd_bwd, opt = events[0].elapsed_time(events[1]) / 1e3, events[1].elapsed_time(events[2]) / 1e3
+            for key, value in (("step_s", t2 - t0), ("fwd_bwd_s", t1 - t0), ("opt_step_s", t2 - t1),
+                               ("step_s_events", fwd_bwd + opt), ("fwd_bwd_s_events", fwd_bwd),
+                               ("opt_step_s_events", opt)):
+                samples[key].append(value)
     profile = None
-    if args.profile and args.optimizer == "ds_muon":
+    if args.profile and kind == "ds_muon":
         profile = profile_steps(engine, vocab, args, g, device)
-    result = dict(optimizer=args.optimizer, step_s=statistics.median(step_times), opt_step_s=statistics.median(opt_times),
-                  fwd_bwd_s=statistics.median(a - b for a, b in zip(step_times, opt_times)),
+    result = dict(optimizer=args.optimizer, samples=samples, **{k: statistics.median(v) for k, v in samples.items()},
                   peak_gib=max(peak_fwd_bwd, peak_step) / 2**30, peak_fwd_bwd_gib=peak_fwd_bwd / 2**30,
                   peak_step_gib=peak_step / 2**30, profile=profile, comm_bytes=comm, comm_total=sum(comm.values()), params=n_params,
                   first_loss=losses[0], last_loss=losses[-1], world=dist.get_world_size(),
                   opt_state_gib=_optimizer_state_bytes(engine) / 2**30)
-    if args.optimizer.startswith("ds_muon"):
+    if kind.startswith("ds_muon"):
         from torch._dynamo.utils import counters
         result["compiled_graphs"] = int(counters["stats"].get("unique_graphs", 0))
         plans = engine.optimizer.muon_plans.values()
@@ -386,8 +448,12 @@ def worker(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--optimizer", choices=OPTIMIZERS)
-    ap.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    ap.add_argument("--optimizer", help=argparse.SUPPRESS)  # the worker's arm (parse_arm)
+    ap.add_argument("--optimizers", default=",".join(OPTIMIZERS),
+                    help="the arms, comma-separated: optimizers of OPTIMIZERS, each with optional zero_optimization "
+                         "overrides name:key=value:... (e.g. adamw:reduce_scatter=false)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the arms this many times in rounds (A B C A B C ...), a fresh worker group each time")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--model", default="934m", help="an examples/model.py preset (934m, 2.9b, moe-1.5b, ...)")
     ap.add_argument("--micro-batch", type=int, default=4)
@@ -422,22 +488,33 @@ def main() -> None:
         ns_microbenchmark(args.out, **ns_args)
         return
 
-    results = {}
+    arms = [a.strip() for a in args.optimizers.split(",") if a.strip()]
+    for arm in arms:
+        parse_arm(arm)  # a bad arm fails here, before any worker starts
+    results: dict = {}
+
+    def publish(raw: dict) -> None:  # the aggregate of every arm so far, to --out (a run cut short keeps it)
+        results.update(aggregate_arms(raw, args.micro_batch, args.stage))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=2)
+
     with tempfile.TemporaryDirectory() as tmp:
-        for opt in filter(None, args.optimizers.split(",")):
-            out = os.path.join(tmp, f"{opt}.json")
+        def run_arm(arm: str, rnd: int) -> dict:
+            out = os.path.join(tmp, f"arm{arms.index(arm)}-round{rnd}.json")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), __file__,
-                   "--worker", "--optimizer", opt, "--model", args.model, "--micro-batch", str(args.micro_batch),
+                   "--worker", "--optimizer", arm, "--model", args.model, "--micro-batch", str(args.micro_batch),
                    "--seq-len", str(args.seq_len), "--warmup", str(args.warmup), "--steps", str(args.steps),
                    "--stage", str(args.stage),
-                   "--out", out] + (["--profile"] if args.profile else [])
-            print(">>", " ".join(cmd), flush=True)
+                   "--out", out] + (["--profile"] if args.profile and rnd == 0 else [])
+            print(f">> round {rnd + 1}/{args.rounds}:", " ".join(cmd), flush=True)
             proc = subprocess.run(cmd)
             if proc.returncode == 0 and os.path.exists(out):
                 with open(out) as f:
-                    results[opt] = json.load(f)
-            else:
-                results[opt] = {"error": f"exit {proc.returncode}"}
+                    return json.load(f)
+            return {"error": f"exit {proc.returncode}"}
+
+        run_rounds(arms, args.rounds, run_arm, publish)
         if args.ns_micro:
             out = os.path.join(tmp, "ns.json")
             print(NS_TABLE_HEADER, flush=True)
@@ -457,14 +534,71 @@ def main() -> None:
                     results["ns_micro"] = json.load(f)
                 if status != "exit 0":
                     results["ns_micro"]["error"] = status
+                if args.out:
+                    with open(args.out, "w") as f:
+                        json.dump(results, f, indent=2)
     print_table({k: v for k, v in results.items() if k != "ns_micro"})
     if results.get("ds_muon", {}).get("profile"):
         print("\ntorch.profiler, 3 ds_muon steps, rank 0:\n" + results["ds_muon"]["profile"])
     if "ns_micro" in results:
         print_ns_table(results["ns_micro"])
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+
+
+TIMINGS = ("step_s", "fwd_bwd_s", "opt_step_s", "step_s_events", "fwd_bwd_s_events", "opt_step_s_events")
+
+
+def run_rounds(arms, rounds: int, run_arm, on_result=None) -> dict:
+    """Run every arm ``rounds`` times, in rounds (``A B C A B C ...``): ``run_arm(arm, round)`` returns one worker
+    result (or ``{"error": ...}``); ``on_result(raw)`` is called after every arm of every round. Returns
+    ``{arm: [its result per round so far]}``."""
+    raw: dict = {arm: [] for arm in arms}
+    for rnd in range(rounds):
+        for arm in arms:
+            raw[arm].append(run_arm(arm, rnd))
+            if on_result is not None:
+                on_result(raw)
+    return raw
+
+
+def aggregate_rounds(rounds: list) -> dict:
+    """One arm's worker results of several rounds as one result.
+
+    Each timing of :data:`TIMINGS` (seconds; ``*_events``: CUDA events, else wall clock with a device sync
+    around each phase) becomes the median over all timed steps of all rounds (``samples``; a result without
+    them counts as one step of its median), with ``spread[key]``: the per-round medians, their ``min``/``max``,
+    and the quartiles ``q1``/``q3`` of all steps. Peaks are the largest of any round; every other field is
+    the first successful round's. Rounds that failed are counted (``round_errors``); none succeeded:
+    ``{"error": ...}``.
+    """
+    ok = [r for r in rounds if "error" not in r]
+    errors = [r["error"] for r in rounds if "error" in r]
+    if not ok:
+        return {"error": "; ".join(errors) or "no round ran", "rounds": len(rounds)}
+    out = {k: v for k, v in ok[0].items() if k != "samples"}
+    out.update(rounds=len(rounds), rounds_ok=len(ok), spread={})
+    if errors:
+        out["round_errors"] = errors
+    for key in TIMINGS:
+        per_round = [r["samples"][key] if r.get("samples", {}).get(key) else [r[key]] for r in ok if key in r]
+        if not per_round:
+            continue
+        pooled = sorted(v for steps in per_round for v in steps)
+        q1, _, q3 = statistics.quantiles(pooled, n=4, method="inclusive") if len(pooled) > 1 else pooled * 3
+        medians = [statistics.median(steps) for steps in per_round]
+        out[key] = statistics.median(pooled)
+        out["spread"][key] = {"round_medians": medians, "min": min(medians), "max": max(medians), "q1": q1, "q3": q3,
+                              "steps": len(pooled)}
+    for key in ("peak_gib", "peak_fwd_bwd_gib", "peak_step_gib"):
+        if all(key in r for r in ok):
+            out[key] = max(r[key] for r in ok)
+    return out
+
+
+def aggregate_arms(raw: dict, micro_batch: int, stage: int) -> dict:
+    """``{arm: aggregate_rounds(its rounds) + settings + its round results}`` for :func:`print_table` and ``--out``,
+    for the arms that ran at least once."""
+    return {arm: dict(aggregate_rounds(rounds), settings=arm_settings(arm, micro_batch, stage), round_results=rounds)
+            for arm, rounds in raw.items() if rounds}
 
 
 def parse_shapes(text: str) -> tuple[tuple[int, int, int], ...]:
@@ -511,23 +645,47 @@ def print_ns_table(ns: dict) -> None:
         print(f"(microbenchmark cut short: {ns['error']})")
 
 
+def timing_cell(result: dict, key: str) -> str:
+    """``"0.297 (0.295-0.301)"``: the median of ``key`` and its spread (the min-max of the per-round medians over
+    two or more rounds; the quartiles of the steps over one); empty where the result lacks it."""
+    if key not in result:
+        return ""
+    spread = result.get("spread", {}).get(key)
+    if not spread:
+        return f"{result[key]:.3f}"
+    lo, hi = (spread["min"], spread["max"]) if len(spread["round_medians"]) > 1 else (spread["q1"], spread["q3"])
+    return f"{result[key]:.3f} ({lo:.3f}-{hi:.3f})"
+
+
 def print_table(results: dict) -> None:
     ok = {k: v for k, v in results.items() if "error" not in v}
-    print("\n| optimizer | step s | fwd+bwd s | optimizer step s | peak GiB (fwd+bwd / step) | optimizer state GiB "
-          "(rank 0) | bytes/step (rank 0) |")
-    print("|---|---|---|---|---|---|---|")
+    rounds = max([v.get("rounds", 1) for v in results.values()] or [1])
+    print(f"\nTimes in s: median over all timed steps of {rounds} round(s) (A B C A B C ..., a fresh worker group "
+          "each), in parentheses the min-max of the per-round medians (one round: the steps' quartiles); wall clock "
+          "with a device sync around each phase, and CUDA events of the same phases.")
+    print("| arm | settings | step s | fwd+bwd s | optimizer step s | CUDA events: step / fwd+bwd / optimizer step s | "
+          "peak GiB (fwd+bwd / step) | optimizer state GiB (rank 0) | bytes/step (rank 0) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for k, v in ok.items():
-        print(f"| {k} | {v['step_s']:.3f} | {v.get('fwd_bwd_s', 0):.3f} | {v['opt_step_s']:.3f} | {v['peak_gib']:.1f} "
+        events = " / ".join(timing_cell(v, f"{t}_events") for t in ("step_s", "fwd_bwd_s", "opt_step_s"))
+        print(f"| {k} | {v.get('settings', '')} | {timing_cell(v, 'step_s')} | {timing_cell(v, 'fwd_bwd_s')} | "
+              f"{timing_cell(v, 'opt_step_s')} | {events if 'step_s_events' in v else ''} | {v['peak_gib']:.1f} "
               f"({v['peak_fwd_bwd_gib']:.1f} / {v['peak_step_gib']:.1f}) | {v.get('opt_state_gib', 0):.2f} | "
               f"{v['comm_total'] / 2**20:.0f} MiB |")
+        if v.get("round_errors"):
+            print(f"| {k} | {len(v['round_errors'])} of {v['rounds']} rounds failed: {'; '.join(v['round_errors'])} |")
+    for k, v in results.items():
+        if "error" in v:
+            print(f"| {k} | {v.get('settings', '')} | failed: {v['error']} | | | | | | |")
+    named: dict = {}
+    for k, v in ok.items():  # the ratios below compare the first arm of each optimizer
+        named.setdefault(parse_arm(k)[0], v)
+    ok = named
     if "adam_mini" in ok and "adamw" in ok:
         m, a = ok["adam_mini"], ok["adamw"]
         print(f"adam_mini/AdamW: optimizer state {m['opt_state_gib'] / a['opt_state_gib']:.3f}x, step "
               f"{m['step_s'] / a['step_s']:.2f}x, optimizer step {m['opt_step_s'] / a['opt_step_s']:.2f}x, peak "
               f"{m['peak_gib'] / a['peak_gib']:.3f}x, bytes/step +{m['comm_total'] - a['comm_total']} B")
-    for k, v in results.items():
-        if "error" in v:
-            print(f"| {k} | failed: {v['error']} | | | |")
     # ds_muon variants against the default, each differing in one knob: (variant, knob, variant's label, default's)
     for variant, knob, theirs, ours in (("ds_muon_gram", "ns_method", "gram", "standard"),
                                         ("ds_muon_eager", "ns_compile", "eager", "compiled"),

@@ -3,13 +3,15 @@
 On the local shard ``(n,)`` (the math: :mod:`ds_muon.core.adam_update`; the blocks:
 :mod:`ds_muon.model.adam_mini_blocks`):
 
-1. per-block partial sums of ``g**2`` over this rank's elements (a ``segment_reduce`` over the
-   :class:`~ds_muon.sharded.blocks.BlockMap`'s segments, one window of at most
-   :data:`ds_muon.core.adam_update.CHUNK_ELEMENTS` at a time; a block may start on one rank and end on
-   another, and padding belongs to no block);
+1. per-block partial sums of ``g**2`` over this rank's elements: one row reduction of the shard viewed as
+   fixed-size tiles and one over the short region of tiles that hold a block boundary
+   (:mod:`ds_muon.core.block_tiles`, built once from the :class:`~ds_muon.sharded.blocks.BlockMap`'s segments;
+   a block may start on one rank and end on another, and padding belongs to no block);
 2. one all_reduce(SUM) of ``n_blocks`` fp32 over the sub-group's partition group;
 3. ``v_B <- beta2*v_B + (1-beta2) * sum_B / |B|`` with ``|B|`` the block's global numel, then the
-   element-wise first moment and update on the shard, window by window: no temporary of the shard's size.
+   element-wise first moment and update in one pass over the tiles (the denominators a per-tile column;
+   compiled into one kernel on CUDA) and one over the boundary region: a fixed number of tensor operations
+   per step, whatever the number of blocks, and no temporary of the shard's size.
 """
 from __future__ import annotations
 
@@ -33,11 +35,15 @@ class AdamMiniShardStep:
         name: how messages name the sub-group (e.g. ``"ZeRO sub-group 3"``).
         block_map: this rank's :class:`~ds_muon.sharded.blocks.BlockMap` with one block per Adam-mini block.
         block_numel: the global element count of every block of the sub-group, in block order.
+        compiled: the element-wise pass as one ``torch.compile`` kernel
+            (:func:`ds_muon.core.adam_update.adam_mini_shard_update_`); None: on CUDA shards, not elsewhere.
     """
 
-    def __init__(self, name: str, block_map: BlockMap, block_numel: Sequence[int]) -> None:
+    def __init__(self, name: str, block_map: BlockMap, block_numel: Sequence[int],
+                 compiled: Optional[bool] = None) -> None:
         self.name, self.block_map = name, block_map
         self._block_numel = list(block_numel)
+        self._compiled = compiled
         self._index: Optional[tuple] = None  # (windows, block numel tensor) on the gradient's device
 
     @property
@@ -70,5 +76,6 @@ class AdamMiniShardStep:
                 dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=process_group)
             sums = wire.to(grad.device)
         with record_function("ds_muon/adam_mini_update"):
+            compiled = grad.device.type == "cuda" if self._compiled is None else self._compiled
             adam_mini_shard_update_(fp32, grad, exp_avg, block_v, sums, block_numel, chunks, step, group["lr"],
-                                    tuple(group["betas"]), group["eps"], group["weight_decay"])
+                                    tuple(group["betas"]), group["eps"], group["weight_decay"], compiled=compiled)

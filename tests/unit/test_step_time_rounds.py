@@ -1,0 +1,108 @@
+"""benchmarks/step_time.py's driver on CPU, without a GPU or a worker: arms with ZeRO overrides, the settings the
+table states, rounds in the order A B C A B C, the aggregate of several rounds (median over all steps, the spread
+of the per-round medians, failed rounds counted) and ``--out`` rewritten after every arm, the workers replaced by
+a stub that writes what a worker writes."""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+import pytest
+
+from tests.support.tools import repo_module
+
+step_time = repo_module("benchmarks/step_time.py")
+
+
+def test_arms_with_zero_overrides_and_their_settings() -> None:
+    assert step_time.parse_arm("adamw") == ("adamw", {})
+    assert step_time.parse_arm("ds_muon:reduce_scatter=false:overlap_comm=false:sub_group_size=1e9") == (
+        "ds_muon", {"reduce_scatter": False, "overlap_comm": False, "sub_group_size": 1e9})
+    with pytest.raises(ValueError, match="unknown optimizer 'adamx'"):
+        step_time.parse_arm("adamx")
+    with pytest.raises(ValueError, match="not key=value"):
+        step_time.parse_arm("adamw:reduce_scatter")
+    zero = step_time.ds_config("adamw:reduce_scatter=false", 4, 3)["zero_optimization"]
+    assert zero == {"stage": 3, "overlap_comm": True, "reduce_scatter": False}
+    # the built-in refuses reduce_scatter with Muon at stage 3, takes it at stages 1/2
+    assert step_time.ds_config("builtin_muon", 4, 3)["zero_optimization"]["reduce_scatter"] is False
+    assert step_time.ds_config("builtin_muon", 4, 2)["zero_optimization"]["reduce_scatter"] is True
+    assert step_time.arm_settings("adamw", 4) == ("ZeRO 3, overlap_comm=true, reduce_scatter=true, bf16, clip 1.0, "
+                                                  "micro-batch 4")
+    gram = step_time.arm_settings("ds_muon_gram:reduce_scatter=false", 4, 2)
+    assert gram.startswith("ZeRO 2, overlap_comm=true, reduce_scatter=false, ") and 'ns_method="gram"' in gram \
+        and 'exchange_dtype="bfloat16"' in gram
+    assert "ns_method" not in step_time.arm_settings("ds_muon", 4)
+
+
+def _result(arm: str, steps: list, fwd: list, peak: float = 10.0) -> dict:
+    samples = {"step_s": steps, "fwd_bwd_s": fwd, "opt_step_s": [a - b for a, b in zip(steps, fwd)]}
+    samples.update({f"{k}_events": [x * 0.99 for x in v] for k, v in list(samples.items())})
+    out = dict(optimizer=arm, samples=samples, **{k: statistics.median(v) for k, v in samples.items()},
+               peak_gib=peak, peak_fwd_bwd_gib=peak, peak_step_gib=peak - 1, comm_total=2**20, opt_state_gib=1.0,
+               world=1)
+    if arm.startswith("ds_muon"):
+        out.update(ns_floor_s=0.05, ns_gflop_per_rank_max=40.0, matmul_tflops=800.0, imbalance=1.0,
+                   compiled_graphs=2)
+    return out
+
+
+def test_aggregate_of_rounds() -> None:
+    r1 = _result("adamw", [0.30, 0.31, 0.29], [0.27, 0.28, 0.26], peak=20.0)
+    r2 = _result("adamw", [0.40, 0.41, 0.39, 0.42], [0.37, 0.38, 0.36, 0.39], peak=21.0)
+    agg = step_time.aggregate_rounds([r1, {"error": "exit 1"}, r2])
+    assert agg["rounds"] == 3 and agg["rounds_ok"] == 2 and agg["round_errors"] == ["exit 1"]
+    assert agg["step_s"] == statistics.median(r1["samples"]["step_s"] + r2["samples"]["step_s"])
+    spread = agg["spread"]["step_s"]
+    assert spread["round_medians"] == [0.30, 0.405] and (spread["min"], spread["max"]) == (0.30, 0.405)
+    assert spread["steps"] == 7 and spread["q1"] < agg["step_s"] < spread["q3"]
+    assert agg["step_s_events"] == pytest.approx(0.99 * agg["step_s"])
+    assert agg["peak_gib"] == 21.0 and "samples" not in agg
+    assert step_time.timing_cell(agg, "step_s") == "0.390 (0.300-0.405)"
+    one = step_time.aggregate_rounds([r1])
+    assert step_time.timing_cell(one, "step_s") == "0.300 (0.295-0.305)"  # one round: the steps' quartiles
+    legacy = step_time.aggregate_rounds([{k: v for k, v in r1.items() if k != "samples"}])
+    assert legacy["step_s"] == 0.30 and legacy["spread"]["step_s"]["steps"] == 1
+    assert step_time.aggregate_rounds([{"error": "exit 1"}, {"error": "exit 9"}]) == {"error": "exit 1; exit 9",
+                                                                                      "rounds": 2}
+
+
+def test_rounds_alternate_and_out_is_written_after_every_arm(tmp_path, monkeypatch, capsys) -> None:
+    out = tmp_path / "results.json"
+    calls, seen = [], []
+
+    class Done:
+        returncode = 0
+
+    def fake_run(cmd, **kwargs):  # what one torchrun worker group does: write its result to its --out
+        arm, path = cmd[cmd.index("--optimizer") + 1], cmd[cmd.index("--out") + 1]
+        calls.append(arm)
+        seen.append(json.loads(out.read_text()) if out.exists() else None)
+        if arm == "builtin_muon" and len(calls) > 3:
+            failed = Done()
+            failed.returncode = 1
+            return failed
+        k = len(calls)
+        with open(path, "w") as f:
+            json.dump(_result(arm, [0.3 + 0.01 * k, 0.31 + 0.01 * k], [0.2, 0.21]), f)
+        return Done()
+
+    monkeypatch.setattr(step_time.subprocess, "run", fake_run)
+    arms = "adamw,builtin_muon,ds_muon:reduce_scatter=false"
+    monkeypatch.setattr(sys, "argv", ["step_time.py", "--nproc", "1", "--optimizers", arms, "--rounds", "2",
+                                      "--no-ns-micro", "--out", str(out)])
+    step_time.main()
+    assert calls == arms.split(",") * 2
+    # before each worker group, --out holds every arm that finished before it
+    assert seen[0] is None and list(seen[1]) == ["adamw"] and list(seen[3]) == arms.split(",")
+    assert seen[4]["adamw"]["rounds"] == 2 and seen[4]["builtin_muon"]["rounds"] == 1
+    final = json.loads(out.read_text())
+    assert final["builtin_muon"]["rounds_ok"] == 1 and final["builtin_muon"]["round_errors"] == ["exit 1"]
+    ds = final["ds_muon:reduce_scatter=false"]
+    assert ds["settings"].startswith("ZeRO 3, overlap_comm=true, reduce_scatter=false")
+    assert ds["spread"]["step_s"]["round_medians"] == pytest.approx([0.335, 0.365])  # calls 3 and 6
+    assert len(ds["round_results"]) == 2
+    table = capsys.readouterr().out
+    assert "| ds_muon:reduce_scatter=false | ZeRO 3, overlap_comm=true, reduce_scatter=false" in table
+    assert "1 of 2 rounds failed: exit 1" in table and "median over all timed steps of 2 round(s)" in table
