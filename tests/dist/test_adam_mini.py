@@ -84,8 +84,8 @@ def _group_decay(opt) -> dict[str, float]:
     """Each parameter's weight decay as the ZeRO optimizer steps it: that of its param group (ZeRO-3: of its
     sub-group's param group)."""
     if type(opt).__name__ == "MuonZeroOptimizer":
-        pairs = [(p, opt.optimizer.param_groups[opt.sub_group_to_group_id[i]]) for i, params in enumerate(opt.fp16_groups)
-                 for p in params]
+        groups = opt.optimizer.param_groups
+        pairs = [(p, groups[opt.sub_group_to_group_id[i]]) for i, params in enumerate(opt.fp16_groups) for p in params]
     else:  # ZeRO-1/2: one flat partition per param group
         pairs = [(p, opt.optimizer.param_groups[i]) for i, params in enumerate(opt.bit16_groups) for p in params]
     return {opt.param_names[p]: group["weight_decay"] for p, group in pairs}
