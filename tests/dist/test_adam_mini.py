@@ -11,8 +11,10 @@ against an uninterrupted run (also under NVMe), loads refused for another block 
 blocks, and saves the checkpoint that W=1 and W=3 load after `to-universal`. Tolerance as
 tests/dist/test_zero3_parity.py: 1e-5 relative to each parameter, 1e-3 relative to its update. Each run
 also asserts that some Adam-mini block is split across ranks and (W=3) that some sub-group has padding
-(so the cross-rank reduction and the padding are exercised), and that the ZeRO-3 result is far from
-AdamW's (so a path that ignores the blocks cannot pass).
+(so the cross-rank reduction and the padding are exercised), that the ZeRO-3 result is far from
+AdamW's (so a path that ignores the blocks cannot pass), and that the engine steps norm weights with weight
+decay 0.0 and every other parameter with the configured one (the reference shares the group builder, so parity
+alone would not show decayed norms; tests/unit/test_adam_mini_rules.py trains the case where it shows).
 """
 from __future__ import annotations
 
@@ -76,6 +78,17 @@ def _layout(opt, rank: int) -> dict:
         present[i] = sorted({b for b, n in zip(bm.block_of_segment, bm.lengths) if b != PADDING and n})
         padding |= any(b == PADDING and n for b, n in zip(bm.block_of_segment, bm.lengths))
     return {"present": present, "padding": padding, "n_blocks": {i: bm.n_blocks for i, bm in opt.adam_mini_maps.items()}}
+
+
+def _group_decay(opt) -> dict[str, float]:
+    """Each parameter's weight decay as the ZeRO optimizer steps it: that of its param group (ZeRO-3: of its
+    sub-group's param group)."""
+    if type(opt).__name__ == "MuonZeroOptimizer":
+        groups = opt.optimizer.param_groups
+        pairs = [(p, groups[opt.sub_group_to_group_id[i]]) for i, params in enumerate(opt.fp16_groups) for p in params]
+    else:  # ZeRO-1/2: one flat partition per param group
+        pairs = [(p, opt.optimizer.param_groups[i]) for i, params in enumerate(opt.bit16_groups) for p in params]
+    return {opt.param_names[p]: group["weight_decay"] for p, group in pairs}
 
 
 def _zero(case: dict, mode: str = "") -> dict:
@@ -251,7 +264,8 @@ def _run_case(rank: int, world_size: int, case: dict) -> dict:
     got = gathered_params(model)
     layout = _layout(engine.optimizer, rank)
     out = {"norms": norms, "layout": layout, "probe": _swap_probe(engine) if nvme else None,
-           "windows": sum(len(step._index[0]) for step in engine.optimizer.adam_mini_steps.values() if step._index)}
+           "windows": sum(len(step._index[0]) for step in engine.optimizer.adam_mini_steps.values() if step._index),
+           "decay": _group_decay(engine.optimizer)}
     engine.destroy()
     if case.get("chunk"):
         am.CHUNK_ELEMENTS = default_chunk
@@ -300,6 +314,12 @@ def _check(world_size: int, case: dict, results: list[dict]) -> None:
         assert e["moved"] > 0, f"{case['name']}: {name} did not move"
         assert e["rel"] < PARITY_RTOL, f"{case['name']} W={world_size}: {name} differs from the reference: {e}"
         assert e["rel_update"] < 1e-3, f"{case['name']} W={world_size}: {name} update differs: {e}"
+    # weight decay as the engine steps it: none on norm weights (and biases), the configured one elsewhere
+    decay = results[0]["decay"]
+    assert set(decay) == set(errors), (case["name"], sorted(decay))
+    want = {n: 0.0 if "norm" in n or n.endswith(".bias") else PARAMS["weight_decay"] for n in decay}
+    assert decay == want, f"{case['name']} W={world_size}: weight decay per parameter {decay}, want {want}"
+    assert 0.0 in want.values() and PARAMS["weight_decay"] in want.values()
     # gradient clipping acted: the raw global norm (what clipping compares with CLIP) exceeded it in some step
     assert any(n > CLIP for n in results[0]["norms"]), (case["name"], results[0]["norms"], CLIP)
     far = [n for n, e in results[0]["adamw"].items() if e["rel_update"] > 1e-2]

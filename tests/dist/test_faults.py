@@ -31,14 +31,19 @@ TOL = {"fp32": (PARITY_RTOL, 1e-3), "bf16": (1e-6, 1e-4), "fp16": (1e-6, 1e-4)}
 
 def _poison_hooks(model, rank: int, when: dict):
     """Gradient hooks that fill parameter ``name``'s gradient with ``value`` at ``when[(step, micro)]``
-    on this rank; ``when`` is read at backward time (the caller sets ``when["now"]``)."""
+    on this rank (an entry ``(step, rank, micro, name, value, element)``: only that element of the flattened
+    gradient); ``when`` is read at backward time (the caller sets ``when["now"]``)."""
     named = dict(model.named_parameters())
 
     def hook_for(name):
         def hook(grad):
-            for step, r, micro, pname, value in when["inject"]:
+            for step, r, micro, pname, value, *element in when["inject"]:
                 if (step, micro) == when["now"] and r == rank and pname == name:
-                    return torch.full_like(grad, value)
+                    if not element:
+                        return torch.full_like(grad, value)
+                    out = grad.clone(memory_format=torch.contiguous_format)  # (an einsum's grad is not)
+                    out.view(-1)[element[0]] = value
+                    return out
             return grad
         return hook
 
@@ -83,6 +88,23 @@ def _dtype_cfg(dtype: str, stage: int = 3, **params) -> dict:
         cfg["fp16"] = {"enabled": True, "loss_scale": 128}
         cfg["optimizer"]["params"].update(ns_dtype="auto", exchange_dtype="auto")
     return cfg
+
+
+def _one_rank_elements(opt, world_size: int) -> tuple[tuple[str, int], tuple[str, int]]:
+    """Two gradient elements that only one rank's partition holds, from the optimizer's layout (ZeRO-3's chunks or
+    ZeRO-1/2's flat partitions): ``(name, flat element)`` of the first parameter (sub-group order, the order in
+    which the first non-finite gradient is named) with an element on rank 1, and of the last parameter with an
+    element on rank 0, which comes after it. ``extra`` (no gradient on odd steps) is left out."""
+    from ds_muon.partitions import chunked_pieces
+    if type(opt).__name__ == "MuonZeroOptimizer":
+        ordered = [(p, chunked_pieces(int(p.ds_numel), world_size, 0)) for group in opt.fp16_groups for p in group]
+    else:
+        ordered = [(p, pieces) for group in opt.pieces for p, pieces in group]
+    ordered = [(opt.param_names[p], pieces) for p, pieces in ordered if not opt.param_names[p].startswith("extra")]
+    a = next(k for k, (_, pieces) in enumerate(ordered) if pieces[1].length)
+    b = max(k for k, (_, pieces) in enumerate(ordered) if pieces[0].length)
+    assert a < b, [(n, [(x.start, x.length) for x in pieces]) for n, pieces in ordered]
+    return (ordered[a][0], ordered[a][1][1].start), (ordered[b][0], ordered[b][1][0].start)
 
 
 def _non_finite_cases(rank: int, world_size: int, csv_dir: str, dtypes: tuple = ("fp32", "bf16"),
@@ -138,15 +160,28 @@ def _non_finite_cases(rank: int, world_size: int, csv_dir: str, dtypes: tuple = 
 
     if "fp32" not in dtypes:
         return out
-    # N consecutive skips stop the run, naming the first parameter with a non-finite gradient
+    # N consecutive skips stop the run, naming the first parameter with a non-finite gradient. Each step one NaN
+    # element that only rank 1's partition holds (rank 0 poisons it) and a later one that only rank 0's holds:
+    # alone, each rank would name its own; the all_reduce makes both name the first
     engine, model = build_engine(_dtype_cfg("fp32", stage, max_consecutive_skipped_steps=3))
-    when = {"inject": [(s, 1, 0, "kv_proj.weight", float("nan")) for s in range(1, 10)], "now": None}
+    first, later = _one_rank_elements(engine.optimizer, world_size)
+    when = {"inject": [i for s in range(1, 10) for i in ((s, 0, 0, first[0], float("nan"), first[1]),
+                                                         (s, 1, 0, later[0], float("nan"), later[1]))],
+            "now": None}
     _poison_hooks(model, rank, when)
+    skipped = []
     try:
-        _train_steps(engine, rank, range(10), when)
+        for step in range(10):
+            _train_steps(engine, rank, [step], when)
+            skipped.append(engine.optimizer.skipped_step_count)
         out["stop"] = None
     except RuntimeError as err:
+        if "consecutive optimizer steps skipped" not in str(err):
+            raise  # any other error: fail now, not after the peer waits out the group's timeout
         out["stop"] = (str(err), engine.optimizer.muon_step_count, engine.optimizer.skipped_step_count)
+    out["stop_poisoned"] = (first[0], later[0])
+    out["stop_named"] = engine.optimizer.last_non_finite_param
+    out["stop_skipped"] = skipped
     engine.destroy()
     if rank == 0:
         import csv
@@ -175,9 +210,13 @@ def _check_non_finite(results: list[dict], dtypes: tuple) -> None:
         if "fp32" not in dtypes:
             continue
         msg, muon_steps, skipped = out["stop"]
-        assert "3 consecutive optimizer steps skipped" in msg and "kv_proj.weight" in msg, msg
+        first, later = out["stop_poisoned"]
+        assert out["stop_poisoned"] == results[0]["stop_poisoned"], (rank, out["stop_poisoned"])
+        assert "3 consecutive optimizer steps skipped" in msg and f"non-finite gradient: {first})" in msg, (rank, msg)
+        assert out["stop_named"] == first, (rank, out["stop_named"], first, later)  # rank 0 alone sees only `later`
         assert "max_consecutive_skipped_steps" in msg, msg
-        assert (muon_steps, skipped) == (1, 3), out["stop"]
+        assert (muon_steps, skipped) == (1, 3), (rank, out["stop"])
+        assert out["stop_skipped"] == [0, 1, 2], (rank, out["stop_skipped"])  # skipped counts after steps 0, 1, 2
     if "fp32" in dtypes:
         csv_rows = results[0]["csv"]["Train_ds_muon_skipped_steps.csv"]
         assert [float(r[1]) for r in csv_rows[1:]] == [1.0, 2.0], csv_rows
@@ -188,7 +227,9 @@ def test_non_finite_gradients_skip_count_report_and_stop(tmp_path, stage):
     """A NaN (rank 1) and an Inf (rank 0) injected into one parameter's gradient, GAS 2, clipping 0.5,
     in fp32 and bf16, at ZeRO stage 3 and 2: both steps are skipped, counted, logged and reported to the
     monitor; the state equals the run that never saw them (Adam counts applied steps only); three skips in a
-    row stop the run with an error naming the poisoned parameter."""
+    row stop the run with an error naming the poisoned parameter. In those, one NaN element per step lies in
+    rank 1's partition only and one, of a later parameter, in rank 0's only: every rank names the first and
+    skips the same steps."""
     dtypes = ("fp32", "bf16")
     _check_non_finite(run_distributed(_non_finite_cases, 2, str(tmp_path), dtypes, stage), dtypes)
 

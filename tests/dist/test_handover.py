@@ -13,8 +13,8 @@ in one W=2 process group (CPU, gloo), three ways:
   engine exists.
 
 So wherever the built-in trains a config, the zero-code path trains it too (asserted for every file and stage).
-The fp16 file runs only where the accelerator supports fp16 (this repository's CPU machines may not: DeepSpeed
-refuses it there, with and without ds_muon).
+The fp16 files run in their own process group, skipped with the reason where the accelerator has no fp16 (this
+repository's CPU machines may not: DeepSpeed refuses it there, with and without ds_muon).
 """
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ import json
 import logging
 from pathlib import Path
 
+import pytest
 import torch
 
-from tests.support.precision import fp16_supported, is_fp16_config
+from tests.support.precision import FP16_SKIP, fp16_supported, is_fp16_config
 from tests.support.spawn import run_distributed
 
 DIR = Path(__file__).resolve().parents[1] / "migration_configs"
@@ -33,6 +34,7 @@ DIR = Path(__file__).resolve().parents[1] / "migration_configs"
 FILES = sorted(p.name for p in DIR.glob("*.json") if p.name not in ("nvme_offload_onecycle.json",
                                                                     "hf_ds_config_zero3_muon.json"))
 STAGES = (0, 1, 2, 3)
+FP16_FILES = [name for name in FILES if is_fp16_config(json.loads((DIR / name).read_text()))]
 DS_MUON_TYPES = ("MuonZeroOptimizer", "MuonZero12Optimizer")
 
 
@@ -83,7 +85,7 @@ def _build(cfg: dict, explicit: bool = False) -> dict:
     return out
 
 
-def worker(rank: int, world_size: int, cases: list[tuple[str, int]], fp16: bool) -> dict:
+def worker(rank: int, world_size: int, cases: list[tuple[str, int]]) -> dict:
     from deepspeed.utils import logger
 
     from ds_muon.integration import hooks
@@ -92,8 +94,6 @@ def worker(rank: int, world_size: int, cases: list[tuple[str, int]], fp16: bool)
     out = {}
     for name, stage in cases:
         cfg = _config(name, stage)
-        if is_fp16_config(cfg) and not fp16:
-            continue
         hooks.auto_enable()  # what ds_muon's start-up hook does (DS_MUON unset)
         before = len(lines.lines)
         auto = _build(cfg)
@@ -111,9 +111,20 @@ def worker(rank: int, world_size: int, cases: list[tuple[str, int]], fp16: bool)
 
 
 def test_zero_code_path_hands_unserved_modes_to_the_builtin() -> None:
-    fp16 = fp16_supported()
-    cases = [(name, stage) for name in FILES for stage in STAGES]
-    results = run_distributed(worker, 2, cases, fp16, timeout=1500)
+    cases = [(name, stage) for name in FILES if name not in FP16_FILES for stage in STAGES]
+    served = _check(run_distributed(worker, 2, cases, timeout=1500))
+    assert served == {1, 2, 3}, served
+
+
+@pytest.mark.skipif(not fp16_supported(), reason=FP16_SKIP)
+def test_zero_code_path_fp16_configs() -> None:
+    """The fp16 files, at every stage, checked as above (their own process group)."""
+    assert FP16_FILES
+    _check(run_distributed(worker, 2, [(name, stage) for name in FP16_FILES for stage in STAGES], timeout=900))
+
+
+def _check(results: list[dict]) -> set[int]:
+    """The assertions of the hand-over per file and stage; returns the stages at which ds_muon served a file."""
     served_somewhere = set()
     for key, entry in results[0].items():
         name, stage = key.rsplit("@", 1)
@@ -140,6 +151,6 @@ def test_zero_code_path_hands_unserved_modes_to_the_builtin() -> None:
             explicit = entry["explicit"]
             assert explicit.get("error", "").startswith("ConfigError") and "zero_optimization.stage" in \
                 explicit["error"], (key, explicit)
-    assert served_somewhere == {1, 2, 3}, served_somewhere
     for rank_result in results[1:]:  # rank 1 logs nothing
         assert all(not e["auto"]["notices"] for e in rank_result.values())
+    return served_somewhere

@@ -19,6 +19,7 @@ from tests.support.harness import (MUON_PARAMS, PARITY_RTOL, build_engine, clone
 from tests.support.models import VOCAB, batch, use_extra
 
 DIM, HIDDEN, EXPERTS, DEAD = 24, 32, 4, 3  # expert DEAD is never routed to
+NEG = 1  # expert NEG's w_out gradient is made <= 0 everywhere (on every rank, every micro-batch)
 STEPS = 3
 
 
@@ -27,7 +28,9 @@ class TinyMoE(nn.Module):
     one matrix per expert), a router that never picks expert ``DEAD``, and a ``side`` branch
     (Linear with bias) taken only when ``use_extra`` (even steps), so its weight (Muon) and bias
     (AdamW) have ``grad is None`` on odd steps. Which of the live experts a token goes to depends
-    on the data, so an expert can be idle on one rank and busy on another."""
+    on the data, so an expert can be idle on one rank and busy on another. A gradient hook makes
+    ``w_out[NEG]``'s gradient ``-|g|``: a block with a gradient whose largest element is 0, which must
+    step (the no-gradient rule looks at ``|g|``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -36,6 +39,7 @@ class TinyMoE(nn.Module):
         self.w_in = nn.Parameter(torch.randn(EXPERTS, HIDDEN, DIM) * 0.2)
         self.w_out = nn.Parameter(torch.randn(EXPERTS, DIM, HIDDEN) * 0.2)
         self.w_in.use_muon = self.w_out.use_muon = True
+        self.w_out.register_hook(_non_positive_expert)
         self.side = nn.Linear(DIM, DIM)
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
@@ -59,6 +63,13 @@ class TinyMoE(nn.Module):
             h = h + self.side(h)
         logits = self.head(self.norm(h))
         return F.cross_entropy(logits, targets.reshape(-1))
+
+
+def _non_positive_expert(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` with expert ``NEG``'s block replaced by ``-|grad|`` (a new tensor)."""
+    out = grad.clone()
+    out[NEG] = -grad[NEG].abs()
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -189,7 +200,9 @@ def _worker(rank: int, world_size: int, cases: list[dict]) -> list:
         keep_none = reference_model(init, tags, TinyMoE)
         _train_reference_keep_none(keep_none, MuonAdamW(keep_none.parameters(), **cfg["optimizer"]["params"]),
                                    STEPS, world_size, gas, clip)
+        neg = ref.w_out.grad[NEG]  # the last step's (clipped) gradient of the non-positive block
         out.append({"init": init, "after": after, "tags": tags, **case_flags,
+                    "neg_grad": (bool((neg <= 0).all()), bool((neg < 0).any())),
                     "errors": compare(after[-1], {n: p.detach().clone() for n, p in ref.named_parameters()}, init),
                     "vs_keep_none": compare(after[-1], {n: p.detach().clone() for n, p in keep_none.named_parameters()},
                                             init)})
@@ -223,6 +236,9 @@ def test_zero3_no_gradient_blocks_match_oracle(world_size: int) -> None:
         for pname, err in res["errors"].items():
             assert err["rel"] <= PARITY_RTOL, f"{name}: {pname} rel error {err['rel']:.2e}"
             assert err["moved"] > 0 and err["rel_update"] <= 1e-3, f"{name}: {pname} {err}"
+        # the block whose gradient is <= 0 everywhere had a gradient, so it stepped (the parity above, and moved)
+        assert res["neg_grad"] == (True, True), (name, res["neg_grad"])
+        assert not torch.equal(after[0]["w_out"][NEG], init["w_out"][NEG]), f"{name}: w_out[{NEG}] did not step"
         # the expert no token reached never moved (no update from momentum, no weight decay) ...
         for p in ("w_in", "w_out"):
             assert torch.equal(after[-1][p][DEAD], init[p][DEAD]), f"{name}: idle expert {p}[{DEAD}] moved"

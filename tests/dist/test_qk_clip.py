@@ -10,7 +10,9 @@ The rule, the plan and the oracle alone are tests/unit/test_qk_clip_rules.py.
   number of heads clipped per step equals the oracle's on every rank and is > 0, and the monitor gets it.
 * NVMe optimizer offload (W = 2, both the Muon and the AdamW sub-group swapped): parity as above.
 * fp16 with an overflow step (NaN loss): the skipped step clips nothing (fp32 partitions bit-identical
-  across it, its recorded logits dropped).
+  across it, its recorded logits dropped: a huge logit recorded in it does not reach the next step's figures,
+  which are the maximum over ranks of that step's own records). Its own process group, skipped with the
+  reason where DeepSpeed's accelerator has no fp16.
 """
 from __future__ import annotations
 
@@ -131,26 +133,37 @@ def _clip_case(rank: int, world_size: int, case: dict, tmp: str) -> dict | None:
     return result
 
 
+OVERFLOW_LOGIT = 1e4  # recorded in the skipped step besides its own logits: it must not reach the next step
+
+
 def _fp16_overflow_case(rank: int, world_size: int, case: dict, tmp: str) -> dict:
     """fp16 with QK-clip; the loss of step 1 (of 3) is multiplied by NaN: that step is skipped, and it must not
-    clip either (fp32 partitions bit-identical across it, its recorded logits dropped, stats not updated)."""
+    clip either (fp32 partitions bit-identical across it, its recorded logits dropped, stats not updated). Step 1
+    also records :data:`OVERFLOW_LOGIT` for every head; each step's forward records are returned (per target, per
+    head), and the optimizer's QK-clip figures after each step."""
+    import copy
+
+    from ds_muon.model.max_logits import RECORDER, record_max_logits
     cfg = ds_config(gas=1, clip=CLIP)
     cfg["optimizer"]["params"].update(qk_clip={"enabled": True, "threshold": TAU})
     cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
     engine, model = build_engine(cfg, model_fn=MODELS[case["model"]])
     opt = engine.optimizer
-    out = {"stats": [], "skipped": []}
+    out = {"stats": [], "skipped": [], "recorded": []}
     for step in range(3):
         weights = [t.clone() for t in opt.fp32_partitioned_groups_flat]
         tokens, targets = batch(step, rank, 0)
         loss = engine(tokens, targets)
+        if step == 1:
+            for t in opt.qk_clip_targets:
+                record_max_logits(t.module, torch.full((t.num_heads,), OVERFLOW_LOGIT))
+        out["recorded"].append({t.name: RECORDER.peek(t.module).tolist() for t in opt.qk_clip_targets})
         engine.backward(loss * float("nan") if step == 1 else loss)
         engine.step()
         out["skipped"].append(bool(opt.overflow))
-        out["stats"].append(None if opt.qk_clip_stats is None else opt.qk_clip_stats["heads_clipped"])
+        out["stats"].append(copy.deepcopy(opt.qk_clip_stats))
         if step == 1:
             out["unchanged"] = all(torch.equal(a, b) for a, b in zip(weights, opt.fp32_partitioned_groups_flat))
-    from ds_muon.model.max_logits import RECORDER
     out["recorder_empty"] = not len(RECORDER._max)
     engine.destroy()
     return out
@@ -221,9 +234,19 @@ def test_qk_clip_parity_with_oracle_nvme(tmp_path):
 def check_case(case: dict, per_rank: list[dict]) -> None:
     name, res = case["name"], per_rank[0]
     if case.get("fp16_overflow"):
+        # an applied step's figures are the maximum over ranks of what that step's forwards recorded, per head
+        want = [{n: [max(v) for v in zip(*(r["recorded"][step][n] for r in per_rank))] for n in res["recorded"][step]}
+                for step in range(3)]
+        assert all(v == OVERFLOW_LOGIT for heads in want[1].values() for v in heads), (name, want[1])
         for r in per_rank:
             assert r["skipped"] == [False, True, False] and r["unchanged"] and r["recorder_empty"], (name, r)
-            assert r["stats"][0] and r["stats"][1] == r["stats"][0] and r["stats"][2], (name, r["stats"])
+            for step in (0, 2):  # step 2: the skipped step's logits (OVERFLOW_LOGIT) were dropped, not carried over
+                stats = r["stats"][step]
+                assert stats["max_logit_per_head"] == want[step], (name, step, stats, want[step])
+                clipped = sum(v > TAU for heads in want[step].values() for v in heads)
+                assert stats["heads_clipped"] == clipped > 0, (name, step, stats["heads_clipped"], clipped)
+            # the skipped step keeps the last applied step's figures (it clipped nothing: weights unchanged above)
+            assert r["stats"][1] == r["stats"][0], (name, r["stats"])
         return
     if "type" in res:
         stage = case.get("zero", {}).get("stage", 3)

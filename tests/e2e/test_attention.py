@@ -3,7 +3,9 @@
 Per model: the same weights under "sdpa" and "ds_muon_sdpa" give identical logits, loss and
 gradients on a left-padded batch and on an unpadded one, and the recorded per-head max logits
 equal a brute-force computation from the query and key the attention function received (after
-q/k norm and RoPE), captured on their way into transformers' own SDPA function.
+q/k norm and RoPE), captured on their way into transformers' own SDPA function, at the model's own
+softmax scale (Granite's ``attention_multiplier`` is not ``head_dim ** -0.5``). A direct call with
+``scaling=0.3`` records ``q.k * 0.3`` and returns SDPA's output at that scale.
 """
 from __future__ import annotations
 
@@ -30,7 +32,11 @@ CONFIGS = {
     "qwen3-qk-norm": lambda: tiny(transformers.Qwen3Config),
     "qwen3-moe": lambda: tiny(transformers.Qwen3MoeConfig, num_experts=4, num_experts_per_tok=2,
                               moe_intermediate_size=16, num_attention_heads=8, num_key_value_heads=2, head_dim=4),
+    # the softmax scale is attention_multiplier, not head_dim ** -0.5 (0.354 here)
+    "granite-attention-multiplier": lambda: tiny(transformers.GraniteConfig, attention_multiplier=0.3),
 }
+#: the softmax scale each model's attention must record its logits at (``module.scaling``)
+SCALING = {"granite-attention-multiplier": 0.3}
 
 
 @pytest.fixture
@@ -63,6 +69,8 @@ def test_same_as_sdpa_and_records_exact_max_logits(name, captured):
     padded[1, :4] = 0                                   # left padding, as for generation-style batches
     padded[2, :9] = 0
     attentions = [layer.self_attn for layer in mine.model.layers]
+    scaling = SCALING.get(name, cfg.head_dim ** -0.5)
+    assert all(a.scaling == scaling for a in attentions), (name, [a.scaling for a in attentions])
     for mask in (padded, None):
         RECORDER.clear()
         captured.clear()
@@ -79,11 +87,11 @@ def test_same_as_sdpa_and_records_exact_max_logits(name, captured):
         for module, q, k, m in captured:
             if mask is None:
                 assert m is None                        # transformers skips the mask: SDPA's is_causal
-                want = brute_force(q, k, module.scaling, causal(12, 12))
+                want = brute_force(q, k, scaling, causal(12, 12))
             else:
                 assert m is not None and m.dtype == torch.bool and not m[2, 0, :9].any()  # padded rows: none
-                want = brute_force(q, k, module.scaling, m)
-                assert not torch.equal(want, brute_force(q, k, module.scaling, causal(12, 12)))
+                want = brute_force(q, k, scaling, m)
+                assert not torch.equal(want, brute_force(q, k, scaling, causal(12, 12)))
             got = RECORDER.take(module)
             assert got is not None and got.shape == (cfg.num_attention_heads,)
             torch.testing.assert_close(got, want, rtol=1e-6, atol=0)  # matmul summation order only
@@ -93,6 +101,31 @@ def test_same_as_sdpa_and_records_exact_max_logits(name, captured):
     mine.eval()
     mine(input_ids=ids, attention_mask=padded)
     assert all(RECORDER.take(a) is None for a in attentions)
+
+
+def test_direct_call_records_at_the_given_scaling():
+    """``ds_muon_sdpa(module, q, k, v, mask, scaling=0.3)`` (GQA 6/2): the output is SDPA's at scale 0.3 and the
+    recorded max logits are ``q.k * 0.3`` brute force, causal (no mask) and with a left-padding mask; they are
+    not the ``head_dim ** -0.5`` ones. ``scaling=None`` records at ``head_dim ** -0.5``, as SDPA scales."""
+    from tests.unit.test_max_logits import left_padding, qk
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 3
+    module.train()
+    q, k = qk(B=3, H=6, Hkv=2, Sq=10, Sk=10, D=8)
+    v = torch.randn(3, 2, 10, 8, generator=torch.Generator().manual_seed(2))
+    default = 8 ** -0.5
+    for mask, allowed in ((None, causal(10, 10)), (left_padding(3, 10, [0, 3, 7]),) * 2):
+        for scaling in (0.3, None):
+            RECORDER.clear()
+            out, _ = attention.ds_muon_sdpa(module, q, k, v, mask, scaling=scaling)
+            want_out = torch.nn.functional.scaled_dot_product_attention(
+                q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=mask, is_causal=mask is None,
+                scale=scaling).transpose(1, 2)
+            torch.testing.assert_close(out, want_out, rtol=1e-6, atol=1e-6, equal_nan=True)  # padded rows
+            got = RECORDER.take(module)
+            want = brute_force(q, k, default if scaling is None else scaling, allowed)
+            assert torch.equal(got, want), (scaling, mask is None, got, want)
+        assert not torch.equal(brute_force(q, k, 0.3, allowed), brute_force(q, k, default, allowed))
 
 
 def test_enable_registers_when_transformers_is_imported():

@@ -191,6 +191,23 @@ def test_ds_muon_imported_before_deepspeed_still_activates() -> None:
     _python_prints_ok(code)
 
 
+def test_ds_muon_0_set_after_install_still_turns_activation_off() -> None:
+    """``install()`` with ``DS_MUON`` unset arms the hook; ``DS_MUON=0`` set afterwards (by a test suite's conftest,
+    a wrapper script) and before ``import deepspeed`` wins: ds_muon is not enabled, because the callback
+    re-checks the variable. Without the change of the variable the same script is enabled (fresh interpreters,
+    the checkout on PYTHONPATH, ``DS_MUON`` removed from the environment)."""
+    code = ("import os, sys; assert 'DS_MUON' not in os.environ\n"
+            "from ds_muon import _autoload as a; a.install(); assert 'deepspeed' not in sys.modules\n"
+            "if sys.argv[1] == 'off': os.environ['DS_MUON'] = '0'\n"
+            "import deepspeed; from ds_muon import integration as i; print('ENABLED', i.is_enabled())\n")
+    env = {k: v for k, v in os.environ.items() if k != "DS_MUON"}
+    for arg, want in (("off", "False"), ("on", "True")):
+        proc = subprocess.run([sys.executable, "-c", code, arg], capture_output=True, text=True,
+                              env=dict(env, PYTHONPATH=str(REPO)))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"ENABLED {want}" in proc.stdout, (arg, proc.stdout, proc.stderr[-3000:])
+
+
 def test_error_under_auto_activation_names_the_way_out() -> None:
     """A config ds_muon refuses (a bad value: momentum 1.5) names DS_MUON=0 when only the start-up hook enabled
     ds_muon. (A mode ds_muon does not serve is handed over instead: tests/dist/test_handover.py.)"""

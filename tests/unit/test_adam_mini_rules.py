@@ -38,6 +38,55 @@ def test_block_rules_on_gqa_tiny_gqa_llama() -> None:
         adam_mini_plan(model, "rows")
 
 
+def _biased_llama():
+    """The tiny GQA Llama with biases on every attention and MLP projection."""
+    from tests.dist.test_moe_parity import _config, _lm
+    return _lm(transformers.LlamaForCausalLM)(_config(transformers.LlamaConfig, attention_bias=True, mlp_bias=True))
+
+
+def _exempt(name: str) -> bool:
+    """Norm weights and biases: no weight decay (the rule of ds_muon.model.adam_mini_blocks, by the test's names)."""
+    return name.endswith(".bias") or name.rpartition(".")[0].endswith("norm")
+
+
+def test_norm_weights_and_biases_are_not_decayed() -> None:
+    """The param groups Adam-mini builds (the reference and the ZeRO paths share them) give every norm weight and
+    bias ``weight_decay`` 0.0 and every other parameter the configured one; trained one step from the same weights
+    on the same batch with weight decay 0.5 and 0, the reference ``ds_muon.AdamMini`` leaves exactly those
+    parameters identical and moves every other by the decay alone (``lr * wd * p0``)."""
+    import ds_muon
+    from ds_muon.model.adam_mini_blocks import adam_mini_param_groups
+    from tests.support.models import batch
+    torch.manual_seed(0)
+    model = _biased_llama()
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = adam_mini_param_groups(model, dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.5))
+    decay = {names[id(p)]: g["weight_decay"] for g in groups for p in g["params"]}
+    assert set(decay) == set(names.values())
+    exempt = {n for n in decay if _exempt(n)}
+    assert {"model.norm.weight", "model.layers.0.input_layernorm.weight", "model.layers.1.self_attn.q_proj.bias",
+            "model.layers.0.mlp.down_proj.bias"} <= exempt, sorted(exempt)
+    assert {n: decay[n] for n in exempt} == dict.fromkeys(exempt, 0.0)
+    assert {n: d for n, d in decay.items() if n not in exempt} == {n: 0.5 for n in decay if n not in exempt}
+
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    after = {}
+    for wd in (0.5, 0.0):
+        for n, p in model.named_parameters():
+            p.data.copy_(init[n])
+        opt = ds_muon.AdamMini(model, lr=1e-2, betas=[0.9, 0.95], eps=1e-8, weight_decay=wd)
+        model.zero_grad(set_to_none=True)
+        model(*batch(0, 0, 0)).backward()
+        opt.step()
+        after[wd] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for n, p0 in init.items():
+        if n in exempt:
+            assert torch.equal(after[0.5][n], after[0.0][n]), f"{n} was decayed"
+        else:
+            torch.testing.assert_close(after[0.0][n] - after[0.5][n], 1e-2 * 0.5 * p0, rtol=1e-3, atol=1e-7,
+                                       msg=lambda m, n=n: f"{n}: {m}")
+
+
 def test_reference_per_element_is_adamw_and_block_matches_formula() -> None:
     import ds_muon
     from ds_muon.names import BLOCK_ATTR

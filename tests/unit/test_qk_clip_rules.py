@@ -216,14 +216,25 @@ def test_oracle_clip_scales_heads_and_bounds_logits(name, alpha):
         torch.testing.assert_close(s_new[clipped], torch.full_like(s_new[clipped], tau), rtol=1e-5, atol=0)
 
 
-def test_brute_max_logits_matches_a_loop():
-    """The test models' recorder: max over batch and causal positions, GQA key heads shared."""
+def test_recorded_max_logits_match_a_loop():
+    """The max logits ds_muon computes for a causal GQA attention (``max_logits_per_head``), the ones
+    ``ds_muon_sdpa`` records for a training module, and the test models' recorder (``brute_max_logits``) all equal
+    a loop over batch, query heads and causal positions of ``q_i . k_j * 0.5`` (key head ``h // 2``)."""
+    from ds_muon.model.hf_attention import ds_muon_sdpa
+    from ds_muon.model.max_logits import RECORDER, max_logits_per_head
     torch.manual_seed(0)
-    q, k = torch.randn(2, 4, 5, 3), torch.randn(2, 2, 5, 3)
+    q, k, v = torch.randn(2, 4, 5, 3), torch.randn(2, 2, 5, 3), torch.randn(2, 2, 5, 3)
     want = torch.full((4,), float("-inf"))
     for b in range(2):
         for h in range(4):
             for i in range(5):
                 for j in range(i + 1):
                     want[h] = max(want[h], float(q[b, h, i] @ k[b, h // 2, j]) * 0.5)
-    torch.testing.assert_close(brute_max_logits(q, k, 0.5), want)
+    torch.testing.assert_close(max_logits_per_head(q, k, 0.5, is_causal=True), want)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    module.train()
+    RECORDER.take(module)
+    ds_muon_sdpa(module, q, k, v, None, scaling=0.5)
+    torch.testing.assert_close(RECORDER.take(module), want)
+    torch.testing.assert_close(brute_max_logits(q, k, 0.5), want)  # what the test models record

@@ -571,6 +571,33 @@ def test_summary_says_when_the_head_was_guessed_or_unclear():
     assert "could not tell" in sel.summary() and "'aux'" in sel.summary()
 
 
+def test_narrow_matrix_read_by_a_sibling_is_not_a_head():
+    """A bottleneck outside the repeated layers, ``down = Linear(D, 2)`` then ``up = Linear(2, D)``: ``down`` maps
+    the hidden size to a head's width (2 <= num_labels), but its sibling ``up`` reads that output, so it is a
+    hidden matrix: Muon, and the summary says it could not tell (the rule's "no sibling consumes its output")."""
+
+    class Bottleneck(nn.Module):
+        def __init__(self, vocab: int = 50, d: int = 16) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(vocab, d)
+            self.blocks = nn.ModuleList(LlamaLayer(d, 8, 24) for _ in range(2))
+            self.down = nn.Linear(d, 2)
+            self.up = nn.Linear(2, d)
+            self.lm_head = nn.Linear(d, vocab, bias=False)
+
+        def get_output_embeddings(self) -> nn.Module:
+            return self.lm_head
+
+    sel = select_muon_params(Bottleneck())
+    muon, _ = split(sel)
+    assert muon == {f"blocks.{i}.{m}.weight" for i in range(2) for m in PROJ} | {"down.weight", "up.weight"}, muon
+    assert sel.reasons["down.weight"] == sel.reasons["blocks.0.mlp.up_proj.weight"] != selection.OUTPUT_HEAD
+    assert sel.reasons["lm_head.weight"] == selection.OUTPUT_HEAD
+    summary = sel.summary()
+    assert "could not tell whether ['down']" in summary, summary
+    assert "'up'" not in summary, summary  # its input is no hidden size: not a head candidate at all
+
+
 def test_hf_gpt2_fused_qkv_with_vocabulary_width_is_hidden():
     """Inside the repeated layers nothing is a head: a tiny GPT-2 whose c_attn (D -> 3D) happens to
     be vocabulary-wide (vocab_size = 3D) still trains c_attn with Muon."""
