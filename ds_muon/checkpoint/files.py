@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ..errors import CheckpointError
 from .metadata import CONVERT_COMMAND, raise_on_every_rank
+from .safe_load import check_files, safe_load
 
 __all__ = ["LATEST", "LATEST_UNIVERSAL", "UNIVERSAL_STATE_FILE", "read_tag", "saved_model_states", "saved_world_size",
            "file_problem", "verify_checkpoint_files", "optim_files", "convert_hint", "check_tag"]
@@ -43,7 +44,7 @@ def saved_model_states(ckpt_dir: str) -> Optional[dict]:
                    if not os.path.basename(f).startswith("layer_"))
     if not files:
         return None
-    return torch.load(files[0], map_location="cpu", mmap=True, weights_only=False)
+    return safe_load(files[0], mmap=True)
 
 
 def saved_world_size(ckpt_dir: str) -> Optional[int]:
@@ -95,7 +96,11 @@ def verify_checkpoint_files(ckpt_dir: str, group=None) -> None:
                 problems.append(f"{ckpt_dir} has no mp_rank_00_model_states.pt: the save did not finish; load "
                                 "another tag")
             elif file_problem(sorted(model_files)[0]) is None:
-                saved = saved_world_size(ckpt_dir) or 0
+                try:
+                    saved = saved_world_size(ckpt_dir) or 0
+                except CheckpointError as err:  # raised on every rank below, never on rank 0 alone
+                    problems.append(str(err))
+                    saved = 0
                 have = optim_files(ckpt_dir)
                 problems += [f"{ckpt_dir} has no ZeRO optimizer file of data-parallel rank {r} of the {saved} it was "
                              f"saved with ({os.path.join(ckpt_dir, f'zero_pp_rank_{r}_mp_rank_00_optim_states.pt')} is "
@@ -155,7 +160,8 @@ def check_tag(load_dir: str, tag: Optional[str], universal: bool, world_size: in
             ``python -m ds_muon.checkpoint to-universal``; weights-only loads too, since ds_muon loads
             the tag's ZeRO partitions);
             ``checkpoint.load_universal`` is set but the checkpoint is not a universal one, or the
-            other way round.
+            other way round; a file of the tag names a global that loading would import and call
+            (:func:`ds_muon.checkpoint.safe_load.check_files`).
     """
     if tag is None:
         tag = read_tag(load_dir, LATEST_UNIVERSAL if universal else LATEST)
@@ -171,6 +177,8 @@ def check_tag(load_dir: str, tag: Optional[str], universal: bool, world_size: in
                                       "config to load it")
             return  # DeepSpeed says there is nothing to load
     ckpt_dir = os.path.join(load_dir, str(tag))
+    if os.path.isdir(ckpt_dir):  # before anything reads them; every rank checks every file, so all raise alike
+        check_files([ckpt_dir])  # no file may name a global outside the allowlist (docs/checkpointing.md, "Security")
     verify_checkpoint_files(ckpt_dir)
     is_universal = os.path.isfile(os.path.join(ckpt_dir, UNIVERSAL_STATE_FILE))
     if universal and not is_universal:

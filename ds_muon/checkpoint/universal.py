@@ -46,6 +46,7 @@ from ..names import (BASE_OPTIMIZER_STATE, BLOCK_STATE_KEY, FP32_FLAT_GROUPS, MO
                      PARAM_GROUPS, SINGLE_PARTITION_OF_FP32_GROUPS)
 from ..partitions import chunked_pieces, flat_pieces
 from .files import LATEST, LATEST_UNIVERSAL, UNIVERSAL_STATE_FILE, optim_files, read_tag
+from .safe_load import check_files, safe_load
 from .metadata import (CONVERT_COMMAND, DS_MUON_KEY, METADATA_VERSION, ZeroLayout, adam_mini_problems, metadata,
                        no_momentum, param_problems, param_table)
 
@@ -56,7 +57,7 @@ __all__ = ["convert_to_universal", "carry_side_files", "read_universal", "univer
 # Conversion to the universal layout
 # ------------------------------------------------------------------------------------------------
 def _load(path: str) -> dict:
-    return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    return safe_load(path, mmap=True)
 
 
 def _save(path: str, obj: Any) -> None:
@@ -108,7 +109,8 @@ def convert_to_universal(ckpt_dir: str, out_dir: str, tag: Optional[str] = None)
         CheckpointError: no tag, missing rank files, no ds_muon metadata (not saved by ds_muon, or
             by a version before the metadata), a partition layout that does not match the metadata,
             a Muon sub-group without momentum after Muon steps, ranks disagreeing on scalar state,
-            or ``out_dir`` equal to ``ckpt_dir``.
+            ``out_dir`` equal to ``ckpt_dir``, or a file of the tag that names a global loading would import and
+            call (:func:`ds_muon.checkpoint.safe_load.check_files`).
     """
     if tag is None:
         tag = read_tag(ckpt_dir, LATEST)
@@ -118,6 +120,8 @@ def convert_to_universal(ckpt_dir: str, out_dir: str, tag: Optional[str] = None)
     dst = os.path.join(out_dir, tag)
     if os.path.realpath(os.path.abspath(ckpt_dir)) == os.path.realpath(os.path.abspath(out_dir)):
         raise CheckpointError(f"write the universal checkpoint to another directory than {ckpt_dir}")
+    if os.path.isdir(src):
+        check_files([src])  # every file it reads or copies: no code runs from a checkpoint (docs: "Security")
     files = optim_files(src)
     if 0 not in files:
         raise CheckpointError(f"{src} holds no ZeRO optimizer state (zero_pp_rank_0_mp_rank_00_optim_states.pt)")
@@ -282,7 +286,7 @@ def read_universal(folder: str) -> dict:
     if not os.path.isfile(path):
         raise CheckpointError(f"{folder} is not a universal checkpoint (no {UNIVERSAL_STATE_FILE}); write one from a "
                               f"ZeRO checkpoint with `{CONVERT_COMMAND} CKPT_DIR OUT_DIR` and load OUT_DIR")
-    header = torch.load(path, map_location="cpu", weights_only=False)
+    header = safe_load(path)
     if DS_MUON_KEY not in header:
         raise CheckpointError(f"{path} has no ds_muon metadata: it was not written by ds_muon's converter "
                               f"(DeepSpeed's ds_to_universal does not know Muon's '{MOMENTUM_KEY}'); convert the "
@@ -373,8 +377,7 @@ def universal_loader(folder: str, header: dict, names: Sequence[Sequence[str]], 
             flats[key] = flat
         if s in block_subgroups and first.get("block_state"):  # per-parameter vectors, in block order
             flats[BLOCK_STATE_KEY] = torch.cat([
-                torch.load(os.path.join(zero_dir, name, f"{BLOCK_STATE_KEY}.pt"), map_location="cpu",
-                           weights_only=False)[PARAM] for name in names[s]]).to(device, torch.float32)
+                safe_load(os.path.join(zero_dir, name, f"{BLOCK_STATE_KEY}.pt"))[PARAM] for name in names[s]]).to(device, torch.float32)
         return flats.pop("fp32"), {**flats, **first["scalars"]}
 
     return load

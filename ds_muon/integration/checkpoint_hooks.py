@@ -3,7 +3,8 @@
 Installed per engine by :mod:`ds_muon.integration.hooks` (the engine is held weakly):
 
 * ``engine.load_checkpoint`` first checks the tag's files (:func:`ds_muon.checkpoint.files.check_tag`: integrity,
-  completeness, the world size, universal or not), and loads the tag's weights for weights-only loads
+  completeness, no code in any file, the world size, universal or not), reads them weights-only
+  (:func:`make_weights_only`), and loads the tag's weights for weights-only loads
   (:func:`load_weights_of_tag`);
 * ``engine.save_checkpoint`` writes every file under a temporary name and ``latest`` only after every rank's
   files are in place (:func:`install_atomic_save`).
@@ -17,9 +18,10 @@ import weakref
 
 import torch.distributed as dist
 
-from ..checkpoint.files import LATEST, check_tag, read_tag
+from ..checkpoint.files import LATEST, LATEST_UNIVERSAL, check_tag, read_tag
+from ..checkpoint.safe_load import check_files, safe_load
 
-__all__ = ["install_load_checks", "install_atomic_save", "load_weights_of_tag"]
+__all__ = ["install_load_checks", "install_atomic_save", "load_weights_of_tag", "make_weights_only"]
 
 
 def install_load_checks(engine, zero3: bool = True) -> None:
@@ -38,8 +40,14 @@ def install_load_checks(engine, zero3: bool = True) -> None:
         bound.apply_defaults()
         a = bound.arguments
         weights_only = a["load_module_only"] or not a["load_optimizer_states"]
+        universal = bool(this.load_universal_checkpoint())
         if zero3 or not weights_only:
-            check_tag(a["load_dir"], a["tag"], bool(this.load_universal_checkpoint()), this.seq_dp_world_size, zero3)
+            check_tag(a["load_dir"], a["tag"], universal, this.seq_dp_world_size, zero3)
+        else:  # DeepSpeed's weights-only load at ZeRO-1/2 reads the module file: still no code from the files
+            tag = a["tag"] if a["tag"] is not None else read_tag(a["load_dir"], LATEST_UNIVERSAL if universal else LATEST)
+            if tag is not None:
+                check_files([os.path.join(a["load_dir"], str(tag))])
+        make_weights_only(this.checkpoint_engine)
         result = load(this, *args, **kwargs)
         if zero3 and weights_only and result[0] is not None and not this.load_universal_checkpoint():
             tag = a["tag"] if a["tag"] is not None else read_tag(a["load_dir"], LATEST)
@@ -48,6 +56,20 @@ def install_load_checks(engine, zero3: bool = True) -> None:
 
     engine.load_checkpoint = load_checkpoint
     install_atomic_save(engine)
+
+
+def make_weights_only(ckpt_engine) -> None:
+    """Make DeepSpeed's ``TorchCheckpointEngine.load`` (``torch.load(weights_only=False)`` in deepspeed 0.19.8) load
+    with :func:`ds_muon.checkpoint.safe_load.safe_load` on this checkpoint engine; other checkpoint engines are left
+    as they are (their files were checked by :func:`ds_muon.checkpoint.safe_load.check_files` before the load)."""
+    if ckpt_engine is None or getattr(ckpt_engine, "_ds_muon_weights_only", False) \
+            or type(ckpt_engine).__name__ != "TorchCheckpointEngine":
+        return
+
+    def load(path: str, map_location=None):
+        return safe_load(path, map_location=map_location)
+
+    ckpt_engine.load, ckpt_engine._ds_muon_weights_only = load, True
 
 
 def install_atomic_save(engine) -> None:

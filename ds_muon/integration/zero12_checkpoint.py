@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ..checkpoint.metadata import (DS_MUON_KEY, SubGroupInfo, ZeroLayout, metadata, raise_on_every_rank,
                                    saved_step_counts)
+from ..checkpoint.safe_load import safe_load
 from ..checkpoint.universal import universal_loader, universal_problems
 from ..names import ADAM_MINI, BLOCK_ATTR, LOSS_SCALER, MUON, PARAM, PARAM_GROUPS
 from .inner import cast_momentum_
@@ -95,7 +96,7 @@ class FlatCheckpointing:
 
         def slice_param(folder: str, key: str, i: int, k: int) -> torch.Tensor:
             piece = pieces[i][k]
-            full = torch.load(os.path.join(folder, f"{key}.pt"), map_location="cpu", weights_only=False)[PARAM]
+            full = safe_load(os.path.join(folder, f"{key}.pt"))[PARAM]
             return full.reshape(-1).narrow(0, piece.start, piece.length)
 
         def place(i: int, k: int) -> int:

@@ -1,0 +1,86 @@
+"""No code runs from a checkpoint file (ds_muon.checkpoint.safe_load).
+
+A crafted file is a ``torch.save`` of a dict whose ``"payload"`` pickles as a call of ``os.system`` (``__reduce__``)
+that would create a marker file. Read through :func:`safe_load` it is refused naming the file and the global, and
+the marker never appears; with ``DS_MUON_TRUST_CHECKPOINT=1`` (the documented opt-out) the same file runs its
+command, which shows the payload is live and the test would catch a loader that executes it.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ds_muon.checkpoint.safe_load import ALLOWED_GLOBALS, TRUST_ENV, check_files, safe_load, unsafe_globals
+from ds_muon.errors import CheckpointError
+
+
+class Payload:
+    """Pickles as ``os.system("touch <marker>")``."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _crafted(tmp_path, protocol: int = 2) -> tuple[str, str]:
+    marker = str(tmp_path / "marker")
+    path = str(tmp_path / "crafted.pt")
+    torch.save({"param": torch.ones(3), "payload": Payload(marker)}, path, pickle_protocol=protocol)
+    return path, marker
+
+
+@pytest.mark.parametrize("protocol", [2, 4], ids=["GLOBAL", "STACK_GLOBAL"])
+def test_crafted_file_is_refused_and_never_runs(tmp_path, monkeypatch, protocol):
+    monkeypatch.delenv(TRUST_ENV, raising=False)
+    path, marker = _crafted(tmp_path, protocol)
+    with pytest.raises(CheckpointError) as err:
+        safe_load(path)
+    assert path in str(err.value) and TRUST_ENV in str(err.value)
+    if protocol == 2:  # disassembled: the global is named
+        assert "system" in str(err.value)
+    with pytest.raises(CheckpointError):
+        check_files([str(tmp_path)])  # a folder is searched recursively
+    assert not os.path.exists(marker)
+
+
+def test_trust_opt_out_loads_as_deepspeed_does(tmp_path, monkeypatch):
+    path, marker = _crafted(tmp_path)
+    monkeypatch.setenv(TRUST_ENV, "1")
+    check_files([path])  # nothing checked
+    safe_load(path)
+    assert os.path.exists(marker), "the payload is live: without the check it runs"
+
+
+def test_tensors_containers_and_deepspeed_scalers_load(tmp_path, monkeypatch):
+    monkeypatch.delenv(TRUST_ENV, raising=False)
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    path = str(tmp_path / "ok.pt")
+    state = {"param": torch.arange(4.0), "groups": [{"lr": 0.02, "betas": (0.9, 0.95)}], "step": 3,
+             "loss_scaler": DynamicLossScaler(init_scale=2 ** 8, scale_window=1000, min_scale=1, delayed_shift=2,
+                                                     consecutive_hysteresis=False), "zero_stage": ZeroStageEnum(2)}
+    torch.save(state, path)
+    assert unsafe_globals(path) == []
+    got = safe_load(path, mmap=True)
+    assert torch.equal(got["param"], state["param"]) and got["groups"] == state["groups"] and got["step"] == 3
+    assert got["loss_scaler"].cur_scale == 2 ** 8 and got["zero_stage"] == ZeroStageEnum(2)
+
+
+def test_allowlist_is_deepspeeds_names():
+    """Each allowed global exists in the installed DeepSpeed under that name (a rename would refuse real files)."""
+    import importlib
+    for name in ALLOWED_GLOBALS:
+        module, _, attr = name.rpartition(".")
+        assert hasattr(importlib.import_module(module), attr), name
+
+
+def test_a_damaged_file_is_named(tmp_path, monkeypatch):
+    monkeypatch.delenv(TRUST_ENV, raising=False)
+    path = tmp_path / "damaged.pt"
+    path.write_bytes(b"not a zip archive")
+    with pytest.raises(CheckpointError, match="damaged.pt"):
+        safe_load(str(path))
