@@ -4,7 +4,10 @@ The installed package ships ``ds_muon_autoload.pth`` into site-packages (``setup
 there for both ``pip install .`` and ``pip install -e .``). Python runs its one line at start-up,
 in every process (so in every rank the ``deepspeed`` launcher, ``torchrun`` or ``accelerate
 launch`` starts), and that line calls :func:`install`. It costs one environment lookup and one
-entry on ``sys.meta_path``: neither ``torch`` nor ``deepspeed`` is imported here.
+entry on ``sys.meta_path``: neither ``torch`` nor ``deepspeed`` is imported here. The line swallows any
+exception (``try``/``except Exception: pass`` inside an ``exec``), so a broken or half-uninstalled ds_muon (the
+``.pth`` left behind, the package gone) never makes Python print a traceback at start-up; ``pip uninstall``
+removes the ``.pth`` with the package (it is in the wheel's RECORD).
 
 When the process later imports ``deepspeed`` (the top-level package, whoever imports it), the
 finder lets the normal import run to completion and then calls

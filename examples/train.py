@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 import time
 import warnings
@@ -187,10 +186,15 @@ def step_batches(corpus: ByteCorpus, split: str, streams: list[int], micro_per_s
 def rss_mib(device: torch.device) -> tuple[float, float]:
     """``(resident, peak resident)`` memory in MiB, the largest over the ranks (all ranks call this).
 
-    Linux only: resident from ``/proc/self/statm``, peak from ``getrusage``'s ``ru_maxrss`` (KiB on Linux)."""
-    with open("/proc/self/statm") as f:
-        now = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    Linux only: both from the kernel's one account, ``/proc/self/status`` (``VmRSS``, ``VmHWM``, in KiB), so the
+    peak is never below the current value."""
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                fields[key] = int(value.split()[0]) / 1024
+    now, peak = fields["VmRSS"], max(fields["VmHWM"], fields["VmRSS"])
     values = torch.tensor([now, peak], dtype=torch.float64, device=device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     return float(values[0]), float(values[1])
@@ -255,11 +259,17 @@ def main() -> None:
         model = CausalLM(cfg)
 
     engine, _, _, _ = ds_muon.initialize(model=model, model_parameters=model.parameters(), config=config)
+    log(f"optimizer: ds_muon's {type(engine.optimizer).__name__} (ZeRO stage {engine.zero_optimization_stage()}, "
+        f"built by ds_muon.initialize) for \"type\": \"{config['optimizer']['type']}\"")
     start = 1
     if resume is not None:
         _, client = engine.load_checkpoint(*resume)
         start = int(client["step"]) + 1
-        log(f"resumed from {os.path.join(*resume)} (saved at step {start - 1}); continuing to step {args.steps}")
+        if start > args.steps:
+            log(f"resumed from {os.path.join(*resume)} (saved at step {start - 1}): nothing to train, --steps is "
+                f"{args.steps}; pass --steps N with N > {start - 1} to train further")
+        else:
+            log(f"resumed from {os.path.join(*resume)} (saved at step {start - 1}); continuing to step {args.steps}")
     elif args.resume is not None:
         log(f"--resume: no checkpoint in {args.resume or args.save_dir} yet; starting from step 1")
     save = (lambda step: engine.save_checkpoint(args.save_dir, client_state={"args": vars(args), "step": step}))
@@ -327,10 +337,11 @@ def main() -> None:
             save(step)
     bar.close()
 
-    if train_losses:
-        last = sum(train_losses[-10:]) / len(train_losses[-10:])
-        log(f"train loss: first {train_losses[0]:.4f} -> last {last:.4f} (mean of the last "
-            f"{min(10, len(train_losses))} steps), relative drop {(train_losses[0] - last) / train_losses[0]:.1%}")
+    if train_losses:  # like with like: the mean of the first k steps of this run against the mean of its last k
+        k = max(1, min(10, len(train_losses) // 2))
+        first, last = sum(train_losses[:k]) / k, sum(train_losses[-k:]) / k
+        log(f"train loss: {first:.4f} (mean of steps {start}-{start + k - 1}) -> {last:.4f} (mean of the last {k} "
+            f"steps), relative drop {(first - last) / first:.1%}")
         log(f"val loss:   {val_losses[0][1]:.4f} -> {val_losses[-1][1]:.4f}, "
             f"relative drop {(val_losses[0][1] - val_losses[-1][1]) / val_losses[0][1]:.1%}")
     if train_time:

@@ -46,5 +46,10 @@ echo ">> installing ds_muon (pip install -e .[test])"
 python -m pip install -q -U "setuptools>=70.1" wheel  # tests/e2e/test_autoload.py builds ds_muon without isolation
 python -m pip install -q -e ".[test]"
 
+# Build DeepSpeed's JIT ops (shared-memory comm, CPU Adam, FusedAdam, pinned memory, async_io) once, here, with a
+# progress line each: a build inside a test would run under that test's time-out, and a build killed halfway leaves
+# a lock every later run waits on forever (the builder removes such a lock when no process is building).
+python -m ds_muon.integration.jit_ops || echo "!! a DeepSpeed op did not build (above); the tests that need it will say so" >&2
+
 echo ">> python -m pytest $*"
 exec python -m pytest "$@"

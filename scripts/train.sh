@@ -44,9 +44,12 @@ if [[ ! -f "$stamp" || pyproject.toml -nt "$stamp" ]] || ! python -c "import ds_
     touch "$stamp"
 fi
 
-if [[ ! -d "$TORCH_EXTENSIONS_DIR/fused_adam" ]]; then
-    echo ">> first run: DeepSpeed JIT-builds its CPU ops (shared-memory comm, FusedAdam) before training starts;"
-    echo "   this takes a few minutes with little output (later runs reuse $TORCH_EXTENSIONS_DIR)"
+# DeepSpeed's JIT ops the job needs, built once with a progress line each (later runs load them from
+# $TORCH_EXTENSIONS_DIR); a lock left by a killed build is removed when no process is building.
+if command -v nvidia-smi >/dev/null 2>&1; then
+    python -m ds_muon.integration.jit_ops FusedAdamBuilder || true
+else
+    python -m ds_muon.integration.jit_ops ShareMemCommBuilder FusedAdamBuilder || true
 fi
 echo ">> deepspeed --num_gpus $NPROC examples/train.py $*"
 exec deepspeed --num_gpus "$NPROC" examples/train.py "$@"

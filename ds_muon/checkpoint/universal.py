@@ -112,10 +112,15 @@ def convert_to_universal(ckpt_dir: str, out_dir: str, tag: Optional[str] = None)
             ``out_dir`` equal to ``ckpt_dir``, or a file of the tag that names a global loading would import and
             call (:func:`ds_muon.checkpoint.safe_load.check_files`).
     """
+    if not os.path.isdir(ckpt_dir):
+        raise CheckpointError(f"{ckpt_dir} does not exist or is not a directory: pass the directory given to "
+                              "engine.save_checkpoint")
     if tag is None:
         tag = read_tag(ckpt_dir, LATEST)
         if tag is None:
             raise CheckpointError(f"no '{LATEST}' file in {ckpt_dir}; pass the tag (--tag)")
+    if not os.path.isdir(os.path.join(ckpt_dir, str(tag))):
+        raise CheckpointError(f"{os.path.join(ckpt_dir, str(tag))} does not exist: no tag {tag!r} in {ckpt_dir}")
     src = os.path.join(ckpt_dir, tag)
     dst = os.path.join(out_dir, tag)
     if os.path.realpath(os.path.abspath(ckpt_dir)) == os.path.realpath(os.path.abspath(out_dir)):

@@ -11,8 +11,9 @@ import os
 from typing import Any, Optional
 
 from ..config.sections import deepspeed_version
+from .jit_ops import stale_lock
 
-__all__ = ["host_problems", "AIO_BUILD_STALE_S"]
+__all__ = ["host_problems"]
 
 
 def _async_io_available() -> bool:
@@ -28,11 +29,6 @@ def _async_io_available() -> bool:
     return bool(AsyncIOBuilder().is_compatible(verbose=False))
 
 
-#: A JIT build lock of DeepSpeed's async_io op is taken for stale when nothing in its build directory
-#: changed for this long (s). A live build writes an object file every few minutes even on 2 cores.
-AIO_BUILD_STALE_S = 1800
-
-
 def _async_io_build_lock_problem() -> Optional[str]:
     """A stale JIT build lock of DeepSpeed's async_io op, which would make NVMe offload hang.
 
@@ -40,10 +36,10 @@ def _async_io_build_lock_problem() -> Optional[str]:
     takes a ``FileBaton`` (the file ``<TORCH_EXTENSIONS_DIR>/async_io/lock``) even when the op is
     already built, and waits without a deadline while that file exists. A build killed mid-way (a
     timed-out test, Ctrl-C, OOM) leaves the file behind, and every later NVMe run then hangs inside
-    ``deepspeed.initialize``. Returns the problem when the lock exists and nothing in the build
-    directory changed for :data:`AIO_BUILD_STALE_S` seconds, else None (a fresh lock is a build in
-    progress, e.g. by another rank, which DeepSpeed waits for)."""
-    import time
+    ``deepspeed.initialize``. Returns the problem when the lock is stale by
+    :func:`ds_muon.integration.jit_ops.stale_lock` (no process is building in that directory, and the lock is
+    older than a minute), else None (no lock, or a build in progress, e.g. by another rank, which DeepSpeed
+    waits for)."""
     try:
         from deepspeed.git_version_info import installed_ops
         if installed_ops.get("async_io"):
@@ -51,19 +47,16 @@ def _async_io_build_lock_problem() -> Optional[str]:
         from deepspeed.ops.op_builder import AsyncIOBuilder
         from torch.utils.cpp_extension import _get_build_directory
         build_dir = _get_build_directory(AsyncIOBuilder.NAME, verbose=False)
-        lock = os.path.join(build_dir, "lock")
-        if not os.path.exists(lock):
-            return None
-        idle = time.time() - max(os.stat(os.path.join(build_dir, f)).st_mtime for f in os.listdir(build_dir))
     except Exception:  # noqa: BLE001 - an unusual DeepSpeed/torch layout: nothing to check
         return None
-    if idle < AIO_BUILD_STALE_S:
+    lock = stale_lock(build_dir)
+    if lock is None:
         return None
     return (f"zero_optimization.offload_optimizer.device: 'nvme' needs DeepSpeed's async_io op, whose JIT build "
-            f"lock {lock} exists although nothing in {build_dir} changed for {idle / 60:.0f} min: a build that was "
-            f"killed leaves it, and DeepSpeed {deepspeed_version()} (torch.utils.cpp_extension.load's FileBaton) "
-            f"then waits for it forever. If no process is building async_io, delete {lock}; or prebuild the op "
-            f"(DS_BUILD_AIO=1 pip install deepspeed), or point TORCH_EXTENSIONS_DIR at another directory")
+            f"lock {lock} exists although no process is building in {build_dir}: a build that was killed leaves "
+            f"it, and DeepSpeed {deepspeed_version()} (torch.utils.cpp_extension.load's FileBaton) then waits for it "
+            f"forever. Run `python -m ds_muon.integration.jit_ops` (it removes the lock and builds the op), or "
+            f"delete {lock}; or prebuild the op (DS_BUILD_AIO=1 pip install deepspeed)")
 
 
 def _o_direct_problem(path: str) -> Optional[str]:

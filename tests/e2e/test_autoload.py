@@ -154,6 +154,14 @@ def test_normal_install_ships_hook_and_activates_on_deepspeed_import(tmp_path) -
                             "'deepspeed' in sys.modules, 'ds_muon._autoload' in sys.modules)"],
                            capture_output=True, text=True, env=_env(), cwd=tmp_path, check=True)
     assert cheap.stdout.split("PROBE ", 1)[1].split() == ["False", "False", "True"]
+    # pip uninstall takes the start-up hook with it (it is in the wheel's RECORD), and Python starts silently after
+    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    assert (site / "ds_muon_autoload.pth").is_file()
+    subprocess.run([str(py), "-m", "pip", "uninstall", "-q", "-y", "ds_muon"], env=_env(), cwd=tmp_path, check=True)
+    assert not (site / "ds_muon_autoload.pth").exists()
+    gone = subprocess.run([str(py), "-c", "pass"], capture_output=True, text=True, env=_env(), cwd=tmp_path)
+    assert gone.returncode == 0 and gone.stderr == "", gone.stderr
 
 
 def _python_prints_ok(code: str) -> None:
@@ -260,3 +268,33 @@ def test_after_import_calls_each_callback_once_after_the_module_loads(tmp_path, 
     a.after_import(name, second)  # already imported: at once
     assert calls[-1] == ("second", True) and len(calls) == 3
     sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("ds_muon_state", ["present", "missing", "broken", "present-DS_MUON=0"])
+@pytest.mark.parametrize("flags", [["-S"], ["-I", "-S"]], ids=["S", "isolated"])
+def test_startup_hook_never_raises_or_prints(tmp_path, ds_muon_state, flags) -> None:
+    """The ``.pth`` line runs in every interpreter of the environment, trainer or not. With ds_muon present it only
+    installs the finder (no torch, no deepspeed); half-uninstalled (the ``.pth`` left, the package gone) or broken
+    (its ``__init__`` raising), Python starts silently as if it were not installed; ``DS_MUON=0`` installs nothing.
+    (Python's ``site`` prints "Error processing line 1 of ...pth" and a traceback for a ``.pth`` line that raises.)"""
+    site_dir = tmp_path / "site"
+    site_dir.mkdir()
+    (site_dir / "ds_muon_autoload.pth").write_text((REPO / "ds_muon_autoload.pth").read_text())
+    path = {"present": str(REPO), "present-DS_MUON=0": str(REPO), "missing": str(tmp_path / "empty"),
+            "broken": str(tmp_path / "broken")}[ds_muon_state]
+    if ds_muon_state == "broken":
+        (tmp_path / "broken" / "ds_muon").mkdir(parents=True)
+        (tmp_path / "broken" / "ds_muon" / "__init__.py").write_text("raise RuntimeError('half-uninstalled')\n")
+    code = (f"import sys; sys.path.insert(0, {path!r}); import site; site.addsitedir({str(site_dir)!r}); "
+            "print('PROBE', 'ds_muon._autoload' in sys.modules, 'torch' in sys.modules, 'deepspeed' in sys.modules, "
+            "any(type(f).__module__ == 'ds_muon.import_hooks' for f in sys.meta_path))")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DS_MUON")}
+    if ds_muon_state.endswith("DS_MUON=0"):
+        env["DS_MUON"] = "0"
+    proc = subprocess.run([sys.executable, *flags, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]
+    loaded, torch_loaded, ds_loaded, finder = proc.stdout.split("PROBE ", 1)[1].split()
+    assert torch_loaded == ds_loaded == "False"
+    assert loaded == str(ds_muon_state.startswith("present")), proc.stdout
+    assert finder == str(ds_muon_state == "present"), proc.stdout

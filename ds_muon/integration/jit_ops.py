@@ -1,0 +1,145 @@
+"""DeepSpeed's JIT-built ops: build them once, up front, and clear build locks that a killed build left.
+
+Layer ``integration``. DeepSpeed builds its C++ ops (CPU Adam, FusedAdam, async_io for NVMe, pinned memory, the
+CPU accelerator's shared-memory all-reduce) on first use through ``torch.utils.cpp_extension.load``, which
+takes a ``FileBaton``: the file ``<TORCH_EXTENSIONS_DIR>/<op>/lock``, created at the start of a build and
+removed at its end. Every other process that needs the op waits, without a deadline, while the file exists. A
+build killed halfway (a test's time-out, Ctrl-C, OOM) leaves the file, and from then on every run that needs
+the op hangs. Two remedies here:
+
+* :func:`stale_lock`: a lock is stale when no process is building in that directory any more (no process has it
+  as its working directory: ninja and the compilers it runs do) and the lock is older than
+  :data:`LOCK_GRACE_S` (a build that just took the lock may not have started ninja yet);
+* :func:`build_ops` (``python -m ds_muon.integration.jit_ops``, run by ``scripts/test.sh`` and
+  ``scripts/train.sh``): removes stale locks with a log line, then builds or loads each op with a progress
+  line, outside any test's time-out.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Callable, Optional, Sequence
+
+__all__ = ["OPS", "LOCK_GRACE_S", "builder_alive", "stale_lock", "clear_stale_lock", "build_ops", "main"]
+
+#: DeepSpeed op builders ds_muon's runs use, by accelerator name ("cpu" adds the shared-memory all-reduce).
+OPS: dict[str, tuple[str, ...]] = {
+    "cpu": ("ShareMemCommBuilder", "CPUAdamBuilder", "FusedAdamBuilder", "PinMemoryBuilder", "AsyncIOBuilder"),
+    "cuda": ("CPUAdamBuilder", "FusedAdamBuilder", "AsyncIOBuilder"),
+}
+#: A lock younger than this (s) is left alone even with no builder in sight.
+LOCK_GRACE_S = 60.0
+
+
+def builder_alive(build_dir: str) -> Optional[bool]:
+    """Whether some process has ``build_dir`` as its working directory (ninja and the compilers it starts do),
+    read from ``/proc``; None where ``/proc`` cannot tell (not Linux)."""
+    if not os.path.isdir("/proc/self"):
+        return None
+    target = os.path.realpath(build_dir)
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if os.path.realpath(os.readlink(f"/proc/{pid}/cwd")) == target:
+                return True
+        except OSError:  # gone, or another user's process
+            continue
+    return False
+
+
+def stale_lock(build_dir: str, now: Optional[float] = None) -> Optional[str]:
+    """The path of ``build_dir``'s ``lock`` if it is stale (no builder alive, older than :data:`LOCK_GRACE_S`),
+    else None (no lock, a build in progress, or no way to tell)."""
+    lock = os.path.join(build_dir, "lock")
+    try:
+        age = (time.time() if now is None else now) - os.stat(lock).st_mtime
+    except OSError:
+        return None
+    if age < LOCK_GRACE_S or builder_alive(build_dir) is not False:
+        return None
+    return lock
+
+
+def clear_stale_lock(build_dir: str, log: Callable[[str], None] = print) -> bool:
+    """Remove ``build_dir``'s stale lock (:func:`stale_lock`), saying so through ``log``; whether it did."""
+    lock = stale_lock(build_dir)
+    if lock is None:
+        return False
+    try:
+        os.remove(lock)
+    except FileNotFoundError:
+        return False
+    log(f">> removed {lock}: a build of this op was killed before it finished (no process is building in "
+        f"{build_dir}); it is rebuilt now")
+    return True
+
+
+def _build_dir(name: str) -> str:
+    from torch.utils.cpp_extension import _get_build_directory
+    return _get_build_directory(name, verbose=False)
+
+
+def build_ops(builders: Optional[Sequence[str]] = None, log: Callable[[str], None] = print) -> dict[str, str]:
+    """Build (or load from the cache) each DeepSpeed op ds_muon's runs use on this accelerator, one after
+    another, with a progress line each; stale locks first removed (:func:`clear_stale_lock`).
+
+    Args:
+        builders: DeepSpeed op-builder class names (default: :data:`OPS` for the current accelerator).
+        log: where progress lines go.
+
+    Returns:
+        ``{builder: "built" | "cached" | "prebuilt" | "skipped: <why>"}``; an op whose build fails is reported
+        there (``"failed: <error>"``) and the others still build (DeepSpeed reports the failure again, with its
+        compiler output, where the op is used).
+    """
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import installed_ops
+    accel = get_accelerator()
+    names = builders or OPS.get(accel.device_name(), OPS["cuda"])
+    out: dict[str, str] = {}
+    for cls in names:
+        builder = accel.create_op_builder(cls)
+        if builder is None:
+            out[cls] = "skipped: this accelerator has no such op"
+            continue
+        if installed_ops.get(builder.name):
+            out[cls] = "prebuilt"
+            continue
+        if not builder.is_compatible(verbose=False):
+            out[cls] = "skipped: not buildable here (e.g. libaio missing for async_io)"
+            log(f">> {builder.name}: {out[cls]}")
+            continue
+        build_dir = _build_dir(builder.name)
+        clear_stale_lock(build_dir, log)
+        cached = any(f.endswith(".so") for f in os.listdir(build_dir)) if os.path.isdir(build_dir) else False
+        if not cached:
+            log(f">> building DeepSpeed's {builder.name} op (once per environment; 1-3 min on 2 cores) in {build_dir}")
+        start = time.monotonic()
+        try:
+            builder.load(verbose=False)
+        except Exception as err:  # noqa: BLE001 - report it and go on; the run that needs the op reports it too
+            out[cls] = f"failed: {type(err).__name__}: {err}"
+            log(f">> {builder.name}: build failed ({type(err).__name__}: {err})")
+            continue
+        out[cls] = "cached" if cached else "built"
+        if not cached:
+            log(f">> {builder.name} built in {time.monotonic() - start:.0f} s")
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m ds_muon.integration.jit_ops [BUILDER ...]``: build the ops; exit code 1 if one failed."""
+    parser = argparse.ArgumentParser(prog="python -m ds_muon.integration.jit_ops", description=__doc__.split("\n")[0])
+    parser.add_argument("builders", nargs="*", help="DeepSpeed op-builder class names (default: all ds_muon uses)")
+    args = parser.parse_args(argv)
+    result = build_ops(args.builders or None, log=lambda line: print(line, flush=True))
+    failed = [k for k, v in result.items() if v.startswith("failed")]
+    print(">> DeepSpeed ops: " + ", ".join(f"{k} {v.split(':')[0]}" for k, v in result.items()), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

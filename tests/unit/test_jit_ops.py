@@ -1,0 +1,40 @@
+"""Stale JIT build locks (ds_muon.integration.jit_ops): a lock is stale when no process builds in its directory."""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+from ds_muon.integration.jit_ops import LOCK_GRACE_S, builder_alive, clear_stale_lock, stale_lock
+
+
+def _old(path) -> None:
+    t = time.time() - LOCK_GRACE_S - 5
+    os.utime(path, (t, t))
+
+
+def test_lock_without_builder_is_removed_with_a_line(tmp_path):
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert stale_lock(str(tmp_path)) is None  # young: a build may be starting
+    _old(lock)
+    assert builder_alive(str(tmp_path)) is False
+    lines = []
+    assert clear_stale_lock(str(tmp_path), lines.append)
+    assert not lock.exists() and len(lines) == 1 and str(lock) in lines[0] and "killed" in lines[0]
+    assert not clear_stale_lock(str(tmp_path), lines.append)  # nothing left to remove
+
+
+def test_lock_with_a_live_builder_is_kept(tmp_path):
+    lock = tmp_path / "lock"
+    lock.touch()
+    _old(lock)
+    builder = subprocess.Popen(["sleep", "30"], cwd=tmp_path)  # as ninja runs in the build directory
+    try:
+        assert builder_alive(str(tmp_path)) is True
+        assert stale_lock(str(tmp_path)) is None and not clear_stale_lock(str(tmp_path), print)
+        assert lock.exists()
+    finally:
+        builder.kill()
+        builder.wait()
+    assert stale_lock(str(tmp_path)) == str(lock)
