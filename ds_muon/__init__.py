@@ -1,4 +1,4 @@
-"""ds_muon: the Muon optimizer for DeepSpeed ZeRO stage 3.
+"""ds_muon: the Muon optimizer for DeepSpeed ZeRO stages 1, 2 and 3.
 
 Installed (``pip install ds_muon`` or ``pip install -e .``), ds_muon activates itself: a start-up
 hook (``ds_muon_autoload.pth``, see :mod:`ds_muon._autoload`) enables it when a process imports

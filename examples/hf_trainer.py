@@ -18,12 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import warnings
 
 import deepspeed
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 import ds_muon
+
+# DeepSpeed 0.19.8's ZeRO calls torch.distributed.all_gather_into_tensor / reduce_scatter_tensor, which torch marks
+# deprecated with a FutureWarning per call (14 lines in a 2-step run); they are DeepSpeed's calls, not ds_muon's.
+warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
 
 
 class CountingTokens(torch.utils.data.Dataset):

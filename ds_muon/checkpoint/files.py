@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from ..errors import CheckpointError
 from .metadata import CONVERT_COMMAND, raise_on_every_rank
-from .safe_load import check_files, safe_load
+from .safe_load import file_code_problems, safe_load
 
 __all__ = ["LATEST", "LATEST_UNIVERSAL", "UNIVERSAL_STATE_FILE", "read_tag", "saved_model_states", "saved_world_size",
            "file_problem", "verify_checkpoint_files", "optim_files", "convert_hint", "check_tag"]
@@ -108,6 +108,20 @@ def verify_checkpoint_files(ckpt_dir: str, group=None) -> None:
     raise_on_every_rank(problems, group, f"ds_muon: checkpoint {ckpt_dir} is incomplete or damaged:")
 
 
+def check_tag_code(ckpt_dir: str, group=None) -> None:
+    """No file of ``ckpt_dir`` may name a global that loading would import and call
+    (:func:`ds_muon.checkpoint.safe_load.file_code_problems`; docs/checkpointing.md, "Security"). Collective over
+    ``group`` (None: the world): each rank checks every W-th file and all ranks raise the same error.
+
+    Raises:
+        CheckpointError: on every rank, naming each file and the globals it names.
+    """
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    rank = dist.get_rank(group) if world > 1 else 0
+    problems = file_code_problems([ckpt_dir], rank, world) if os.path.isdir(ckpt_dir) else []
+    raise_on_every_rank(problems, group, f"ds_muon: checkpoint {ckpt_dir} is refused:")
+
+
 def optim_files(ckpt_dir: str) -> dict[int, str]:
     """``{data-parallel rank: path}`` of a tag's ZeRO optimizer files.
 
@@ -141,7 +155,7 @@ def saved_layout(ckpt_dir: str) -> Optional[str]:
     return None
 
 
-def check_tag(load_dir: str, tag: Optional[str], universal: bool, world_size: int,
+def check_tag(load_dir: str, tag: Optional[str], universal: bool, world_size: Optional[int],
               zero3: Optional[bool] = None) -> None:
     """The checks a ds_muon engine's ``load_checkpoint`` runs first (from the files alone; collective: every rank
     calls it).
@@ -150,7 +164,8 @@ def check_tag(load_dir: str, tag: Optional[str], universal: bool, world_size: in
         load_dir, tag: as given to ``engine.load_checkpoint`` (``tag`` None: the one in ``latest`` or
             ``latest_universal``).
         universal: the engine's ``checkpoint.load_universal``.
-        world_size: the engine's data-parallel world size (what DeepSpeed compares against).
+        world_size: the engine's data-parallel world size (what DeepSpeed compares against); None: not checked
+            (a ZeRO-1/2 weights-only load, which reads the module file's full weights at any world size).
         zero3: whether the engine is at ZeRO stage 3 (None: not checked); a checkpoint of the other layout
             (stage 1/2 against 3) is refused naming the conversion.
 
@@ -161,7 +176,7 @@ def check_tag(load_dir: str, tag: Optional[str], universal: bool, world_size: in
             the tag's ZeRO partitions);
             ``checkpoint.load_universal`` is set but the checkpoint is not a universal one, or the
             other way round; a file of the tag names a global that loading would import and call
-            (:func:`ds_muon.checkpoint.safe_load.check_files`).
+            (:func:`check_tag_code`).
     """
     if tag is None:
         tag = read_tag(load_dir, LATEST_UNIVERSAL if universal else LATEST)
@@ -177,9 +192,8 @@ def check_tag(load_dir: str, tag: Optional[str], universal: bool, world_size: in
                                       "config to load it")
             return  # DeepSpeed says there is nothing to load
     ckpt_dir = os.path.join(load_dir, str(tag))
-    if os.path.isdir(ckpt_dir):  # before anything reads them; every rank checks every file, so all raise alike
-        check_files([ckpt_dir])  # no file may name a global outside the allowlist (docs/checkpointing.md, "Security")
     verify_checkpoint_files(ckpt_dir)
+    check_tag_code(ckpt_dir)
     is_universal = os.path.isfile(os.path.join(ckpt_dir, UNIVERSAL_STATE_FILE))
     if universal and not is_universal:
         raise CheckpointError(f"checkpoint.load_universal is true but {ckpt_dir} is not a universal checkpoint (no "
@@ -194,7 +208,7 @@ def check_tag(load_dir: str, tag: Optional[str], universal: bool, world_size: in
         saved_stage, this_stage = ("3", "1/2") if layout == "chunked" else ("1/2", "3")
         raise CheckpointError(f"{ckpt_dir} was saved at ZeRO stage {saved_stage}, this run is at ZeRO stage "
                               f"{this_stage}; their partitions differ, so " + convert_hint(load_dir, str(tag)))
-    saved = saved_world_size(ckpt_dir)  # weights-only loads too: ds_muon loads the tag's ZeRO partitions
-    if saved is not None and saved != world_size:
+    saved = saved_world_size(ckpt_dir)  # weights-only loads too at ZeRO-3: ds_muon loads the tag's ZeRO partitions
+    if world_size is not None and saved is not None and saved != world_size:
         raise CheckpointError(f"{ckpt_dir} was saved at data-parallel world size {saved}, this run has {world_size}; "
                               "ZeRO partitions depend on the world size, so " + convert_hint(load_dir, str(tag)))

@@ -3,8 +3,11 @@
 A ``torch.save`` file is a pickle, and a pickle can call any importable function while it loads
 (``os.system`` included). PyTorch's weights-only unpickler (the default of ``torch.load`` since 2.6) admits
 tensors, plain containers and primitives, plus the globals one allowlists. DeepSpeed 0.19.8 reads checkpoints with
-``weights_only=False``. Every file ds_muon reads goes through :func:`safe_load`, and every file of a checkpoint
-that a ds_muon engine hands to DeepSpeed's own loaders is checked first by :func:`check_files`:
+``weights_only=False``. Every file ds_muon reads goes through :func:`safe_load`, and every file of a checkpoint that a
+ds_muon engine loads is checked first (:func:`file_code_problems`, collectively in
+:func:`ds_muon.checkpoint.files.check_tag`), so the files DeepSpeed's own loaders read on a ds_muon engine (a
+weights-only universal load) are checked ones. Configs handed to DeepSpeed's built-in (and ``DS_MUON=0``) load as
+DeepSpeed does:
 
 1. the file's pickle is disassembled without executing it (``torch.serialization.get_unsafe_globals_in_checkpoint``)
    and each global it names must be torch's weights-only default set or one of :data:`ALLOWED_GLOBALS` (what
@@ -28,7 +31,8 @@ import torch
 
 from ..errors import CheckpointError
 
-__all__ = ["ALLOWED_GLOBALS", "TRUST_ENV", "trusted", "unsafe_globals", "check_file", "check_files", "safe_load"]
+__all__ = ["ALLOWED_GLOBALS", "TRUST_ENV", "trusted", "unsafe_globals", "check_file", "check_files",
+           "file_code_problems", "safe_load"]
 
 #: Environment variable: ``1``/``true``/``yes``/``on`` loads checkpoint files with ``weights_only=False`` (trusted
 #: files only: a crafted file then runs its code).
@@ -56,14 +60,19 @@ def unsafe_globals(path: str) -> list[str]:
     :data:`ALLOWED_GLOBALS` admit, read without executing the pickle.
 
     Raises:
-        CheckpointError: the file is not a ``torch.save`` zip archive, or its pickle uses opcodes that cannot be
-            read without executing it.
+        CheckpointError: the file is truncated, damaged or not a ``torch.save`` zip archive (load another tag), or
+            its pickle uses opcodes that cannot be read without executing it.
     """
     try:
         names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-    except (pickle.UnpicklingError, ValueError, EOFError, RuntimeError) as err:
-        raise CheckpointError(f"{path} cannot be checked for code before loading ({type(err).__name__}: {err}); "
-                              f"ds_muon loads only files it can check. {_opt_out()}") from err
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(f"{path} cannot be checked for code before loading ({err}): its pickle uses opcodes "
+                              f"that torch.save does not write; ds_muon loads only files it can check. "
+                              f"{_opt_out()}") from err
+    except (OSError, ValueError, EOFError, RuntimeError) as err:  # not a (whole) torch.save zip archive
+        size = os.path.getsize(path) if os.path.exists(path) else 0
+        raise CheckpointError(f"{path} is truncated or damaged, or not a torch.save file ({size} bytes; "
+                              f"{type(err).__name__}: {err}); load another tag") from err
     return sorted(n for n in names if n not in ALLOWED_GLOBALS)
 
 
@@ -80,6 +89,23 @@ def check_file(path: str) -> list[str]:
                               f"DeepSpeed and ds_muon holds tensors, containers and numbers only, so ds_muon does not "
                               f"load it (it may be crafted to run code). {_opt_out()}")
     return [n for n in torch.serialization.get_unsafe_globals_in_checkpoint(path) if n in ALLOWED_GLOBALS]
+
+
+def file_code_problems(paths: Iterable[str], rank: int = 0, world_size: int = 1) -> list[str]:
+    """One line per ``*.pt``/``*.pth`` file among ``paths`` (files, or folders searched recursively) that fails
+    :func:`check_file`; with ``rank``/``world_size``, only every ``world_size``-th file from ``rank`` (so the ranks
+    of a group split the reads and gather the lines). Empty when :func:`trusted`."""
+    if trusted():
+        return []
+    files = [f for path in paths for f in ([path] if os.path.isfile(path) else sorted(
+        f for pattern in ("*.pt", "*.pth") for f in glob.glob(os.path.join(path, "**", pattern), recursive=True)))]
+    problems = []
+    for f in files[rank::world_size]:
+        try:
+            check_file(f)
+        except CheckpointError as err:
+            problems.append(str(err))
+    return problems
 
 
 def check_files(paths: Iterable[str]) -> None:

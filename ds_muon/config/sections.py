@@ -175,7 +175,8 @@ def unserved_modes(ds_config: dict, optimizer: str = MUON, params: bool = True) 
     * stage 1 with bf16 and ``data_types.grad_accum_dtype`` fp32 and no optimizer offload: DeepSpeed runs its
       ``BF16_Optimizer`` there, not a ZeRO optimizer;
     * ``offload_optimizer.device`` 'nvme' at stages 1/2 (DeepSpeed runs it as CPU offload; ds_muon's NVMe
-      offload is ZeRO-3's), ``offload_param.device`` 'nvme', ``zenflow``, AutoTP (``autotp_size > 1``);
+      offload is ZeRO-3's), ``elastic_checkpoint`` true at stages 1/2, ``offload_param.device`` 'nvme', ``zenflow``,
+      AutoTP (``autotp_size > 1``);
     * with ``params``: the built-in's ``optimizer.params`` modes ds_muon does not implement (``adam_w_mode`` or
       ``fp32_optimizer_states`` false; :func:`ds_muon.config.parse_muon_params` reports them otherwise).
     """
@@ -197,7 +198,8 @@ def unserved_modes(ds_config: dict, optimizer: str = MUON, params: bool = True) 
     offloaded = _device(offload) in ("cpu", "nvme")
     accum = ds_config.get("data_types", {}).get("grad_accum_dtype") if isinstance(ds_config.get("data_types"),
                                                                                   dict) else None
-    if stage == 1 and _enabled(ds_config, "bf16") and str(accum).lower() in ("fp32", "float32", "float") \
+    accum_fp32 = str(accum).lower().removeprefix("torch.") in ("fp32", "float32", "float")  # DeepSpeed's spellings
+    if stage == 1 and (_enabled(ds_config, "bf16") or _enabled(ds_config, "bfloat16")) and accum_fp32 \
             and not offloaded:
         out.append(f"data_types.grad_accum_dtype: {accum!r} with bf16 at ZeRO stage 1 is not served by {served}: "
                    "DeepSpeed runs its BF16_Optimizer there, not a ZeRO optimizer; use stage 2 (or 3), or remove "
@@ -206,6 +208,11 @@ def unserved_modes(ds_config: dict, optimizer: str = MUON, params: bool = True) 
         out.append(f"zero_optimization.offload_optimizer.device: 'nvme' at ZeRO stage {stage} is not served by "
                    f"{served}: DeepSpeed's ZeRO-1/2 optimizer offloads to CPU memory only (it runs 'nvme' as 'cpu'); "
                    "set device 'cpu', or use stage 3 to offload the optimizer to NVMe")
+    if stage in (1, 2) and zero.get("elastic_checkpoint") is True:
+        out.append(f"zero_optimization.elastic_checkpoint: true at ZeRO stage {stage} is not served by {served}: "
+                   "DeepSpeed then saves the inner optimizer state as a list and trims it to the saved partition, "
+                   "which does not fit Muon's momentum and Adam-mini's block moments; remove it (ds_muon's "
+                   "to-universal loads at any world size)")
     if _device(zero.get("offload_param")) == "nvme":
         out.append(NVME_PARAM_OFFLOAD_PROBLEM)
     if zero.get("zenflow"):

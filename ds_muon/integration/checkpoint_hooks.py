@@ -18,8 +18,8 @@ import weakref
 
 import torch.distributed as dist
 
-from ..checkpoint.files import LATEST, LATEST_UNIVERSAL, check_tag, read_tag
-from ..checkpoint.safe_load import check_files, safe_load
+from ..checkpoint.files import LATEST, check_tag, read_tag
+from ..checkpoint.safe_load import safe_load
 
 __all__ = ["install_load_checks", "install_atomic_save", "load_weights_of_tag", "make_weights_only"]
 
@@ -27,8 +27,8 @@ __all__ = ["install_load_checks", "install_atomic_save", "load_weights_of_tag", 
 def install_load_checks(engine, zero3: bool = True) -> None:
     """Make ``engine.load_checkpoint`` run :func:`ds_muon.checkpoint.files.check_tag` first, and (``zero3``) load a
     tag's weights for a weights-only load (:func:`load_weights_of_tag`); on this engine only, holding it weakly.
-    At ZeRO-1/2 (``zero3`` False) a weights-only load is DeepSpeed's (the module file holds the full weights, at
-    any world size), so only full loads are checked."""
+    At ZeRO-1/2 (``zero3`` False) a weights-only load is DeepSpeed's (the module file holds the full weights in the
+    model's dtype, at any world size), so its world size is not checked; integrity, layout and code are."""
     engine_ref = weakref.ref(engine)
     load = type(engine).load_checkpoint
     signature = inspect.signature(load)
@@ -40,13 +40,9 @@ def install_load_checks(engine, zero3: bool = True) -> None:
         bound.apply_defaults()
         a = bound.arguments
         weights_only = a["load_module_only"] or not a["load_optimizer_states"]
-        universal = bool(this.load_universal_checkpoint())
-        if zero3 or not weights_only:
-            check_tag(a["load_dir"], a["tag"], universal, this.seq_dp_world_size, zero3)
-        else:  # DeepSpeed's weights-only load at ZeRO-1/2 reads the module file: still no code from the files
-            tag = a["tag"] if a["tag"] is not None else read_tag(a["load_dir"], LATEST_UNIVERSAL if universal else LATEST)
-            if tag is not None:
-                check_files([os.path.join(a["load_dir"], str(tag))])
+        # a ZeRO-1/2 weights-only load is DeepSpeed's: it reads the module file's full weights at any world size
+        world = None if not zero3 and weights_only else this.seq_dp_world_size
+        check_tag(a["load_dir"], a["tag"], bool(this.load_universal_checkpoint()), world, zero3)
         make_weights_only(this.checkpoint_engine)
         result = load(this, *args, **kwargs)
         if zero3 and weights_only and result[0] is not None and not this.load_universal_checkpoint():

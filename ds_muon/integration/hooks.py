@@ -282,7 +282,8 @@ def _register_attention() -> None:
 
 
 def enable() -> None:
-    """From now on, ``deepspeed.initialize`` with optimizer ``"Muon"`` and ZeRO-3 uses ds_muon.
+    """From now on, ``deepspeed.initialize`` with optimizer ``"Muon"`` (or ``"AdamMini"``) at ZeRO stage 1, 2 or 3
+    uses ds_muon.
 
     For frameworks that call ``deepspeed.initialize`` themselves (HF Trainer, Accelerate). Other
     configs are untouched. Calls nest: each ``enable()`` needs its ``disable()``. Also registers
@@ -369,7 +370,7 @@ def _find_config(args: Any, kwargs: dict) -> Any:
 
 
 def initialize(args: Any = None, model=None, *rest: Any, **kwargs: Any):
-    """``deepspeed.initialize`` with ds_muon serving ``"optimizer": {"type": "Muon"}`` under ZeRO-3.
+    """``deepspeed.initialize`` with ds_muon serving ``"optimizer": {"type": "Muon"}`` at ZeRO stages 1, 2 and 3.
 
     Same signature and return value as ``deepspeed.initialize``:
     ``(engine, optimizer, training_dataloader, lr_scheduler)``. The config is validated first (once: the

@@ -74,6 +74,8 @@ class FlatCheckpointing:
             counts = saved_step_counts(state_dict.get(DS_MUON_KEY))
             if counts is not None:
                 self.step_count = counts[1]
+        if self.step_count == 0:  # saved before any applied step: no state to link yet; link after the first one
+            self._states_linked = False
 
     def _load_universal_checkpoint(self, checkpoint_folder, load_optimizer_states, load_from_fp32_weights):
         """Universal checkpoint (``"checkpoint": {"load_universal": true}``), written from ZeRO-1/2 or ZeRO-3

@@ -14,16 +14,20 @@ the raw-file copy off (:mod:`ds_muon.integration.hooks`).
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from ..checkpoint.metadata import (DS_MUON_KEY, SubGroupInfo, ZeroLayout, metadata, raise_on_every_rank,
                                    saved_step_counts)
+from ..checkpoint.safe_load import safe_load
 from ..checkpoint.universal import universal_loader, universal_problems
 from ..errors import CheckpointError
 from ..names import (BLOCK_ATTR, BLOCK_STATE_KEY, FP32_FLAT_GROUPS, LOSS_SCALER, MOMENTUM_KEY, OPTIMIZER_STATE_DICT,
-                     PARAM_GROUPS)
+                     PARAM, PARAM_GROUPS)
+from ..partitions import chunked_pieces
 from .inner import cast_momentum_
 
 __all__ = ["ZeroCheckpointing"]
@@ -219,6 +223,16 @@ class ZeroCheckpointing:
         self._restore_step_counts(header[DS_MUON_KEY])
 
     def _slice_param(self, folder: str, key: str, s: int, k: int) -> torch.Tensor:
-        """This rank's slice of parameter ``k`` of sub-group ``s`` from its universal folder: DeepSpeed's own
-        per-parameter slicing (``load_hp_checkpoint_state``; ZeRO padding included)."""
-        return self.load_hp_checkpoint_state(folder, key, param=self.fp16_groups[s][k])
+        """This rank's ZeRO-3 chunk of parameter ``k`` of sub-group ``s`` from its universal folder: the full tensor
+        ``folder/<key>.pt`` read weights-only (:func:`ds_muon.checkpoint.safe_load.safe_load`), flattened, and cut
+        as ZeRO-3 partitions it over the parameter's partition group (:func:`ds_muon.partitions.chunked_pieces`:
+        ``ceil(numel / W)`` elements, zero padded past ``numel``); on the CPU, in the saved dtype."""
+        param = self.fp16_groups[s][k]
+        group = self._get_param_partition_group(param)
+        world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
+        saved = safe_load(os.path.join(folder, f"{key}.pt"))
+        full = (saved[PARAM] if isinstance(saved, dict) else saved).reshape(-1)
+        piece = chunked_pieces(full.numel(), world, 0)[rank]
+        out = torch.zeros(piece.sent, dtype=full.dtype)
+        out[:piece.length].copy_(full.narrow(0, piece.start, piece.length))
+        return out

@@ -638,6 +638,7 @@ def test_full_swap_disk_names_nvme_path_and_bytes(tmp_path):
     swap = swap_dir_for(str(tmp_path / "swap"))
     os.makedirs(swap, exist_ok=True)
     need = run_distributed(_full_swap_disk, 2, swap, -1)
+    assert all(isinstance(n, int) for n in need), f"the engine did not build with real free space: {need}"
     assert need[0] == need[1] and need[0] > 4 * 262144, need  # both sub-groups swapped (> 1 MiB each)
     short = 2 * need[0] - 1  # LOCAL_WORLD_SIZE = 2 ranks share the filesystem
     for msg in run_distributed(_full_swap_disk, 2, swap, short):

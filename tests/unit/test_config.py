@@ -515,3 +515,23 @@ def test_builtin_optimizer_keys_keep_their_meaning():
         parse_muon_params({"torch_adam": "yes"})
     # torch_autocast is accepted (parity: tests/dist/test_dropin.py)
     assert validate_ds_config(muon_config(torch_autocast={"enabled": True, "dtype": "bfloat16"})) is not None
+
+
+@pytest.mark.parametrize("bf16_key", ["bf16", "bfloat16"])
+@pytest.mark.parametrize("accum", ["fp32", "float32", "torch.float32", "FP32"])
+def test_stage1_bf16_fp32_accumulation_is_unserved_in_every_spelling(bf16_key, accum):
+    """DeepSpeed runs BF16_Optimizer (not a ZeRO optimizer) for stage 1 + bf16 + fp32 accumulation; every spelling
+    DeepSpeed accepts must be recognised, or zero-code activation would build ds_muon's inner optimizer there."""
+    from ds_muon.config import unserved_modes
+    cfg = {"optimizer": {"type": "Muon", "params": {"lr": 0.02}}, "zero_optimization": {"stage": 1},
+           bf16_key: {"enabled": True}, "data_types": {"grad_accum_dtype": accum}}
+    assert any("grad_accum_dtype" in line for line in unserved_modes(cfg)), unserved_modes(cfg)
+    assert not unserved_modes(dict(cfg, zero_optimization={"stage": 2}))
+
+
+def test_elastic_checkpoint_at_stage_1_2_is_unserved():
+    from ds_muon.config import unserved_modes
+    cfg = {"optimizer": {"type": "Muon", "params": {"lr": 0.02}},
+           "zero_optimization": {"stage": 2, "elastic_checkpoint": True}}
+    assert any("elastic_checkpoint" in line for line in unserved_modes(cfg)), unserved_modes(cfg)
+    assert not unserved_modes(dict(cfg, zero_optimization={"stage": 2, "elastic_checkpoint": False}))
