@@ -422,7 +422,7 @@ def worker(args) -> None:
                                ("opt_step_s_events", opt)):
                 samples[key].append(value)
     profile = None
-    if args.profile and kind == "ds_muon":
+    if args.profile and kind in ("ds_muon", "adamw"):  # AdamW's profile is the fwd+bwd baseline
         profile = profile_steps(engine, vocab, args, g, device)
     result = dict(optimizer=args.optimizer, samples=samples, **{k: statistics.median(v) for k, v in samples.items()},
                   peak_gib=max(peak_fwd_bwd, peak_step) / 2**30, peak_fwd_bwd_gib=peak_fwd_bwd / 2**30,
@@ -464,7 +464,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true",
-                    help="also profile 3 ds_muon steps with torch.profiler and print the summary table")
+                    help="also profile 3 ds_muon and 3 AdamW steps with torch.profiler and print the summary tables")
     ap.add_argument("--ns-micro", action=argparse.BooleanOptionalAction, default=True,
                     help="also run the Newton-Schulz microbenchmark (one GPU)")
     ap.add_argument("--ns-shapes", default=",".join("x".join(map(str, s)) for s in NS_SHAPES),
@@ -538,8 +538,9 @@ def main() -> None:
                     with open(args.out, "w") as f:
                         json.dump(results, f, indent=2)
     print_table({k: v for k, v in results.items() if k != "ns_micro"})
-    if results.get("ds_muon", {}).get("profile"):
-        print("\ntorch.profiler, 3 ds_muon steps, rank 0:\n" + results["ds_muon"]["profile"])
+    for arm in ("adamw", "ds_muon"):
+        if results.get(arm, {}).get("profile"):
+            print(f"\ntorch.profiler, 3 {arm} steps, rank 0:\n" + results[arm]["profile"])
     if "ns_micro" in results:
         print_ns_table(results["ns_micro"])
 
