@@ -11,7 +11,6 @@ import os
 from typing import Any, Optional
 
 from ..config.sections import deepspeed_version
-from .jit_ops import stale_lock
 
 __all__ = ["host_problems"]
 
@@ -49,6 +48,7 @@ def _async_io_build_lock_problem() -> Optional[str]:
         build_dir = _get_build_directory(AsyncIOBuilder.NAME, verbose=False)
     except Exception:  # noqa: BLE001 - an unusual DeepSpeed/torch layout: nothing to check
         return None
+    from .jit_ops import stale_lock  # here: `python -m ds_muon.integration.jit_ops` must not find it imported
     lock = stale_lock(build_dir)
     if lock is None:
         return None
