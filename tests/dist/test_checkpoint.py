@@ -43,7 +43,7 @@ import pytest
 import torch
 
 from tests.support.spawn import run_distributed
-from tests.support.harness import (PARITY_RTOL, build_engine, clone_tags, compare, ds_config, gathered_params,
+from tests.support.harness import (train_steps, PARITY_RTOL, build_engine, clone_tags, compare, ds_config, gathered_params,
                            reference_model, swap_dir_for, train_reference)
 from tests.support.models import GLOBAL_BATCH, ParityNet, batch, shared_batch, use_extra, wide_parity_net
 from tests.support.tools import REPO as REPO_PATH
@@ -99,13 +99,7 @@ def _snapshot(engine) -> dict:
     return {"tensors": out, "steps": steps, "muon_steps": engine.optimizer.muon_step_count}
 
 
-def _train_range(engine, rank: int, start: int, stop: int, gas: int, data=batch, micro_batch: int = 2) -> None:
-    """Optimizer steps ``start..stop-1`` on the same data the continuous run sees at those steps."""
-    for step in range(start, stop):
-        for micro in range(gas):
-            tokens, targets = (t.to(engine.device) for t in data(step, rank, micro, micro_batch))
-            engine.backward(engine(tokens, targets, use_extra(step)))
-            engine.step()
+_train_range = train_steps  # the steps a resumed run trains (tests/support/harness.py)
 
 
 def _assert_same(got: dict, want: dict, where: str) -> None:

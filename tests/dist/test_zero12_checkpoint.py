@@ -24,7 +24,7 @@ import sys
 import pytest
 import torch
 
-from tests.support.harness import PARITY_RTOL, build_engine, clone_tags, compare, ds_config, gathered_params, \
+from tests.support.harness import train_steps, PARITY_RTOL, build_engine, clone_tags, compare, ds_config, gathered_params, \
     reference_model, train_reference
 from tests.support.models import GLOBAL_BATCH, ParityNet, batch, shared_batch, use_extra
 from tests.support.spawn import run_distributed
@@ -37,12 +37,7 @@ SAME_W = {"stage1": {"stage": 1}, "stage2": {"stage": 2},
           "stage2_cpu": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
 
 
-def _train_range(engine, rank: int, start: int, stop: int, gas: int, data=batch, micro_batch: int = 2) -> None:
-    for step in range(start, stop):
-        for micro in range(gas):
-            tokens, targets = (t.to(engine.device) for t in data(step, rank, micro, micro_batch))
-            engine.backward(engine(tokens, targets, use_extra(step)))
-            engine.step()
+_train_range = train_steps  # the steps a resumed run trains (tests/support/harness.py)
 
 
 def _snapshot(engine) -> dict:

@@ -73,6 +73,16 @@ def build_engine(config: dict, zero_init: bool = False, model_fn: Callable = Par
     return engine, model
 
 
+def train_steps(engine, rank: int, start: int, stop: int, gas: int, data: Callable = batch, micro_batch: int = 2) -> None:
+    """Optimizer steps ``start..stop-1`` of ``gas`` micro-batches each, on the data a continuous run sees at those
+    steps (``data(step, rank, micro, micro_batch)``): what a resumed run trains."""
+    for step in range(start, stop):
+        for micro in range(gas):
+            tokens, targets = (t.to(engine.device) for t in data(step, rank, micro, micro_batch))
+            engine.backward(engine(tokens, targets, use_extra(step)))
+            engine.step()
+
+
 def train_engine(engine, steps: int, rank: int, gas: int, micro_batch: int = 2) -> list[float]:
     """``steps`` optimizer steps of ``gas`` micro-batches each; returns the global grad norms."""
     norms = []
