@@ -43,7 +43,7 @@ import pytest
 import torch
 
 from tests.support.spawn import run_distributed
-from tests.support.harness import (train_steps, PARITY_RTOL, build_engine, clone_tags, compare, ds_config, gathered_params,
+from tests.support.harness import (resume_phase, train_steps, PARITY_RTOL, build_engine, clone_tags, compare, ds_config, gathered_params,
                            reference_model, swap_dir_for, train_reference)
 from tests.support.models import GLOBAL_BATCH, ParityNet, batch, shared_batch, use_extra, wide_parity_net
 from tests.support.tools import REPO as REPO_PATH
@@ -126,18 +126,7 @@ def resume_worker(rank: int, world_size: int, mode: str, root: str, runs: tuple 
         cfg = _same_w_config(offload, os.path.join(root, f"swap-{mode}-{run}"), exact_betas=run not in DRIFT)
         engine, _ = build_engine(cfg, model_fn=_model_fn(offload))
         ckpt = os.path.join(root, run)
-        if mode == "continuous":
-            _train_range(engine, rank, 0, STEPS, 2)
-            out[run] = _snapshot(engine)
-        elif mode == "save":
-            _train_range(engine, rank, 0, HALF, 2)
-            engine.save_checkpoint(ckpt, tag=TAG)
-            out[run] = _snapshot(engine)
-        else:
-            engine.load_checkpoint(ckpt, tag=TAG)
-            loaded = _snapshot(engine)
-            _train_range(engine, rank, HALF, STEPS, 2)
-            out[run] = (loaded, _snapshot(engine))
+        out[run] = resume_phase(engine, rank, mode, ckpt, TAG, HALF, STEPS, 2, _snapshot)
         out[f"{run}/swapped"] = _swapped(engine)
         engine.destroy()
     return out

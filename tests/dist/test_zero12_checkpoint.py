@@ -24,7 +24,7 @@ import sys
 import pytest
 import torch
 
-from tests.support.harness import train_steps, PARITY_RTOL, build_engine, clone_tags, compare, ds_config, gathered_params, \
+from tests.support.harness import resume_phase, train_steps, PARITY_RTOL, build_engine, clone_tags, compare, ds_config, gathered_params, \
     reference_model, train_reference
 from tests.support.models import GLOBAL_BATCH, ParityNet, batch, shared_batch, use_extra
 from tests.support.spawn import run_distributed
@@ -82,18 +82,7 @@ def resume_worker(rank: int, world_size: int, mode: str, root: str) -> dict:
         engine, _ = build_engine(_config(zero))
         assert type(engine.optimizer).__name__ == "MuonZero12Optimizer"
         ckpt = os.path.join(root, run)
-        if mode == "continuous":
-            _train_range(engine, rank, 0, STEPS, 2)
-            out[run] = _snapshot(engine)
-        elif mode == "save":
-            _train_range(engine, rank, 0, HALF, 2)
-            engine.save_checkpoint(ckpt, tag=TAG)
-            out[run] = _snapshot(engine)
-        else:
-            engine.load_checkpoint(ckpt, tag=TAG)
-            loaded = _snapshot(engine)
-            _train_range(engine, rank, HALF, STEPS, 2)
-            out[run] = (loaded, _snapshot(engine))
+        out[run] = resume_phase(engine, rank, mode, ckpt, TAG, HALF, STEPS, 2, _snapshot)
         engine.destroy()
     return out
 

@@ -83,6 +83,25 @@ def train_steps(engine, rank: int, start: int, stop: int, gas: int, data: Callab
             engine.step()
 
 
+def resume_phase(engine, rank: int, mode: str, ckpt: str, tag: str, half: int, steps: int, gas: int,
+                 snapshot: Callable):
+    """One phase of a resume test on ``engine``: ``"continuous"`` (steps ``0..steps-1``; returns ``snapshot``),
+    ``"save"`` (steps ``0..half-1``, then ``save_checkpoint(ckpt, tag)``; returns ``snapshot``) or ``"load"``
+    (``load_checkpoint(ckpt, tag)``, then steps ``half..steps-1``; returns ``(snapshot after loading, after the
+    steps)``)."""
+    if mode == "continuous":
+        train_steps(engine, rank, 0, steps, gas)
+        return snapshot(engine)
+    if mode == "save":
+        train_steps(engine, rank, 0, half, gas)
+        engine.save_checkpoint(ckpt, tag=tag)
+        return snapshot(engine)
+    engine.load_checkpoint(ckpt, tag=tag)
+    loaded = snapshot(engine)
+    train_steps(engine, rank, half, steps, gas)
+    return loaded, snapshot(engine)
+
+
 def train_engine(engine, steps: int, rank: int, gas: int, micro_batch: int = 2) -> list[float]:
     """``steps`` optimizer steps of ``gas`` micro-batches each; returns the global grad norms."""
     norms = []
