@@ -7,19 +7,18 @@ Installed per engine by :mod:`ds_muon.integration.hooks` (the engine is held wea
   (:func:`make_weights_only`), and loads the tag's weights for weights-only loads
   (:func:`load_weights_of_tag`);
 * ``engine.save_checkpoint`` writes every file under a temporary name and ``latest`` only after every rank's
-  files are in place (:func:`install_atomic_save`).
+  files are in place, and a failed write (a full disk) fails the save on every rank together
+  (:func:`ds_muon.integration.atomic_save.install_atomic_save`).
 """
 from __future__ import annotations
 
 import functools
 import inspect
-import os
 import weakref
-
-import torch.distributed as dist
 
 from ..checkpoint.files import LATEST, check_tag, read_tag
 from ..checkpoint.safe_load import safe_load
+from .atomic_save import install_atomic_save
 
 __all__ = ["install_load_checks", "install_atomic_save", "load_weights_of_tag", "make_weights_only"]
 
@@ -66,60 +65,6 @@ def make_weights_only(ckpt_engine) -> None:
         return safe_load(path, map_location=map_location)
 
     ckpt_engine.load, ckpt_engine._ds_muon_weights_only = load, True
-
-
-def install_atomic_save(engine) -> None:
-    """Make ``engine.save_checkpoint`` crash-safe (on this engine only).
-
-    DeepSpeed 0.19.8 writes each file in place and rank 0 writes ``latest`` as soon as its own files
-    are written, without waiting for the other ranks: a rank killed in the middle of its write leaves
-    a short file under the final name, and ``latest`` may already name the broken tag. Here each file is
-    written to ``<name>.tmp`` and renamed when complete (``os.replace``, atomic on POSIX), and ``latest``
-    is written (also through a temporary name) only after a barrier that every rank reaches once all its
-    files are in place. A crash during a save therefore leaves ``latest`` on the previous tag, and the
-    broken tag without the file that was being written (:func:`ds_muon.checkpoint.files.verify_checkpoint_files` names it).
-    Decoupled (asynchronous) checkpoint engines keep DeepSpeed's own commit protocol.
-    """
-    engine_ref = weakref.ref(engine)
-    save = type(engine).save_checkpoint
-    signature = inspect.signature(save)
-
-    def make_atomic(ckpt_engine) -> None:  # the engine builds its checkpoint engine after the optimizer
-        if getattr(ckpt_engine, "_ds_muon_atomic", False):
-            return
-        write = ckpt_engine.save
-
-        def atomic_write(state_dict, path: str):
-            tmp = f"{path}.tmp"
-            result = write(state_dict, tmp)
-            os.replace(tmp, path)
-            return result
-
-        ckpt_engine.save, ckpt_engine._ds_muon_atomic = atomic_write, True
-
-    @functools.wraps(save)
-    def save_checkpoint(*args, **kwargs):
-        this = engine_ref()
-        if this.checkpoint_engine is None or this.checkpoint_engine.is_decoupled():
-            return save(this, *args, **kwargs)
-        make_atomic(this.checkpoint_engine)
-        bound = signature.bind(this, *args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
-        save_latest, a["save_latest"] = a["save_latest"], False
-        tag = str(a["tag"]) if a["tag"] is not None else f"global_step{this.global_steps}"  # DeepSpeed's default
-        result = save(*bound.args, **bound.kwargs)
-        if save_latest:
-            dist.barrier()  # every rank's files are renamed into place
-            if this.global_rank == 0:
-                tmp = os.path.join(a["save_dir"], f"{LATEST}.tmp")
-                with open(tmp, "w", encoding="utf-8") as f:
-                    f.write(tag)
-                os.replace(tmp, os.path.join(a["save_dir"], LATEST))
-            dist.barrier()
-        return result
-
-    engine.save_checkpoint = save_checkpoint
 
 
 def load_weights_of_tag(engine, load_dir: str, tag: str) -> None:

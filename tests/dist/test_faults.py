@@ -756,6 +756,96 @@ def test_swap_write_error_during_the_run_named_on_every_rank(tmp_path):
         assert out["finite"]
 
 
+# ------------------------------------------------------------------------------------------------
+# a disk that fills during the run (a real, small ext4 filesystem: tests/support/small_fs.py)
+# ------------------------------------------------------------------------------------------------
+DISK_FULL_DEADLINE_S = 120  # a failed save or swap ends on every rank at once; a hang would last 30 minutes
+
+
+def _tag_bytes(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files)
+
+
+def _save_fills_disk(rank: int, world_size: int, ckpt_dir: str, stage: int) -> dict:
+    """Save t1 into the small filesystem, train a step, fill the filesystem but a third of t1's bytes, save t2
+    (fails), look at what is left, try to load t2; free the space, save t2 again; record each rank's view."""
+    import time
+    import torch.distributed as dist
+    from ds_muon.errors import CheckpointError
+    from tests.support.small_fs import fill, unfill
+    engine, model = build_engine(ds_config(gas=GAS, stage=stage))
+    _train_steps(engine, rank, range(1))
+    engine.save_checkpoint(ckpt_dir, tag="t1")
+    out = {"w1": gathered_params(model), "t1_bytes": _tag_bytes(os.path.join(ckpt_dir, "t1"))}
+    _train_steps(engine, rank, range(1, 2))
+    if rank == 0:
+        out["free"] = fill(ckpt_dir, out["t1_bytes"] // 3)
+    dist.barrier()
+    start = time.monotonic()
+    try:
+        engine.save_checkpoint(ckpt_dir, tag="t2")
+        out["save"] = None
+    except CheckpointError as err:
+        out["save"] = str(err)
+    out["seconds"] = time.monotonic() - start
+    dist.barrier()
+    with open(os.path.join(ckpt_dir, "latest")) as f:
+        out["latest_after_failure"] = f.read().strip()
+    t2 = os.path.join(ckpt_dir, "t2")
+    out["t2_left"] = sorted(os.listdir(t2)) if os.path.isdir(t2) else []
+    try:
+        engine.load_checkpoint(ckpt_dir, tag="t2")
+        out["t2_load"] = None
+    except CheckpointError as err:
+        out["t2_load"] = str(err)
+    dist.barrier()
+    if rank == 0:
+        unfill(ckpt_dir)
+    dist.barrier()
+    engine.save_checkpoint(ckpt_dir, tag="t2")  # space freed: the same engine saves
+    with open(os.path.join(ckpt_dir, "latest")) as f:
+        out["latest_after_retry"] = f.read().strip()
+    out["w2"] = gathered_params(model)
+    engine.destroy()
+    for tag in ("t1", "t2"):  # a fresh run resumes from either
+        engine, model = build_engine(ds_config(gas=GAS, stage=stage))
+        engine.load_checkpoint(ckpt_dir, tag=tag)
+        out[f"{tag}_loaded"] = gathered_params(model)
+        engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_save_into_a_full_disk_fails_on_every_rank_and_keeps_latest(tmp_path, stage):
+    """``save_checkpoint`` into a real filesystem that fills during the save (ext4 on a loop device, 24 MiB, filled
+    to a third of a tag's bytes): every rank raises the same CheckpointError within DISK_FULL_DEADLINE_S (no rank
+    waits in a barrier), naming the tag, a failed file, the bytes it needed and the bytes free; ``latest`` still
+    names t1; no file of t2 is left in place (no ``.tmp`` either) and loading t2 is refused naming a missing file;
+    after the space is freed the same engine saves t2, ``latest`` names it, and fresh engines load t1 and t2
+    bit-identical to what was saved."""
+    from tests.support.small_fs import small_filesystem
+    with small_filesystem(tmp_path, 24) as mnt:
+        ckpt = str(mnt / "ckpt")
+        results = run_distributed(_save_fills_disk, 2, ckpt, stage, timeout=DISK_FULL_DEADLINE_S + 300)
+    msgs = [out["save"] for out in results]
+    assert msgs[0] and msgs[0] == msgs[1], msgs
+    msg = msgs[0]
+    assert msg.startswith(f"ds_muon: save_checkpoint({ckpt!r}, tag='t2') failed, on every rank"), msg
+    assert "`latest` still names 't1'" in msg, msg
+    assert "No space left on device" in msg, msg
+    assert f"writing {os.path.join(ckpt, 't2', '')}" in msg and "bytes (its tensors)" in msg, msg
+    assert " bytes free" in msg, msg
+    for out in results:
+        assert out["seconds"] < DISK_FULL_DEADLINE_S, out["seconds"]
+        assert out["latest_after_failure"] == "t1", out["latest_after_failure"]
+        assert [f for f in out["t2_left"] if f.endswith(".pt") or f.endswith(".tmp")] == [], out["t2_left"]
+        assert out["t2_load"] and "the save did not finish" in out["t2_load"], out["t2_load"]
+        assert out["latest_after_retry"] == "t2"
+        for tag, want in (("t1", out["w1"]), ("t2", out["w2"])):
+            assert all(torch.equal(out[f"{tag}_loaded"][n], want[n]) for n in want), f"{tag} did not load intact"
+    assert any(not torch.equal(results[0]["w1"][n], results[0]["w2"][n]) for n in results[0]["w1"])
+
+
 class _FakeAio:
     """A stand-in for DeepSpeed's aio handle: ``async_pwrite`` fails (-1) for paths in ``fail``."""
 
