@@ -154,6 +154,27 @@ class MuonZeroOptimizer(ZeroCheckpointing, DsMuonZeroSteps, DeepSpeedZeroOptimiz
         self._qk_ranges = shard_ranges(factor_spans(self.qk_clip_targets), names, locate)
 
     # ---- NVMe (ds_muon.integration.nvme) -------------------------------------------------------
+    @torch.no_grad()
+    def _create_fp32_partitions(self):
+        """DeepSpeed's, after zeroing each parameter's partition padding (the tail of ``ds_tensor`` past the
+        parameter's last element, on the last rank(s)).
+
+        DeepSpeed allocates a partition with ``torch.empty`` and copies only the parameter's elements into it, so
+        the padding holds whatever memory was there before, and the fp32 master partitions built here inherit it:
+        random bits, a NaN about once in 30 padded elements (an fp16 exponent of all ones). A NaN never equals
+        itself, so bit-for-bit state checks failed at random (the fp16 overflow case of test_zero3_parity.py: 7 of
+        200 runs of scripts/stress_fp16_overflow.py, always rank 1, one element of an AdamW sub-group), and
+        checkpoints carried the garbage. Zeroed, the padding is deterministic, as the oracle's semantics assume.
+        """
+        for group in self.fp16_groups:
+            for p in group:
+                rank = dist.get_rank(group=p.ds_process_group) if dist.is_initialized() else 0
+                numel = p.partition_numel()
+                real = max(0, min(p.ds_numel - rank * numel, numel))
+                if real < numel and p.ds_tensor is not None and p.ds_tensor.numel() == numel:
+                    p.ds_tensor.data.narrow(0, real, numel - real).zero_()
+        return super()._create_fp32_partitions()
+
     def _configure_tensor_swapping(self, offload_optimizer_config, aio_config):
         """DeepSpeed's, then the :class:`~ds_muon.integration.nvme.SwapGuard` wraps its swapper's async_io handles.
 

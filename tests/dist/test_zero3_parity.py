@@ -77,6 +77,7 @@ def _run_case(rank: int, world_size: int, case: dict, nvme_dir: str = "") -> dic
     assert engine.optimizer.use_muon is False  # DeepSpeed's built-in ZeRO-3 Muon path is off
     init = gathered_params(model)
     tags = clone_tags(model)
+    padding = _partition_padding(engine.optimizer, rank)
     probe_start, probe_finish = case.get("probe", (None, None))
     if probe_start:
         probe_start(engine)
@@ -86,7 +87,7 @@ def _run_case(rank: int, world_size: int, case: dict, nvme_dir: str = "") -> dic
     result = {"steps": engine.optimizer.muon_step_count,
               "n_buckets": sum(len(p.buckets) for p in engine.optimizer.muon_plans.values()), "norms": norms, "tags": tags,
               "n_sub_groups": len(engine.optimizer.fp16_groups), "n_muon_sub_groups": len(engine.optimizer.muon_plans),
-              "probe": probe}
+              "probe": probe, "padding": padding}
     engine.destroy()
     if rank != 0:
         return result
@@ -124,6 +125,24 @@ def _run_case(rank: int, world_size: int, case: dict, nvme_dir: str = "") -> dic
         alt[f"setting{k}"] = compare(got, {n: p.detach() for n, p in m.named_parameters()}, init)
     result["alt"] = alt
     return result
+
+
+def _partition_padding(opt, rank: int) -> list[float]:
+    """The values in every parameter's partition padding after initialize (its ``ds_tensor`` and the fp32
+    master partition past the parameter's last element; resident sub-groups): DeepSpeed leaves them as the
+    memory was (``torch.empty``), ds_muon zeroes them (``MuonZeroOptimizer._create_fp32_partitions``)."""
+    values = []
+    for i, group in enumerate(opt.fp16_groups):
+        fp32 = None if opt._swappable_optimizer_subgroup(i) else opt.fp32_partitioned_groups_flat[i]
+        offset = 0
+        for p in group:
+            numel = p.partition_numel()
+            real = max(0, min(p.ds_numel - rank * numel, numel))
+            values += p.ds_tensor.data[real:].float().tolist()
+            if fp32 is not None:
+                values += fp32[offset + real:offset + numel].tolist()
+            offset += numel
+    return values
 
 
 def _momentum_dtypes(engine) -> list[str]:
@@ -314,6 +333,10 @@ def check_parity(case: dict, per_rank: list[dict]) -> None:
         return check_fp16_overflow(case, per_rank)
     res = per_rank[0]
     name = case["name"]
+    if name == "w2-plain":
+        assert any(r["padding"] for r in per_rank), f"{name}: no rank holds partition padding"
+    for rank, r in enumerate(per_rank):  # bit patterns: a NaN would fail ==, as it failed torch.equal
+        assert all(v == 0.0 for v in r["padding"]), f"{name}: rank {rank}'s partition padding {r['padding']}"
     if case.get("expect_gram"):  # the Gram kernel ran (it equals the standard one up to rounding)
         assert sum(r["probe"]["gram_calls"] for r in per_rank) >= STEPS, [r["probe"] for r in per_rank]
     assert res["steps"] == STEPS, (name, res["steps"])
