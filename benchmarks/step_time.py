@@ -38,6 +38,7 @@ and its peak memory at most AdamW's (the shard step alone: ``benchmarks/adam_min
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -78,6 +79,13 @@ def parse_arm(spec: str) -> tuple[str, dict]:
     return kind, zero
 
 
+def bench_options(spec: str) -> dict:
+    """The arm's benchmark options (keys ``bench.*`` of its overrides, not ZeRO keys): ``bench.gc_freeze=true``
+    runs ``gc.collect(); gc.freeze()`` in the worker after the warm-up steps (a diagnostic: how much of fwd+bwd is
+    Python's cyclic garbage collector walking long-lived objects, such as the ones torch.compile leaves)."""
+    return {k[len("bench."):]: v for k, v in parse_arm(spec)[1].items() if k.startswith("bench.")}
+
+
 def arm_settings(spec: str, micro_batch: int, stage: int = 3) -> str:
     """What an arm runs, for the table: its ZeRO settings (stage, reduce_scatter, overlap_comm and every
     override), bf16, clipping, micro-batch, and the optimizer's params that set it apart (ns_method, ...)."""
@@ -88,6 +96,7 @@ def arm_settings(spec: str, micro_batch: int, stage: int = 3) -> str:
     params = cfg["optimizer"]["params"]
     base = ds_config("adamw" if kind in ("adamw", "adam_mini") else "ds_muon", micro_batch, stage)["optimizer"]["params"]
     text += [f"{k}={json.dumps(v)}" for k, v in params.items() if base.get(k) != v]
+    text += [f"bench.{k}={json.dumps(v)}" for k, v in bench_options(spec).items()]
     return ", ".join(text + [f"bf16, clip {cfg['gradient_clipping']}, micro-batch {micro_batch}"])
 
 
@@ -95,6 +104,7 @@ def ds_config(kind: str, micro_batch: int, stage: int = 3) -> dict:
     """The DeepSpeed config of an arm (``kind``: an optimizer of ``OPTIMIZERS``, or an arm spec with
     ``zero_optimization`` overrides, :func:`parse_arm`)."""
     kind, zero = parse_arm(kind)
+    zero = {k: v for k, v in zero.items() if not k.startswith("bench.")}
     # The built-in refuses reduce_scatter with Muon at stage 3 ("Muon and reduce scatter cannot be used together");
     # at stages 1/2 it takes it.
     cfg = {
@@ -336,19 +346,25 @@ NS_TABLE_HEADER = ("| variant | shape | ms | TFLOP/s | of matmul rate | orthogon
 
 
 def profile_steps(engine, vocab: int, args, g, device, steps: int = 3) -> str:
-    """torch.profiler over ``steps`` whole training steps; returns the key_averages table (rank 0's
-    view, sorted by device time) of the optimizer step's phases and the top kernels."""
+    """torch.profiler over the fwd+bwd of ``steps`` training steps (the optimizer steps run between them, outside
+    the profiler); returns two key_averages tables of rank 0: the top kernels and operators by self device time,
+    and by self CPU time (fwd+bwd at ZeRO-3 is bound by the host's Python work, so both matter)."""
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            x = torch.randint(0, vocab, (args.micro_batch, args.seq_len + 1), generator=g).to(device)
-            with record_function("bench/forward_backward"):
-                engine.backward(engine(x[:, :-1], x[:, 1:]))
-            with record_function("bench/optimizer_step"):
-                engine.step()
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True)
+    for _ in range(steps):
+        x = torch.randint(0, vocab, (args.micro_batch, args.seq_len + 1), generator=g).to(device)
         torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="device_time_total", row_limit=30, max_name_column_width=70)
+        prof.start()
+        with record_function("bench/forward_backward"):
+            engine.backward(engine(x[:, :-1], x[:, 1:]))
+        torch.cuda.synchronize()
+        prof.stop()
+        engine.step()
+    table = prof.key_averages()
+    return (f"fwd+bwd only, {steps} steps; by self device time:\n"
+            + table.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=70)
+            + "\nby self CPU time:\n" + table.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
 
 
 def _optimizer_state_bytes(engine) -> int:
@@ -357,6 +373,27 @@ def _optimizer_state_bytes(engine) -> int:
     import torch
     return sum(v.numel() * v.element_size() for state in engine.optimizer.optimizer.state.values()
                for v in state.values() if torch.is_tensor(v))
+
+
+class GcClock:
+    """Seconds Python's cyclic garbage collector has run in this process since construction (``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.seconds, self._start = 0.0, None
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.seconds += time.perf_counter() - self._start
+            self._start = None
+
+
+def _device_allocs(device) -> int:
+    """cudaMalloc calls of the caching allocator so far (``num_device_alloc``; 0 where torch does not count them)."""
+    import torch
+    return int(torch.cuda.memory_stats(device).get("num_device_alloc", 0))
 
 
 def worker(args) -> None:
@@ -385,16 +422,20 @@ def worker(args) -> None:
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     vocab = model.cfg.vocab_size
     g = torch.Generator(device="cpu").manual_seed(rank)
-    samples = {k: [] for k in ("step_s", "fwd_bwd_s", "opt_step_s", "step_s_events", "fwd_bwd_s_events",
-                               "opt_step_s_events")}
+    samples = {k: [] for k in TIMINGS + DIAGNOSTICS}
     losses = []
     peak_fwd_bwd = peak_step = 0
     comm = None
+    gc_clock = GcClock()
     for i in range(args.warmup + args.steps):
+        if i == args.warmup and bench_options(args.optimizer).get("gc_freeze"):
+            gc.collect()
+            gc.freeze()
         x = torch.randint(0, vocab, (args.micro_batch, args.seq_len + 1), generator=g).to(device)
         events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
+        allocs0, gc0, cpu0 = _device_allocs(device), gc_clock.seconds, time.process_time()
         t0 = time.perf_counter()
         events[0].record()
         counter = counting() if i == args.warmup else None
@@ -404,6 +445,8 @@ def worker(args) -> None:
         events[1].record()
         torch.cuda.synchronize()
         t1 = time.perf_counter()
+        diagnostics = {"fwd_bwd_cpu_s": time.process_time() - cpu0, "fwd_bwd_gc_s": gc_clock.seconds - gc0,
+                       "fwd_bwd_device_allocs": _device_allocs(device) - allocs0}
         peak_fwd_bwd = max(peak_fwd_bwd, torch.cuda.max_memory_allocated(device))
         torch.cuda.reset_peak_memory_stats(device)
         engine.step()
@@ -419,7 +462,7 @@ def worker(args) -> None:
             fwd_bwd, opt = events[0].elapsed_time(events[1]) / 1e3, events[1].elapsed_time(events[2]) / 1e3
             for key, value in (("step_s", t2 - t0), ("fwd_bwd_s", t1 - t0), ("opt_step_s", t2 - t1),
                                ("step_s_events", fwd_bwd + opt), ("fwd_bwd_s_events", fwd_bwd),
-                               ("opt_step_s_events", opt)):
+                               ("opt_step_s_events", opt), *diagnostics.items()):
                 samples[key].append(value)
     profile = None
     if args.profile and kind in ("ds_muon", "adamw"):  # AdamW's profile is the fwd+bwd baseline
@@ -434,6 +477,13 @@ def worker(args) -> None:
         result["compiled_graphs"] = int(counters["stats"].get("unique_graphs", 0))
         plans = engine.optimizer.muon_plans.values()
         result["imbalance"] = max(p.imbalance() for p in plans)
+        calls: dict = {}  # this rank's Newton-Schulz batches per step: "count x (batch, rows, cols)" -> how many
+        for plan in plans:
+            for bucket in getattr(plan, "buckets", (plan,)):
+                for batch in bucket.batches[rank]:
+                    key = f"{batch.count}x{tuple(batch.ns_shape)}"
+                    calls[key] = calls.get(key, 0) + 1
+        result["ns_batches"] = calls
         result["exchange_pool_peak_gib"] = engine.optimizer._pool.peak_nbytes / 2**30
         loads = [sum(p.load()[r] for p in plans) for r in range(dist.get_world_size())]
         result["ns_gflop_per_rank_max"] = max(loads) / 1e9
@@ -546,6 +596,9 @@ def main() -> None:
 
 
 TIMINGS = ("step_s", "fwd_bwd_s", "opt_step_s", "step_s_events", "fwd_bwd_s_events", "opt_step_s_events")
+#: Per-step diagnostics of fwd+bwd, aggregated like TIMINGS: the process's CPU seconds (all threads: autograd runs
+#: backward on its own thread), the seconds of Python's garbage collector, cudaMalloc calls.
+DIAGNOSTICS = ("fwd_bwd_cpu_s", "fwd_bwd_gc_s", "fwd_bwd_device_allocs")
 
 
 def run_rounds(arms, rounds: int, run_arm, on_result=None) -> dict:
@@ -579,7 +632,7 @@ def aggregate_rounds(rounds: list) -> dict:
     out.update(rounds=len(rounds), rounds_ok=len(ok), spread={})
     if errors:
         out["round_errors"] = errors
-    for key in TIMINGS:
+    for key in TIMINGS + DIAGNOSTICS:
         per_round = [r["samples"][key] if r.get("samples", {}).get(key) else [r[key]] for r in ok if key in r]
         if not per_round:
             continue
@@ -673,6 +726,9 @@ def print_table(results: dict) -> None:
               f"{timing_cell(v, 'opt_step_s')} | {events if 'step_s_events' in v else ''} | {v['peak_gib']:.1f} "
               f"({v['peak_fwd_bwd_gib']:.1f} / {v['peak_step_gib']:.1f}) | {v.get('opt_state_gib', 0):.2f} | "
               f"{v['comm_total'] / 2**20:.0f} MiB |")
+        if "fwd_bwd_cpu_s" in v:
+            print(f"| {k} | fwd+bwd diagnostics: CPU s {timing_cell(v, 'fwd_bwd_cpu_s')}, garbage collector s "
+                  f"{timing_cell(v, 'fwd_bwd_gc_s')}, cudaMalloc calls {timing_cell(v, 'fwd_bwd_device_allocs')} |")
         if v.get("round_errors"):
             print(f"| {k} | {len(v['round_errors'])} of {v['rounds']} rounds failed: {'; '.join(v['round_errors'])} |")
     for k, v in results.items():

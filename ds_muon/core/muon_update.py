@@ -62,7 +62,7 @@ def momentum_update_(momentum: torch.Tensor, grad: torch.Tensor, beta: float, ne
     if grad.dtype != torch.float32:
         raise ValueError(f"grad must be float32, got {grad.dtype}")
     if momentum.dtype == torch.float32:
-        _momentum_fp32_(momentum, grad, beta, nesterov)  # the same function the fused path compiles
+        _momentum_fp32_(momentum, grad, beta, nesterov)  # the fused path compiles its twin, _momentum_graph_
         return grad if nesterov else momentum
     if momentum.dtype != torch.bfloat16:
         raise ValueError(f"momentum dtype must be one of {MOMENTUM_DTYPES}, got {momentum.dtype}")
@@ -91,10 +91,33 @@ def _apply_update_(param: torch.Tensor, update: torch.Tensor, decay: float, step
     param.mul_(decay).add_(update, alpha=step)
 
 
+# The compiled forms of the two functions above. torch.compile specializes on a Python float passed as a
+# scalar argument (``alpha=``, ``lerp``'s scalar weight): it guards ``step == -0.02`` and compiles a new graph for
+# every new lr or beta, so a schedule recompiles every step until the recompile limit, then runs eagerly. Here
+# every float multiplies a tensor, which keeps it a symbolic graph input (torch >= 2.6 with inductor or AOT
+# autograd); the temporaries fuse away in the one kernel. Same math, rounding within an ulp of the eager forms.
+def _lerp_graph_(start: torch.Tensor, end: torch.Tensor, weight: float) -> None:
+    # torch.lerp's own formula: start + w (end - start) for w < 0.5, else end - (end - start)(1 - w)
+    if weight < 0.5:
+        start.add_((end - start) * weight)
+    else:
+        start.copy_(end - (end - start) * (1 - weight))
+
+
+def _momentum_graph_(momentum: torch.Tensor, grad: torch.Tensor, beta: float, nesterov: bool) -> None:
+    _lerp_graph_(momentum, grad, 1 - beta)
+    if nesterov:
+        _lerp_graph_(grad, momentum, beta)
+
+
+def _apply_update_graph_(param: torch.Tensor, update: torch.Tensor, decay: float, step: float) -> None:
+    param.mul_(decay).add_(update * step)
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(fn, backend: str):
-    # dynamic=True: one graph for every shard length; floats are graph inputs (torch.compile does not
-    # specialize on them), so a new lr or beta does not recompile either
+    # dynamic=True: one graph for every shard length; the functions compiled take their floats as multiplicands
+    # (see _momentum_graph_), so a new lr or beta does not recompile either
     return torch.compile(fn, dynamic=True, backend=backend)
 
 
@@ -104,7 +127,8 @@ def fused_momentum_update_(momentum: torch.Tensor, grad: torch.Tensor, beta: flo
     the Nesterov blend are one compiled kernel (``torch.compile``, dynamic shapes), which reads
     ``m`` and ``g`` once and writes both (16 bytes per element instead of 24). Same math and contract
     as :func:`momentum_update_` (fp32 rounding may differ by an ulp where the compiler contracts
-    a multiply-add); bf16 momentum goes to :func:`momentum_update_` unchanged.
+    a multiply-add); bf16 momentum goes to :func:`momentum_update_` unchanged. A new ``beta`` does
+    not recompile (``beta`` is a symbolic graph input).
 
     Args:
         momentum, grad, beta, nesterov: as :func:`momentum_update_`.
@@ -119,7 +143,7 @@ def fused_momentum_update_(momentum: torch.Tensor, grad: torch.Tensor, beta: flo
     if momentum.dtype != torch.float32 or momentum.shape != grad.shape or momentum.dim() != 1 \
             or grad.dtype != torch.float32:
         return momentum_update_(momentum, grad, beta, nesterov)  # checks, or the chunked bf16 path
-    _compiled(_momentum_fp32_, backend)(momentum, grad, float(beta), bool(nesterov))
+    _compiled(_momentum_graph_, backend)(momentum, grad, float(beta), bool(nesterov))
     return grad if nesterov else momentum
 
 
@@ -132,14 +156,15 @@ def fused_apply_update_(param: torch.Tensor, update: torch.Tensor, lr: float, we
     Args:
         param: ``(n,)`` float32 shard, updated in place.
         update: ``(n,)`` float32 scaled orthogonalized update ``o``.
-        lr: learning rate. weight_decay: decoupled weight decay coefficient.
+        lr: learning rate. weight_decay: decoupled weight decay coefficient. New values (a schedule) do not
+            recompile: both enter the graph as symbolic inputs.
         backend: ``torch.compile``'s backend.
     """
-    _compiled(_apply_update_, backend)(param, update, 1 - lr * weight_decay, -lr)
+    _compiled(_apply_update_graph_, backend)(param, update, float(1 - lr * weight_decay), float(-lr))
 
 
 def apply_update_(param: torch.Tensor, update: torch.Tensor, lr: float, weight_decay: float) -> None:
-    """:func:`fused_apply_update_` in eager mode (two passes; CPU and CPU offload): the same function, not compiled."""
+    """:func:`fused_apply_update_` in eager mode (two passes; CPU and CPU offload): the same math, not compiled."""
     _apply_update_(param, update, 1 - lr * weight_decay, -lr)
 
 

@@ -38,38 +38,39 @@ def test_bf16_rounds_only_the_stored_momentum(nesterov: bool, monkeypatch) -> No
 
 
 def test_fused_versions_match_and_do_not_recompile() -> None:
-    # The one-pass versions the ZeRO-3 step runs on CUDA (torch.compile). Traced here with a counting
-    # backend that runs the captured graph eagerly: the same ops, so the results are bit-identical to
-    # the eager functions; and one graph per function and Nesterov flag for every shard length,
-    # learning rate, weight decay and beta (sizes and floats are graph inputs: no recompiles).
+    # The one-pass versions the ZeRO-3 step runs on CUDA (torch.compile). Traced with AOT autograd and run eagerly
+    # ("aot_eager": the graph-input handling of floats is inductor's, so a float torch.compile would specialize on
+    # shows up as a recompile here too); results within an ulp of the eager functions; and one graph per function
+    # and Nesterov flag for every shard length, learning rate, weight decay and beta (a schedule must not
+    # recompile every step: past torch.compile's recompile limit it would silently run eagerly).
+    from torch._dynamo.utils import counters
     from ds_muon.core.muon_update import _compiled, fused_apply_update_, fused_momentum_update_
-    graphs = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
+    close = dict(rtol=1e-6, atol=1e-6)
     torch._dynamo.reset()
+    counters.clear()
     try:
-        for n, beta, lr, wd in ((1000, 0.9, 0.02, 0.1), (1237, 0.95, 0.01, 0.0), (77, 0.9, 0.005, 0.05)):
+        for n, beta, lr, wd in ((1000, 0.9, 0.02, 0.1), (1237, 0.95, 0.01, 0.0), (77, 0.8, 0.005, 0.05)):
             m0, g0 = _data(n, seed=n)
             for nesterov in (True, False):
                 m, g, m_want, g_want = m0.clone(), g0.clone(), m0.clone(), g0.clone()
-                u = fused_momentum_update_(m, g, beta, nesterov, backend=counting_backend)
+                u = fused_momentum_update_(m, g, beta, nesterov, backend="aot_eager")
                 u_want = momentum_update_(m_want, g_want, beta, nesterov)
-                assert torch.equal(m, m_want) and torch.equal(u, u_want) and torch.equal(g, g_want)
+                torch.testing.assert_close(m, m_want, **close)
+                torch.testing.assert_close(u, u_want, **close)
+                torch.testing.assert_close(g, g_want, **close)
                 assert u.data_ptr() == (g if nesterov else m).data_ptr()
             p, p_want = m0.clone(), m0.clone()
-            fused_apply_update_(p, g0, lr, wd, backend=counting_backend)
+            fused_apply_update_(p, g0, lr, wd, backend="aot_eager")
             p_want.mul_(1 - lr * wd).add_(g0, alpha=-lr)
-            assert torch.equal(p, p_want)
-        assert len(graphs) == 3, [g.code for g in graphs]  # momentum with and without Nesterov, apply
+            torch.testing.assert_close(p, p_want, **close)
+        # momentum with and without Nesterov, apply: 3 graphs for 3 lengths, lrs, weight decays and betas
+        assert counters["stats"]["unique_graphs"] == 3, dict(counters["recompiles"])
         # bf16 momentum keeps the chunked eager path (no graph), with the same result
         m, g = m0.to(torch.bfloat16), g0.clone()
         m_want, g_want = m.clone(), g0.clone()
-        fused_momentum_update_(m, g, 0.9, True, backend=counting_backend)
+        fused_momentum_update_(m, g, 0.9, True, backend="aot_eager")
         momentum_update_(m_want, g_want, 0.9, True)
-        assert torch.equal(m, m_want) and torch.equal(g, g_want) and len(graphs) == 3
+        assert torch.equal(m, m_want) and torch.equal(g, g_want) and counters["stats"]["unique_graphs"] == 3
     finally:
         _compiled.cache_clear()
         torch._dynamo.reset()
