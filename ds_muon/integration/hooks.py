@@ -26,8 +26,8 @@ Non-Muon configs pass through all four untouched. Importing ds_muon patches noth
 
 The zero-code hand-over: with ds_muon activated only by the start-up hook (installed, ``DS_MUON`` unset; no
 ``ds_muon.initialize``/``enable()`` in the script), a ``"Muon"`` config in a mode ds_muon does not serve
-(:func:`ds_muon.config.unserved_modes`: ZeRO stage 0, ...; or an engine with an ``mpu`` or DeepSpeed MoE
-layers) goes to DeepSpeed's built-in Muon exactly as ``DS_MUON=0`` would, with one rank-0 line
+(:func:`ds_muon.config.unserved_modes`: ZeRO stage 0, ...; or an engine with an ``mpu`` that brings tensor or
+pipeline parallelism, or DeepSpeed MoE layers) goes to DeepSpeed's built-in Muon exactly as ``DS_MUON=0`` would, with one rank-0 line
 (:data:`HANDOVER_NOTICE`). Through ``ds_muon.initialize`` or ``enable()`` the same modes are a
 :class:`~ds_muon.errors.ConfigError` naming the fix.
 """
@@ -60,6 +60,7 @@ from ..model.selection import NO_MUON_WARNING, SelectionRules, tag_model
 from .checkpoint_hooks import install_load_checks
 from .frameworks import ZERO_STAGE_FIX, detect_framework, for_framework
 from .inner import DsMuonInner, FlatPartitionInner, ZeroAdamMiniInner, ZeroMuonInner
+from .parallelism import mpu_problem, qk_clip_sp_problem, sequence_parallel_size
 from .schedulers import GroupRatioScheduler, broadcasts_one_lr
 from .validation import hand_over, is_parsed, parsed_config, validated_once
 from .zero12 import MuonZero12Optimizer
@@ -161,16 +162,18 @@ def _engine_problem(engine: DeepSpeedEngine) -> tuple[Optional[str], bool]:
     """What ds_muon cannot serve about this engine (its config served), and whether DeepSpeed's built-in Muon
     could: ``(message naming the fix, built-in could)``, or ``(None, False)``.
 
-    * an ``mpu`` (model parallelism): Muon must orthogonalize whole matrices, not tensor-parallel slices;
+    * an ``mpu`` with tensor or pipeline parallelism (:func:`ds_muon.integration.parallelism.mpu_problem`): Muon
+      must orthogonalize whole matrices, not tensor-parallel slices (an mpu with sequence parallelism only, as
+      DeepSpeed-Ulysses passes, is served: docs/parallelism.md);
     * DeepSpeed's native MoE layers (``deepspeed.moe.layer.MoE``): at stage 3 DeepSpeed itself refuses them
       (deepspeed 0.19.8, ``DeepSpeedEngine._validate_zero3_moe_compatibility``: "Native DeepSpeed MoE is not
       supported with ZeRO Stage 3. Use AutoEP or choose ZeRO stage 1/2."); at stages 1/2 their expert
       parameters are partitioned over the expert-data-parallel group, which ds_muon has not parity-tested;
     * AutoEP layers (``expert_parallel``): expert parallelism with ds_muon is not parity-tested.
     """
-    if engine.mpu is not None:
-        return ("ds_muon does not support model parallelism (an mpu was given): Muon must orthogonalize whole "
-                "matrices, not tensor-parallel slices", True)
+    mpu = mpu_problem(engine.mpu)
+    if mpu is not None:
+        return mpu, True
     if not engine.has_moe_layers:
         return None, False
     from deepspeed.moe.layer import MoE
@@ -199,6 +202,9 @@ def _configure_basic_optimizer(self: DeepSpeedEngine, model_parameters):
             _originals["set_optimizer_flags"](self._config, self.module)  # DeepSpeed's own use_muon tags
             return _originals["_configure_basic_optimizer"](self, model_parameters)
         raise ConfigError(problem)
+    qk_sp = qk_clip_sp_problem(cfg.is_muon and cfg.params.qk_clip.enabled, sequence_parallel_size())
+    if qk_sp is not None:  # the built-in has no QK-clip: no hand-over
+        raise ConfigError(qk_sp)
     # DeepSpeed's own choice of AdamW class: torch.optim.AdamW (torch_adam, foreach), else FusedAdam, or
     # DeepSpeedCPUAdam under optimizer offload.
     adam_cls, adam_kwargs = self.get_optimizer_configuration(cfg.params.adamw_implementation(), True)
