@@ -23,6 +23,8 @@ AUTO_USE_MUON_ATTR = "_ds_muon_auto"
 SPLIT_ATTR = "ds_muon_split"
 #: A split the user declares on a parameter (a list of row sizes or ``{"rows": [...], "cols": [...]}``).
 USER_SPLIT_ATTR = "muon_split"
+#: True on a norm weight or bias (Hugging Face Trainer's no-weight-decay convention), set by selection.
+NO_DECAY_ATTR = "ds_muon_no_decay"
 #: Elements per Adam-mini block (int), or None for per-element Adam.
 BLOCK_ATTR = "ds_adam_mini_block"
 

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import ConfigError
 from .messages import error_lines
-from .muon import OPTIMIZER_PARAMS_PATH
+from .muon import OPTIMIZER_PARAMS_PATH, decay_norms_and_biases_field
 
 __all__ = ["AdamMiniOptimizerParams", "parse_adam_mini_params"]
 
@@ -44,7 +44,9 @@ class AdamMiniOptimizerParams(BaseModel):
     weight_decay: float = Field(
         0.0, ge=0, allow_inf_nan=False,
         description=("Decoupled weight decay coefficient (p <- p*(1 - lr*weight_decay)), on every parameter except "
-                     "norm weights and biases. Source: Adam-mini reference 'weight_decay', same exemptions."))
+                     "norm weights and biases (unless decay_norms_and_biases). Source: Adam-mini reference "
+                     "'weight_decay', which exempts them too."))
+    decay_norms_and_biases: bool = decay_norms_and_biases_field()
     block_rule: Literal["default", "neuron"] = Field(
         "default",
         description=("How parameters are cut into blocks that share one second moment. 'default': embeddings, "

@@ -30,7 +30,7 @@ from ..errors import ConfigError
 from .messages import custom_error
 from .messages import error_lines
 
-__all__ = ["MuonSplit", "QKClipParams", "MuonOptimizerParams", "parse_muon_params", "OPTIMIZER_PARAMS_PATH",
+__all__ = ["MuonSplit", "QKClipParams", "decay_norms_and_biases_field", "MuonOptimizerParams", "parse_muon_params", "OPTIMIZER_PARAMS_PATH",
            "UNSUPPORTED_BUILTIN_KEYS", "ONLY_TRUE_REASONS"]
 
 OPTIMIZER_PARAMS_PATH = "optimizer.params"
@@ -77,6 +77,17 @@ ONLY_TRUE_REASONS = {
 
 
 _BlockSize = Annotated[int, Field(ge=1)]
+
+
+def decay_norms_and_biases_field():
+    """The ``decay_norms_and_biases`` field, one definition for the Muon and AdamMini params."""
+    return Field(
+        False,
+        description=("Apply weight decay to norm weights and biases too. false (default): they get none, as in "
+                     "Hugging Face Trainer (no decay for biases and LayerNorm/RMSNorm weights: parameters of a norm "
+                     "module, named *bias*, bias_*, or matching Trainer's norm name patterns), in param groups of "
+                     "their own with weight_decay 0; true: every parameter decays with its group's weight_decay. "
+                     "Source: Hugging Face Trainer.get_decay_parameter_names (docs/selection.md, 'Weight decay')."))
 
 
 def _split_schema(schema: dict[str, Any]) -> None:
@@ -249,6 +260,7 @@ class MuonOptimizerParams(BaseModel):
         None, ge=0, allow_inf_nan=False,
         description=("Decoupled weight decay of the AdamW parameters (unit: as weight_decay); null means use "
                      "weight_decay. Source: ds_muon."))
+    decay_norms_and_biases: bool = decay_norms_and_biases_field()
 
     # ---- AdamW -------------------------------------------------------------------------------
     betas: tuple[_Beta, _Beta] = Field(

@@ -77,6 +77,10 @@ class Split:
         rows, cols: block sizes (elements along that axis, each >= 1), or ``None``.
         label: how the split came about, for the start-up summary (``"gate/up"``, ``"q/k/v"``,
             ``"per head"``, ``"declared"``, ``"conv"``, ``"conv per group"``).
+        interleave: ``k > 1``: the columns are ``k`` interleaved blocks, block ``j`` holding columns
+            ``j, j+k, j+2k, ...`` (GPT-OSS's experts store gate and up alternating along the last dimension and
+            read ``gate = x[..., ::2]``, ``up = x[..., 1::2]``: ``interleave=2``). Only with ``cols`` unset; row
+            blocks still apply.
         conv: the parameter is a convolution weight ``(out, in/groups, *kernel)``: its matrix is
             ``(out, in/groups * prod(kernel))`` (:func:`ns_view_shape` with ``conv=True``), so a 3-D
             ``nn.Conv1d`` weight is one matrix, not a stack of ``out`` matrices.
@@ -86,9 +90,12 @@ class Split:
     cols: Optional[tuple[int, ...]] = None
     label: str = "declared"
     conv: bool = False
+    interleave: int = 1
 
     def describe(self) -> str:
         parts = [f"{axis} {_runs_text(sizes)}" for axis, sizes in (("rows", self.rows), ("cols", self.cols)) if sizes]
+        if self.interleave > 1:
+            parts.append(f"cols {self.interleave} interleaved, block b = [..., b::{self.interleave}]")
         return f"{self.label} ({', '.join(parts)})" if parts else self.label
 
 
@@ -208,14 +215,21 @@ def matrix_view(shape: Sequence[int], split: Optional[Split] = None) -> MatrixVi
     ``split`` cuts each of them into the grid of its row and column blocks. Blocks of equal shape in one run (consecutive equal row sizes x
     consecutive equal column sizes, over all stacked matrices) form one :class:`BlockGroup`.
 
+    With ``split.interleave = k``, each row block's columns are ``k`` interleaved blocks of ``C/k`` columns
+    (column stride ``k``), still one strided view per group.
+
     Raises:
-        ValueError: 0-D/1-D ``shape``, or ``split`` sizes that do not sum to the matrix's rows/cols
-            (the message names both).
+        ValueError: 0-D/1-D ``shape``, ``split`` sizes that do not sum to the matrix's rows/cols
+            (the message names both), or an ``interleave`` that does not divide the columns or comes with ``cols``.
     """
     shape = tuple(int(s) for s in shape)
     stack, R, C = ns_view_shape(shape, conv=split is not None and split.conv)
     rows = split.rows if split is not None and split.rows else (R,)
     cols = split.cols if split is not None and split.cols else (C,)
+    k = split.interleave if split is not None else 1
+    if k > 1 and (C % k or (split.cols and len(split.cols) > 1)):
+        raise ValueError(f"split interleave {k} needs the {C} columns of the parameter of shape {shape} to be a "
+                         "multiple of it and no cols split")
     for axis, sizes, total in (("rows", rows, R), ("cols", cols, C)):
         if sum(sizes) != total:
             raise ValueError(f"split {axis} {list(sizes)} sum to {sum(sizes)}, but the parameter of shape {shape} "
@@ -223,6 +237,11 @@ def matrix_view(shape: Sequence[int], split: Optional[Split] = None) -> MatrixVi
     groups = []
     for r0, r, nr in _runs(rows):
         for c0, c, nc in _runs(cols):
+            if k > 1:  # k interleaved column blocks: block j starts at column j, column stride k
+                batch = [(n, s) for n, s in ((stack, R * C), (nr, r * C), (k, 1)) if n > 1]
+                groups.append(BlockGroup(r0 * C, tuple(n for n, _ in batch) + (r, C // k),
+                                         tuple(s for _, s in batch) + (C, k)))
+                continue
             batch = [(n, s) for n, s in ((stack, R * C), (nr, r * C), (nc, c)) if n > 1]
             merged: list[tuple[int, int]] = []
             for n, s in batch:  # merge (n1, s1), (n2, s2) into (n1*n2, s2) where s1 == n2*s2
@@ -233,7 +252,7 @@ def matrix_view(shape: Sequence[int], split: Optional[Split] = None) -> MatrixVi
             merged = merged or [(1, R * C)]
             groups.append(BlockGroup(r0 * C + c0, tuple(n for n, _ in merged) + (r, c),
                                      tuple(s for _, s in merged) + (C, 1)))
-    keep = split is not None and bool(split.rows or split.cols or (split.conv and len(shape) == 3))
+    keep = split is not None and bool(split.rows or split.cols or k > 1 or (split.conv and len(shape) == 3))
     return MatrixView(shape, tuple(groups), split if keep else None)
 
 

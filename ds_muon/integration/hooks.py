@@ -62,7 +62,7 @@ from .frameworks import ZERO_STAGE_FIX, detect_framework, for_framework
 from .inner import DsMuonInner, FlatPartitionInner, ZeroAdamMiniInner, ZeroMuonInner
 from .parallelism import mpu_problem, qk_clip_sp_problem, sequence_parallel_size
 from .schedulers import GroupRatioScheduler, broadcasts_one_lr
-from .validation import hand_over, is_parsed, parsed_config, validated_once
+from .validation import client_muon_problem, hand_over, is_parsed, parsed_config, validated_once
 from .zero12 import MuonZero12Optimizer
 from .zero3 import MuonZeroOptimizer
 
@@ -126,7 +126,7 @@ def _set_optimizer_flags(config_class, model) -> None:
     check_zero3_parameters(model)  # 0-D / empty parameters: a clear error before DeepSpeed's own
     if not cfg.is_muon:
         if _is_rank0():
-            log_info(adam_mini_summary(adam_mini_plan(model, cfg.params.block_rule)))
+            log_info(adam_mini_summary(adam_mini_plan(model, cfg.params.block_rule, cfg.params.decay_norms_and_biases)))
         return _originals["set_optimizer_flags"](config_class, model)
     if _auto and _depth == 1 and not _auto_notice_done and _is_rank0():  # not when the script enabled it
         ds_logger.warning(AUTO_NOTICE)
@@ -213,15 +213,20 @@ def _configure_basic_optimizer(self: DeepSpeedEngine, model_parameters):
         return adam_cls(adam_groups, **adam_kwargs)
 
     if not cfg.is_muon:  # AdamMini: blocks from the engine's module
-        groups = adam_mini_param_groups(self.module, cfg.params.group_defaults(), cfg.params.block_rule)
+        groups = adam_mini_param_groups(self.module, cfg.params.group_defaults(), cfg.params.block_rule,
+                                        cfg.params.decay_norms_and_biases)
         return ZeroAdamMiniInner(groups, adamw_factory, cfg.params)
-    groups = split_param_groups(model_parameters, cfg.params.muon_group_defaults(), cfg.params.adamw_group_defaults())
+    groups = split_param_groups(model_parameters, cfg.params.muon_group_defaults(), cfg.params.adamw_group_defaults(),
+                                decay_norms_and_biases=cfg.params.decay_norms_and_biases)
     inner = ZeroMuonInner if self.zero_optimization_stage() == 3 else FlatPartitionInner
     return inner(groups, adamw_factory, cfg.params)
 
 
 def _configure_zero_optimizer(self: DeepSpeedEngine, optimizer):
     if not isinstance(optimizer, DsMuonInner):
+        problem = client_muon_problem(optimizer, self.zero_optimization_stage())
+        if problem is not None:  # a framework's own Muon object: refuse now, not at step 1
+            raise ConfigError(problem)
         return _originals["_configure_zero_optimizer"](self, optimizer)
     stage = self.zero_optimization_stage()
     if stage not in (1, 2, 3):  # the config checks keep stage 0 away; DeepSpeed calls this for ZeRO only

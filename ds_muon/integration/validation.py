@@ -16,7 +16,7 @@ from ..config import DsMuonConfig, optimizer_kind, parse_ds_config
 from ..errors import ConfigError
 from .probes import host_problems
 
-__all__ = ["validate", "validated_once", "parsed_config", "hand_over", "is_parsed"]
+__all__ = ["validate", "validated_once", "parsed_config", "hand_over", "is_parsed", "client_muon_problem"]
 
 _ATTR = "_ds_muon_config"  # on DeepSpeed's DeepSpeedConfig object: the validated DsMuonConfig (or None)
 _pending = threading.local()
@@ -87,3 +87,43 @@ def hand_over(config_class: Any) -> None:
 def is_parsed(config_class: Any) -> bool:
     """Whether :func:`parsed_config` (or :func:`hand_over`) already decided for this config object."""
     return hasattr(config_class, _ATTR)
+
+
+def client_muon_problem(optimizer: Any, stage: int) -> Optional[str]:
+    """Why a client optimizer handed to ``deepspeed.initialize(optimizer=...)`` cannot run under ZeRO, or None.
+
+    A Muon of its own (``torch.optim.Muon``, Keller Jordan's ``Muon``/``MuonWithAuxAdam``, Moonlight's ``Muon``:
+    a class name with "Muon" in it, or param groups with a ``use_muon`` key) steps the parameters it is given,
+    and under ZeRO stages 1-3 DeepSpeed gives it flattened 1-D fp32 partitions: it fails at the first step
+    (``torch.optim.Muon``: ``ValueError: Param gradient must be a 2D matrix``) or orthogonalizes slices of
+    matrices. ds_muon's own inner optimizers and DeepSpeed's built-in Muon are not such optimizers. It is
+    refused, not wrapped: the classes differ in their update scaling, Nesterov and weight-decay rules, so a
+    wrapper would silently change the math (docs/migration.md, "Your own Muon object").
+
+    Args:
+        optimizer: the optimizer DeepSpeed is about to wrap in its ZeRO optimizer (any object).
+        stage: the ZeRO stage (1, 2 or 3).
+
+    Returns:
+        The message (what failed, why, and the config to write instead), or None.
+    """
+    cls = type(optimizer)
+    module = cls.__module__ or ""
+    if module.split(".")[0] in ("deepspeed", "ds_muon"):
+        return None
+    groups = getattr(optimizer, "param_groups", None) or []
+    marked = any(isinstance(g, dict) and "use_muon" in g for g in groups)
+    if "muon" not in cls.__name__.lower() and not marked:
+        return None
+    defaults = getattr(optimizer, "defaults", None) or {}
+    carried = {k: defaults[k] for k in ("lr", "momentum", "weight_decay", "nesterov", "ns_steps")
+               if isinstance(defaults.get(k), (bool, int, float))}
+    import json
+    snippet = json.dumps({"type": "Muon", "params": carried})
+    return (f"deepspeed.initialize got a Muon optimizer object of its own ({module}.{cls.__name__}) under ZeRO stage "
+            f"{stage}. DeepSpeed hands a client optimizer flattened 1-D partitions of the parameters, which Muon cannot "
+            "orthogonalize: it would fail at the first step (torch.optim.Muon: 'ValueError: Param gradient must be a 2D "
+            "matrix'). Do not pass optimizer=...; put the optimizer in the DeepSpeed config instead, "
+            f"\"optimizer\": {snippet} (lr, momentum and weight_decay taken from this object; with HF Trainer or "
+            "Accelerate leave out optimizers=/the optimizer object), and ds_muon trains it at this ZeRO stage "
+            "(its AdamW half, adam_lr, betas, for the embeddings, head, norms and biases).")

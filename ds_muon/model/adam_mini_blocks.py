@@ -33,8 +33,11 @@ Block rules (:func:`adam_mini_plan`), decided once from the model's structure, n
     >= 2-D tensor, embeddings and heads included, gets one block per output neuron (row: ``numel / shape[0]``
     elements); 1-D tensors (norms) stay one block.
 
-Weight decay: decoupled, on everything except norm weights (parameters of a module whose class name
-contains "Norm") and biases; the reference exempts names containing "norm", "ln" or "bias".
+Weight decay: decoupled, on everything except norm weights and biases (Hugging Face Trainer's convention,
+:func:`ds_muon.model.structure.decay_exempt_names`, as for Muon's AdamW half; ``decay_norms_and_biases: true``
+decays them too); the reference exempts names containing "norm", "ln" or "bias". A bias is any parameter named
+``bias``, ``*_bias`` or ``bias_*`` (``nn.MultiheadAttention``'s ``in_proj_bias``): per-element Adam.
+``nn.MultiheadAttention``'s ``in_proj_weight`` ``(3E, E)``: one block per head of Q, K and V.
 
 Block sizes are global (the whole parameter's), so the sharded step
 (:class:`ds_muon.sharded.adam_mini_step.AdamMiniShardStep`) computes the same means from partial sums
@@ -50,7 +53,8 @@ from torch import nn
 
 from ..names import ADAM_MINI, ADAMW, ALGORITHM_KEY, BLOCK_ATTR
 from .output_heads import find_output_heads
-from .structure import EMBEDDING_MODULES, head_geometry, is_matrix_module, param_shape, text_config
+from .structure import (EMBEDDING_MODULES, decay_exempt_names, head_geometry, is_bias_name, is_matrix_module,
+                        is_multihead_attention, is_norm_module, param_shape, text_config)
 
 PER_ELEMENT = "per-element"
 BLOCK_RULES = ("default", "neuron")
@@ -88,12 +92,28 @@ def _qk_block(leaf: str, module: nn.Module, shape: tuple, cfg, parent: Optional[
     return hd * shape[1], f"per head ({heads} heads of {hd} rows)"
 
 
-def adam_mini_plan(model: nn.Module, block_rule: str = "default") -> dict[str, AdamMiniRule]:
+def _mha_block(leaf_param: str, module: nn.Module, shape: tuple) -> Optional[tuple[int, str]]:
+    """``nn.MultiheadAttention``: ``in_proj_weight`` ``(3E, E)`` one block per head of Q, K and V (``head_dim`` rows;
+    a block size is one per tensor, so V is per head too), ``q_proj_weight``/``k_proj_weight`` one per head."""
+    if not is_multihead_attention(module) or len(shape) != 2:
+        return None
+    nh, hd = module.num_heads, module.head_dim
+    if leaf_param == "in_proj_weight" and shape[0] == 3 * nh * hd:
+        return hd * shape[1], f"per head ({3 * nh} heads of Q, K, V of {hd} rows)"
+    if leaf_param in ("q_proj_weight", "k_proj_weight") and shape[0] == nh * hd:
+        return hd * shape[1], f"per head ({nh} heads of {hd} rows)"
+    return None
+
+
+def adam_mini_plan(model: nn.Module, block_rule: str = "default",
+                   decay_norms_and_biases: bool = False) -> dict[str, AdamMiniRule]:
     """The Adam-mini rule of every trainable parameter of ``model`` (see the module docstring).
 
     Args:
         model: an ``nn.Module``, plain or built under ``deepspeed.zero.Init`` (shapes from ``ds_shape``).
         block_rule: ``"default"`` or ``"neuron"``.
+        decay_norms_and_biases: decay norm weights and biases too (default: exempt, Hugging Face Trainer's
+            convention, :func:`ds_muon.model.structure.decay_exempt_names`).
 
     Returns:
         ``{name: AdamMiniRule}`` in ``model.named_parameters()`` order (trainable parameters only).
@@ -107,6 +127,7 @@ def adam_mini_plan(model: nn.Module, block_rule: str = "default") -> dict[str, A
     heads = find_output_heads(model).param_ids
     modules = dict(model.named_modules())
     embeddings = {id(p) for m in model.modules() if isinstance(m, EMBEDDING_MODULES) for p in m.parameters(False)}
+    exempt = set() if decay_norms_and_biases else decay_exempt_names(model)
     plan: dict[str, AdamMiniRule] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -115,11 +136,11 @@ def adam_mini_plan(model: nn.Module, block_rule: str = "default") -> dict[str, A
         module = modules.get(module_name, model)
         shape = tuple(param_shape(p))
         numel = math.prod(shape)
-        norm = "norm" in type(module).__name__.lower()
-        if leaf_param == "bias":
-            plan[name] = AdamMiniRule(PER_ELEMENT, False, "bias")
+        norm = is_norm_module(module)
+        decay = name not in exempt
+        if is_bias_name(leaf_param):
+            plan[name] = AdamMiniRule(PER_ELEMENT, decay, "bias")
             continue
-        decay = not norm
         if id(p) in embeddings or id(p) in heads:
             kind = "embedding" if id(p) in embeddings else "output head"
             if block_rule == "neuron" and len(shape) >= 2:
@@ -129,6 +150,7 @@ def adam_mini_plan(model: nn.Module, block_rule: str = "default") -> dict[str, A
             continue
         parent = modules.get(module_name.rpartition(".")[0], model) if module_name else None
         qk = _qk_block(module_name.rpartition(".")[2], module, shape, cfg, parent) if module_name else None
+        qk = qk or _mha_block(leaf_param, module, shape)
         if qk is not None:
             plan[name] = AdamMiniRule(qk[0], decay, qk[1])
         elif block_rule == "neuron" and len(shape) >= 2:
@@ -144,7 +166,8 @@ def adam_mini_blocks(model: nn.Module, block_rule: str = "default") -> dict[str,
     return {name: rule.block for name, rule in adam_mini_plan(model, block_rule).items()}
 
 
-def adam_mini_param_groups(model: nn.Module, defaults: dict[str, Any], block_rule: str = "default") -> list[dict]:
+def adam_mini_param_groups(model: nn.Module, defaults: dict[str, Any], block_rule: str = "default",
+                           decay_norms_and_biases: bool = False) -> list[dict]:
     """Param groups for Adam-mini, and each parameter tagged with its block size.
 
     Writes ``param.ds_adam_mini_block`` (:data:`BLOCK_ATTR`: elements per block, or None for per-element
@@ -154,7 +177,7 @@ def adam_mini_param_groups(model: nn.Module, defaults: dict[str, Any], block_rul
     Args:
         model: the model (see :func:`adam_mini_plan`).
         defaults: ``{"lr", "betas", "eps", "weight_decay"}``, copied into each group.
-        block_rule: see :func:`adam_mini_plan`.
+        block_rule, decay_norms_and_biases: see :func:`adam_mini_plan`.
 
     Returns:
         Up to four groups ``{"params", "algorithm": "adam_mini" | "adamw", "use_muon": False, "lr", "betas",
@@ -164,7 +187,7 @@ def adam_mini_param_groups(model: nn.Module, defaults: dict[str, Any], block_rul
     Raises:
         ValueError: no trainable parameter.
     """
-    plan = adam_mini_plan(model, block_rule)
+    plan = adam_mini_plan(model, block_rule, decay_norms_and_biases)
     if not plan:
         raise ValueError("Adam-mini got a model with no trainable parameter")
     groups: dict[tuple[bool, bool], list] = {}

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..names import ADAMW, ALGORITHM_KEY, MUON, USE_MUON_ATTR
+from ..names import ADAMW, ALGORITHM_KEY, MUON, NO_DECAY_ATTR, USE_MUON_ATTR
 from .selection import SelectionRules, tag_model
 from .structure import param_shape
 
@@ -37,7 +37,7 @@ def _half_settings(defaults: dict, overrides: dict, keys: tuple[str, ...], renam
 
 
 def split_param_groups(params: Any, muon_defaults: dict, adamw_defaults: dict,
-                       rules: SelectionRules = SelectionRules()) -> list[dict]:
+                       rules: SelectionRules = SelectionRules(), decay_norms_and_biases: bool = False) -> list[dict]:
     """Turn ``params`` into param groups each flagged ``use_muon`` True or False.
 
     Args:
@@ -48,12 +48,16 @@ def split_param_groups(params: Any, muon_defaults: dict, adamw_defaults: dict,
         muon_defaults / adamw_defaults: hyperparameters of each half (see ``MUON_KEYS``/``ADAMW_KEYS``).
         rules: passed to :func:`ds_muon.model.selection.tag_model` when ``params`` is a module (the
             parameters' matrix views are recorded there).
+        decay_norms_and_biases: False (default, Hugging Face Trainer's convention): the parameters tagged
+            ``ds_muon_no_decay`` (norm weights, biases; :func:`ds_muon.model.selection.tag_model` tags them) go to
+            a group of their own per half with ``weight_decay`` 0.0, whatever the group or the defaults say.
+            True: they decay like the rest. Untagged parameters decay.
 
     Returns:
         A list of group dicts ``{"params": [...], "use_muon": bool, "algorithm": "muon" | "adamw",
         <hyperparameters>}``, Muon half
-        first for each incoming group; halves with no trainable parameter are dropped; unknown
-        group keys are carried into both halves.
+        first for each incoming group (each half: decayed parameters, then the exempt ones); halves with no
+        trainable parameter are dropped; unknown group keys are carried into both halves.
 
     Raises:
         ValueError: a Muon parameter with fewer than 2 dims (names its shape).
@@ -83,9 +87,14 @@ def split_param_groups(params: Any, muon_defaults: dict, adamw_defaults: dict,
         for flag, defaults, keys, renames in ((True, muon_defaults, MUON_KEYS, _RENAMES_MUON),
                                               (False, adamw_defaults, ADAMW_KEYS, _RENAMES_ADAMW)):
             half = [p for p in members if bool(p.use_muon) is flag and p.requires_grad]
-            if half:
-                out.append(dict(extra, params=half, use_muon=flag, **{ALGORITHM_KEY: MUON if flag else ADAMW},
-                                **_half_settings(defaults, overrides, keys, renames)))
+            exempt = [p for p in half if not decay_norms_and_biases and getattr(p, NO_DECAY_ATTR, False)]
+            exempt_ids = {id(p) for p in exempt}
+            decayed = [p for p in half if id(p) not in exempt_ids]
+            settings = _half_settings(defaults, overrides, keys, renames)
+            for part, wd in ((decayed, settings["weight_decay"]), (exempt, 0.0)):
+                if part:
+                    out.append(dict(extra, params=part, use_muon=flag, **{ALGORITHM_KEY: MUON if flag else ADAMW},
+                                    **dict(settings, weight_decay=wd)))
     return out
 
 

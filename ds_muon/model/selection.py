@@ -8,11 +8,14 @@ Order of precedence, first match wins:
 3. The module-type rule: Muon for the >=2-D weights of hidden linear and convolution layers
    (``nn.Linear``, ``nn.Conv1d/2d/3d``, transposed convs, Hugging Face's GPT-2 ``Conv1D``), except
    depthwise convs (one filter row per group, e.g. Mamba's ``conv1d``).
-   AdamW for everything else: embeddings (and any linear tied to one), output heads (below), norms,
-   biases, 0-D/1-D parameters, and >=2-D parameters of modules the rule does not recognise (tag
-   those yourself; AdamW is never wrong, only possibly slower to train).
+   ``nn.MultiheadAttention``'s ``in_proj_weight`` (and ``q/k/v_proj_weight``) is Muon too.
+   AdamW for everything else: embeddings (and any linear tied to one), input layers (the linear/conv layers
+   that read the raw input: a ViT patch embedding, :func:`ds_muon.model.structure.input_layer_ids`), output
+   heads (below), norms, biases (1-D, and >=2-D ones named as biases: expert biases), 0-D/1-D parameters,
+   and >=2-D parameters of modules the rule does not recognise (tag those yourself; AdamW is never wrong,
+   only possibly slower to train).
    MoE (:data:`MOE_RULE`): the 3-D parameters of an expert container (a module whose >=2-D
-   parameters are all ``(E, ., .)`` with E the config's expert count or the module's
+   parameters, biases aside, are all ``(E, ., .)`` with E the config's expert count or the module's
    ``num_experts``) are Muon; a router/gate next to it (E or 1 output rows) is AdamW.
 
 Output heads are found by :func:`ds_muon.model.output_heads.find_output_heads`; the repeated layers,
@@ -34,10 +37,12 @@ from typing import Any, Iterable, Mapping
 from torch import nn
 
 from ..core.matrix import Split, matrix_view
-from ..names import AUTO_USE_MUON_ATTR, SPLIT_ATTR, USE_MUON_ATTR
+from ..names import AUTO_USE_MUON_ATTR, NO_DECAY_ATTR, SPLIT_ATTR, USE_MUON_ATTR
 from .output_heads import find_output_heads
-from .structure import (EMBEDDING_MODULES, MOE_RULE, expert_containers, expert_counts, is_depthwise_conv,
-                        is_matrix_module, param_numel, param_shape, router_ids, text_config)
+from .structure import (EMBEDDING_MODULES, MHA_PROJECTIONS, MOE_RULE, decay_exempt_names, expert_containers,
+                        expert_counts,
+                        input_layer_ids, is_bias_name, is_depthwise_conv, is_matrix_module, is_multihead_attention,
+                        param_numel, param_shape, router_ids, text_config)
 from .views import assign_views
 
 logger = logging.getLogger("ds_muon")
@@ -54,6 +59,9 @@ UNRECOGNISED = ">=2-D parameter of an unrecognised module"
 EXPERTS = "stacked experts (one matrix per expert)"
 DEPTHWISE = "depthwise conv weight (a 1 x kernel filter per channel)"
 ROUTER = "MoE router/gate"
+BIAS = ">=2-D bias (named *bias*: expert biases, bias_k/bias_v)"
+INPUT_LAYER = "input layer (reads the raw input: patch/feature embedding)"
+MHA_IN_PROJ = "attention input projection (nn.MultiheadAttention in_proj_weight)"
 
 
 @dataclass(frozen=True)
@@ -158,7 +166,8 @@ class Selection:
             stacked = len(self.shapes[n]) == 3 and not (split is not None and split.conv)
             if split is None and not stacked:
                 continue
-            kind = ("stacked, " if stacked else "") + (split.label if split else "one matrix each")
+            label = (split.describe() if split.interleave > 1 else split.label) if split else "one matrix each"
+            kind = ("stacked, " if stacked else "") + label
             kinds.setdefault(kind, []).append(n)
         if not kinds:
             return []
@@ -203,6 +212,7 @@ def select_muon_params(model: nn.Module, rules: SelectionRules = SelectionRules(
     expert_ids = {id(p) for name in containers for p in dict(model.named_modules())[name].parameters(recurse=False)
                   if len(param_shape(p)) >= 2}
     routers = router_ids(model, containers)
+    inputs = input_layer_ids(model)
 
     sel = Selection()
     if heads.guessed:
@@ -228,8 +238,12 @@ def select_muon_params(model: nn.Module, rules: SelectionRules = SelectionRules(
             choice, reason = True, PATTERN
         elif len(shape) < 2:
             choice, reason = False, LOW_DIM
+        elif is_bias_name(name.rpartition(".")[2]):
+            choice, reason = False, BIAS
         elif id(p) in embedding_ids:
             choice, reason = False, EMBEDDING
+        elif id(p) in inputs:
+            choice, reason = False, INPUT_LAYER
         elif id(p) in head_ids:
             choice, reason = False, OUTPUT_HEAD
         elif id(p) in routers:
@@ -240,6 +254,8 @@ def select_muon_params(model: nn.Module, rules: SelectionRules = SelectionRules(
             choice, reason = False, DEPTHWISE
         elif is_matrix_module(owner[id(p)]):
             choice, reason = True, HIDDEN_MATRIX
+        elif is_multihead_attention(owner[id(p)]) and name.rpartition(".")[2] in MHA_PROJECTIONS:
+            choice, reason = True, MHA_IN_PROJ
         else:
             choice, reason = False, UNRECOGNISED
         if choice and len(shape) < 2:
@@ -260,14 +276,19 @@ def tag_model(model: nn.Module, rules: SelectionRules = SelectionRules(), log: b
     a later call re-decides them instead of mistaking them for explicit user tags, while a
     ``use_muon`` the user changes afterwards still counts as explicit. Every parameter's matrix
     split (:class:`~ds_muon.core.matrix.Split`, or ``None``) is written to ``param.ds_muon_split``, which the
-    oracle and the ZeRO-3 owner plan read.
+    oracle and the ZeRO-3 owner plan read. ``param.ds_muon_no_decay`` (:data:`ds_muon.names.NO_DECAY_ATTR`) says
+    whether it is a norm weight or a bias (:func:`ds_muon.model.structure.decay_exempt_names`), which
+    :func:`ds_muon.model.param_groups.split_param_groups` exempts from weight decay unless
+    ``decay_norms_and_biases``.
 
     Returns:
         The :class:`Selection`; its summary is logged at INFO on the ``ds_muon`` logger when ``log``.
     """
     sel = select_muon_params(model, rules)
+    exempt = decay_exempt_names(model)
     for name, p in model.named_parameters():
         setattr(p, SPLIT_ATTR, sel.splits.get(name))
+        setattr(p, NO_DECAY_ATTR, name in exempt)
         if sel.reasons[name] != EXPLICIT:
             setattr(p, USE_MUON_ATTR, sel.use_muon[name])
             setattr(p, AUTO_USE_MUON_ATTR, sel.use_muon[name])

@@ -151,9 +151,10 @@ def is_matrix_module(m: nn.Module) -> bool:
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
-MOE_RULE = ("experts = a module whose >=2-D parameters are all 3-D with one leading size E, E = the model config's "
-            "expert count (num_experts, num_local_experts, n_routed_experts, moe_num_experts) or the module's "
-            "num_experts: Muon, one matrix per expert, a fused gate_up (E, 2I, H) as gate and up\n"
+MOE_RULE = ("experts = a module whose >=2-D parameters (biases aside) are all 3-D with one leading size E, E = the "
+            "model config's expert count (num_experts, num_local_experts, n_routed_experts, moe_num_experts) or the "
+            "module's num_experts: Muon, one matrix per expert, a fused gate_up (E, 2I, H) as gate and up halves, "
+            "(E, H, 2I) as gate and up interleaved (GPT-OSS); expert biases (E, n): AdamW\n"
             "router/gate = a matrix next to the experts (same parent module) with E or 1 output rows: AdamW\n"
             "shared experts = ordinary hidden linear layers: Muon")
 
@@ -182,13 +183,104 @@ def expert_counts(cfg) -> set[int]:
     return {c for c in counts if c and c >= 2}
 
 
+def is_bias_name(leaf: str) -> bool:
+    """A parameter's own name (the last component of its ``named_parameters()`` name) says it is a bias:
+    ``bias``, ``*_bias`` (``in_proj_bias`` of ``nn.MultiheadAttention``, GPT-OSS's expert ``gate_up_proj_bias``
+    ``(E, 2I)`` and ``down_proj_bias`` ``(E, H)``, Qwen3-Next's ``dt_bias``) or ``bias_*`` (``bias_k``/``bias_v``)."""
+    leaf = leaf.lower()
+    return leaf == "bias" or leaf.endswith("_bias") or leaf.startswith("bias_")
+
+
+# Hugging Face Trainer's no-decay name patterns (transformers 5.x Trainer.get_decay_parameter_names), besides
+# its type rule (inside an nn.LayerNorm): the full parameter name, lower-cased, searched for each.
+HF_NO_DECAY_PATTERNS = (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
+
+
+def is_norm_module(m: nn.Module) -> bool:
+    """A normalization layer: a class name with "Norm" in it (``nn.LayerNorm``, ``nn.GroupNorm``, BatchNorm,
+    every transformers ``*RMSNorm``; HF Trainer's type rule is ``nn.LayerNorm`` only, its name patterns catch the
+    rest)."""
+    return "norm" in type(m).__name__.lower()
+
+
+def decay_exempt_names(model: nn.Module) -> set[str]:
+    """Names of the parameters that get no weight decay by Hugging Face Trainer's convention: norm weights and
+    biases (config key ``decay_norms_and_biases: false``, docs/selection.md, "Weight decay").
+
+    A parameter is exempt when its module is a norm (:func:`is_norm_module`), its own name is a bias
+    (:func:`is_bias_name`), or its full name matches one of Trainer's patterns (:data:`HF_NO_DECAY_PATTERNS`):
+    the union of Trainer's rule and the structural one, so a model Trainer would treat one way is treated so here.
+    """
+    import re
+    patterns = [re.compile(p) for p in HF_NO_DECAY_PATTERNS]
+    out = set()
+    for module_name, m in model.named_modules():
+        for leaf, _ in m.named_parameters(recurse=False):
+            name = f"{module_name}.{leaf}" if module_name else leaf
+            if is_norm_module(m) or is_bias_name(leaf) or any(p.search(name.lower()) for p in patterns):
+                out.add(name)
+    return out
+
+
+# Config keys holding the width of a model's raw input (image channels; audio features), for input layers that
+# no get_input_embeddings() declares.
+RAW_INPUT_WIDTH_KEYS = ("num_channels", "num_mel_bins")
+
+
+def input_layer_ids(model: nn.Module) -> dict[int, str]:
+    """``{id(parameter): module name}`` of the >=2-D parameters of the input layers: the linear/conv layers that read
+    the model's raw input (pixels, audio features) and make its first hidden states (docs/selection.md, "Input
+    layers"). Token embeddings (``nn.Embedding``) are not listed here (they have their own rule).
+
+    Found by structure, not by name:
+
+    * declared: the matrix modules in what ``get_input_embeddings()`` of the model or of any submodule returns when
+      that is not an ``nn.Embedding`` (ViT's ``embeddings.patch_embeddings``, whose ``projection`` is a Conv2d on the
+      pixels; CLIP/SigLIP's ``patch_embedding``; Whisper's encoder ``conv1`` on the log-mel features);
+    * by width: a conv outside the repeated layers whose input channels are a config's raw-input width
+      (:data:`RAW_INPUT_WIDTH_KEYS`: ``num_channels``, ``num_mel_bins``).
+    """
+    found: dict[int, str] = {}
+    names = {id(m): n for n, m in model.named_modules()}
+    for m in model.modules():
+        emb = declared(m, "get_input_embeddings")
+        if not isinstance(emb, nn.Module) or isinstance(emb, EMBEDDING_MODULES):
+            continue
+        for sub in emb.modules():
+            if is_matrix_module(sub):
+                for p in sub.parameters(recurse=False):
+                    if len(param_shape(p)) >= 2:
+                        found.setdefault(id(p), names.get(id(sub), type(sub).__name__))
+    widths = set().union(*(int_attrs(c, RAW_INPUT_WIDTH_KEYS) for c in model_configs(model)))
+    if widths:
+        inside = repeated_layer_ids(model)
+        for name, m in model.named_modules():
+            if isinstance(m, CONV_MODULES) and id(m) not in inside and m.in_channels in widths:
+                for p in m.parameters(recurse=False):
+                    if len(param_shape(p)) >= 2:
+                        found.setdefault(id(p), name)
+    return found
+
+
+def is_multihead_attention(m: nn.Module) -> bool:
+    """``torch.nn.MultiheadAttention`` (also inside ``nn.TransformerEncoderLayer``/``DecoderLayer``): its Q/K/V
+    input projection is a bare parameter ``in_proj_weight`` ``(3E, E)`` (or ``q/k/v_proj_weight`` when
+    ``kdim``/``vdim`` differ), not a Linear."""
+    return isinstance(m, nn.MultiheadAttention)
+
+
+MHA_PROJECTIONS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
+
+
 def expert_containers(model: nn.Module, counts: set[int]) -> dict[str, int]:
-    """``{module name: E}`` of the expert containers (see :data:`MOE_RULE`)."""
+    """``{module name: E}`` of the expert containers (see :data:`MOE_RULE`); expert biases (``(E, n)``,
+    named as biases: GPT-OSS's ``gate_up_proj_bias``, ``down_proj_bias``) are biases, not experts."""
     found = {}
     for name, m in model.named_modules():
         if is_matrix_module(m) or isinstance(m, EMBEDDING_MODULES):
             continue
-        shapes = [param_shape(p) for p in m.parameters(recurse=False) if len(param_shape(p)) >= 2]
+        shapes = [param_shape(p) for leaf, p in m.named_parameters(recurse=False)
+                  if len(param_shape(p)) >= 2 and not is_bias_name(leaf)]
         if not shapes or any(len(s) != 3 for s in shapes) or len({s[0] for s in shapes}) != 1:
             continue
         e = shapes[0][0]

@@ -19,7 +19,8 @@ from torch import nn
 
 from ..core.matrix import Split, as_split, matrix_view
 from ..names import USER_SPLIT_ATTR
-from .structure import CONV_MODULES, MATRIX_CLASS_NAMES, head_geometry, is_matrix_module, param_shape, text_config
+from .structure import (CONV_MODULES, MATRIX_CLASS_NAMES, MHA_PROJECTIONS, head_geometry, is_bias_name,
+                        is_matrix_module, is_multihead_attention, param_shape, positive_int, text_config)
 
 # Attention projections, by leaf module name (as DeepSpeed's built-in per_head_muon reads them), each
 # claim confirmed by the shape against the config's head geometry. Fused QKV with Q, K, V in
@@ -33,24 +34,82 @@ _KV_LEAVES = ("k_proj", "key", "wk", "v_proj", "value", "wv")
 _MLA_LEAVES = ("q_b_proj", "kv_b_proj")
 
 
-def _gate_up_split(leaf_param: str, shape: tuple, siblings: list[tuple], notes: list[str], name: str) -> Optional[Split]:
-    """gate and up apart for a fused gate_up: (2I, H) or (E, 2I, H) next to a down (H', I) / (E, H, I)."""
-    if "gate_up" not in leaf_param.lower() or len(shape) not in (2, 3):
+# Experts stored as (E, in, out) with a fused gate_up (E, H, 2I): whether gate and up are interleaved or halves
+# along the last dimension is not in the shape, only in the model's forward, so it is read here by class, each
+# entry checked against transformers 5.x: GptOssExperts._apply_gate reads gate = x[..., ::2], up = x[..., 1::2];
+# Llama4TextExperts.forward reads gate, up = gate_up.chunk(2, dim=-1).
+_GATE_UP_IN_OUT_LAYOUTS = {"GptOssExperts": "interleaved", "Llama4TextExperts": "halves"}
+
+
+def _gate_up_split(leaf_param: str, shape: tuple, siblings: list[tuple], notes: list[str], name: str,
+                   module: Optional[nn.Module] = None) -> Optional[Split]:
+    """gate and up apart for a fused gate_up: (2I, H) or (E, 2I, H) next to a down (H', I) / (E, H, I); experts
+    stored (E, H, 2I) next to a down (E, I, H) by the layout their class reads (:data:`_GATE_UP_IN_OUT_LAYOUTS`)."""
+    if "gate_up" not in leaf_param.lower() or len(shape) not in (2, 3) or is_bias_name(leaf_param):
         return None
     rows, cols = shape[-2:]
     if rows % 2 == 0 and any(s[-1] == rows // 2 for s in siblings if len(s) == len(shape)):
         return Split(rows=(rows // 2, rows // 2), label="gate/up")
-    if len(shape) == 3 and cols % 2 == 0 and any(s[-2] == cols // 2 and s[-1] == rows for s in siblings):
+    if len(shape) == 3 and cols % 2 == 0 and any(len(s) == 3 and s[-2] == cols // 2 and s[-1] == rows
+                                                  for s in siblings):
+        layout = _GATE_UP_IN_OUT_LAYOUTS.get(type(module).__name__)
+        if layout == "interleaved":
+            return Split(interleave=2, label="gate/up interleaved")
+        if layout == "halves":
+            return Split(cols=(cols // 2, cols // 2), label="gate/up")
         notes.append(f"{name} {shape} stores experts as (E, in, out); whether gate and up are interleaved "
                      "(GPT-OSS) or halves (Llama 4) is not known from the shape, so each expert is one matrix: "
                      "declare a cols split (muon_splits) to take halves apart")
     return None
 
 
+def _mha_split(leaf_param: str, module: nn.Module, shape: tuple, per_head: bool,
+               examined: dict[str, str]) -> Optional[Split]:
+    """``nn.MultiheadAttention``: ``in_proj_weight`` ``(3E, E)`` is Q, K, V stacked (its forward chunks it in
+    three), per head with ``per_head``; ``q/k/v_proj_weight`` (``kdim``/``vdim`` set) per head with ``per_head``."""
+    nh, hd = module.num_heads, module.head_dim
+    if leaf_param == "in_proj_weight" and shape[0] == 3 * nh * hd:
+        examined[leaf_param] = "per head" if per_head else "q/k/v"
+        return Split(rows=(hd,) * (3 * nh), label="per head") if per_head else Split(rows=(nh * hd,) * 3, label="q/k/v")
+    if per_head and leaf_param in MHA_PROJECTIONS[1:] and shape[0] == nh * hd:
+        examined[leaf_param] = "per head"
+        return Split(rows=(hd,) * nh, label="per head")
+    return None
+
+
+_LINEAR_ATTENTION_LEAVES = ("in_proj_qkvz", "in_proj_ba")
+
+
+def _linear_attention_split(leaf: str, shape: tuple, parent: Optional[nn.Module], per_head: bool,
+                            examined: dict[str, str]) -> Optional[Split]:
+    """Qwen3-Next's GatedDeltaNet (transformers ``Qwen3NextGatedDeltaNet.fix_query_key_value_ordering``): per key
+    head ``g`` the rows of ``in_proj_qkvz`` are ``[q_g (dk), k_g (dk), v_g (r dv), z_g (r dv)]`` and those of
+    ``in_proj_ba`` are ``[b_g (r), a_g (r)]``, ``r = num_v_heads / num_k_heads``. With ``per_head``: q, k, each
+    value head, each gate (z) head its own block; b and a of each key head apart. Without: whole (q, k, v, z are
+    interleaved per key head, no one matrix each)."""
+    geo = [positive_int(getattr(parent, k, None)) for k in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")]
+    if not all(geo) or geo[1] % geo[0]:
+        examined[leaf] = "no linear-attention geometry (num_k_heads, num_v_heads, head_k_dim, head_v_dim)"
+        return None
+    nk, nv, dk, dv = geo
+    r = nv // nk
+    group = (dk, dk) + (dv,) * (2 * r) if leaf == "in_proj_qkvz" else (r, r)
+    if shape[0] != nk * sum(group):
+        examined[leaf] = f"{shape[0]} outputs != {nk} key heads x {sum(group)}"
+        return None
+    if not per_head:
+        examined[leaf] = "q/k/v/z interleaved per key head: whole without per_head_muon"
+        return None
+    examined[leaf] = "per head"
+    return Split(rows=group * nk, label="per head")
+
+
 def _attention_split(leaf: str, module: nn.Module, shape: tuple, cfg, per_head: bool,
                      parent: Optional[nn.Module], examined: dict[str, str]) -> Optional[Split]:
     """Q/K/V apart for fused QKV, and per head with ``per_head``; None for anything else."""
     leaf = leaf.lower()
+    if leaf in _LINEAR_ATTENTION_LEAVES and len(shape) == 2:
+        return _linear_attention_split(leaf, shape, parent, per_head, examined)
     fused_contiguous = any(leaf.startswith(k) for k in _FUSED_QKV_CONTIGUOUS)
     fused_interleaved = any(leaf.startswith(k) for k in _FUSED_QKV_INTERLEAVED)
     query, kv = any(leaf.startswith(k) for k in _QUERY_LEAVES), any(leaf.startswith(k) for k in _KV_LEAVES)
@@ -91,6 +150,8 @@ def _attention_split(leaf: str, module: nn.Module, shape: tuple, cfg, per_head: 
         widths, heads = [hd], (nh if query else nkv)
     if widths and out == heads * widths[0]:
         return cut((widths[0],) * heads, "per head")
+    if query and out == 2 * nh * hd:  # gated attention (Qwen3-Next): per head [query (hd); gate (hd)], 2 blocks
+        return cut((hd,) * (2 * nh), "per head")
     examined[leaf] = f"{out} outputs != {heads} heads x head_dim {widths[0] if widths else '?'}"
     return None
 
@@ -161,13 +222,15 @@ def assign_views(model: nn.Module, use_muon: dict[str, bool], reasons: dict[str,
                 split = Split(conv=True, label="conv")
         elif split is None and len(shape) == 3:  # per expert gate_up: (E, 2I, H) next to down (E, H, I)
             siblings = [param_shape(q) for n, q in module.named_parameters(recurse=False) if n != leaf_param]
-            split = _gate_up_split(leaf_param, shape, siblings, notes, name)
+            split = _gate_up_split(leaf_param, shape, siblings, notes, name, module)
         elif split is None and len(shape) == 2 and module_name and is_matrix_module(module):
             # a dense fused gate_up Linear (2I, H) next to a down Linear (H, I), e.g. Phi-3's MLP
             parent = modules.get(module_name.rpartition(".")[0], model)
             siblings = [param_shape(c.weight) for c in parent.children() if c is not module
                         and isinstance(c, nn.Linear)]
             split = _gate_up_split(module_name.rpartition(".")[2], shape, siblings, notes, name)
+        if split is None and is_multihead_attention(module) and leaf_param in MHA_PROJECTIONS:
+            split = _mha_split(leaf_param, module, shape, per_head, examined)
         if split is None and is_matrix_module(module):
             parent = modules.get(module_name.rpartition(".")[0], model) if module_name else None
             split = _attention_split(module_name.rpartition(".")[2], module, shape, cfg, per_head, parent, examined)

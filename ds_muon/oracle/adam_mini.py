@@ -28,7 +28,7 @@ class AdamMini(torch.optim.Optimizer):
             of :func:`ds_muon.model.adam_mini_blocks.adam_mini_param_groups` (parameters tagged with their block).
         **hyperparameters: the keys of ``"optimizer": {"type": "AdamMini", "params": {...}}``
             (:class:`ds_muon.config.AdamMiniOptimizerParams`): ``lr``, ``betas``, ``eps``,
-            ``weight_decay``, ``block_rule``.
+            ``weight_decay``, ``block_rule``, ``decay_norms_and_biases``.
 
     Raises:
         ds_muon.errors.ConfigError: a bad hyperparameter (names the key and the allowed values).
@@ -37,7 +37,7 @@ class AdamMini(torch.optim.Optimizer):
 
     def __init__(self, params: Any, **hyperparameters: Any) -> None:
         cfg = parse_adam_mini_params(hyperparameters, path="AdamMini")
-        groups = (adam_mini_param_groups(params, cfg.group_defaults(), cfg.block_rule)
+        groups = (adam_mini_param_groups(params, cfg.group_defaults(), cfg.block_rule, cfg.decay_norms_and_biases)
                   if isinstance(params, nn.Module) else [dict(g, **{ALGORITHM_KEY: algorithm_of(g)}) for g in params])
         for group in groups:
             for p in group["params"]:

@@ -98,7 +98,7 @@ class MuonAdamW(torch.optim.Optimizer):
         if model is None and isinstance(params, nn.Module):
             model = params
         groups = split_param_groups(params, cfg.muon_group_defaults(), cfg.adamw_group_defaults(),
-                                    SelectionRules.from_params(cfg))
+                                    SelectionRules.from_params(cfg), cfg.decay_norms_and_biases)
         super().__init__(groups, {})
         self.config = cfg
         self.qk_clip_targets = []

@@ -50,8 +50,13 @@ def loop_update(u: torch.Tensor, split: Split | None) -> torch.Tensor:
     R, C = mats.shape[-2:]
     rows = split.rows if split is not None and split.rows else (R,)
     cols = split.cols if split is not None and split.cols else (C,)
+    k = split.interleave if split is not None else 1
     for e in range(mats.shape[0]):
         for r0, r1 in _cuts(rows):
+            if k > 1:  # interleaved columns: block j = columns j, j+k, ...
+                for j in range(k):
+                    out[e, r0:r1, j::k] = scaled_ns(mats[e, r0:r1, j::k])
+                continue
             for c0, c1 in _cuts(cols):
                 out[e, r0:r1, c0:c1] = scaled_ns(mats[e, r0:r1, c0:c1])
     return out.reshape(shape)
@@ -68,6 +73,8 @@ CASES = [
     ((32, 96), Split(cols=(32, 32, 32), label="q/k/v")),    # GPT-2 Conv1D c_attn (H, 3H)
     ((32, 96), Split(cols=(8,) * 12, label="per head")),
     ((2, 14, 9), Split(rows=(4, 4, 2, 4), cols=(3, 6))),    # uneven declared grid on a stack
+    ((4, 16, 20), Split(interleave=2, label="gate/up interleaved")),  # GPT-OSS experts (E, H, 2I)
+    ((2, 12, 12), Split(rows=(6, 6), interleave=3)),        # interleaved columns under row blocks
 ]
 
 
@@ -88,7 +95,8 @@ def test_view_update_equals_loop_over_hand_sliced_blocks(shape, split):
     assert torch.equal(hits, torch.ones_like(hits))
     assert view.num_blocks == sum(g.count for g in view.groups)
     rows = split.rows if split and split.rows else (view.ns_shape[1],)
-    cols = split.cols if split and split.cols else (view.ns_shape[2],)
+    k = split.interleave if split else 1
+    cols = split.cols if split and split.cols else (view.ns_shape[2] // k,) * k
     assert view.num_blocks == view.ns_shape[0] * len(rows) * len(cols)
     assert view.cost(5, "standard") == sum(ns_flops(r, c, 5) * view.ns_shape[0] for r in rows for c in cols)
 
@@ -420,17 +428,19 @@ def _whisper():
 
 
 def test_conv1d_weight_is_one_matrix_not_a_stack():
-    """Whisper's encoder conv1/conv2 (nn.Conv1d, weights (32, 8, 3) and (32, 32, 3)) are one matrix
-    (out, in*k) each, as a 4-D conv weight is, not 32 stacked (in, k) matrices; the oracle's step on
-    them equals Newton–Schulz of the flattened matrix with that matrix's update scale."""
+    """Whisper's encoder conv2 (nn.Conv1d, weight (32, 32, 3)) is one matrix (out, in*k), as a 4-D conv weight
+    is, not 32 stacked (in, k) matrices; the oracle's step on it equals Newton–Schulz of the flattened matrix with
+    that matrix's update scale. conv1 reads the log-mel features: the input layer, AdamW."""
+    from ds_muon.model.selection import INPUT_LAYER
     torch.manual_seed(0)
     model = _whisper()
     sel = tag_model(model, log=False)
     params = dict(model.named_parameters())
-    for name, (out, cols) in {"model.encoder.conv1.weight": (32, 24), "model.encoder.conv2.weight": (32, 96)}.items():
+    assert not sel.use_muon["model.encoder.conv1.weight"] and sel.reasons["model.encoder.conv1.weight"] == INPUT_LAYER
+    for name, (out, cols) in {"model.encoder.conv2.weight": (32, 96)}.items():
         assert sel.use_muon[name] and sel.splits[name].conv
         assert sel.view(name).ns_shape == (1, out, cols) and sel.view(name).describe() == f"1 block of {out}x{cols}"
-    w = params["model.encoder.conv1.weight"]
+    w = params["model.encoder.conv2.weight"]
     opt = MuonAdamW([w], lr=0.1, momentum=0.5, nesterov=False, weight_decay=0.0, ns_dtype="float32")
     m = torch.zeros(w.shape)
     for step in range(2):
@@ -440,9 +450,9 @@ def test_conv1d_weight_is_one_matrix_not_a_stack():
             w.grad[0] = 0  # one output channel without gradient: the matrix still has one, so it all steps
         m = 0.5 * m + w.grad
         opt.step()
-        want = w0 - 0.1 * scaled_ns(m.reshape(32, 24)).reshape(w.shape)
+        want = w0 - 0.1 * scaled_ns(m.reshape(32, 96)).reshape(w.shape)
         torch.testing.assert_close(w.detach(), want, rtol=1e-5, atol=1e-6)
-    assert "conv: 2 params -> 2 blocks" in sel.summary()
+    assert "conv: 1 params -> 1 blocks" in sel.summary()
 
 
 def test_grouped_conv_per_group_and_depthwise_conv_adamw():

@@ -184,9 +184,11 @@ def test_matches_plain_pytorch_over_five_steps(nesterov):
 
     named_b = dict(model_b.named_parameters())
     muon_b = {n: p for n, p in named_b.items() if n in MUON_NAMES}
-    adam_b = [p for n, p in named_b.items() if n not in MUON_NAMES]
-    adamw = torch.optim.AdamW(adam_b, lr=hp["adam_lr"], betas=hp["betas"], eps=hp["eps"],
-                              weight_decay=hp["weight_decay"], foreach=False)
+    # Hugging Face Trainer's convention (decay_norms_and_biases false): no weight decay on biases and norm weights
+    no_decay = [p for n, p in named_b.items() if n not in MUON_NAMES and (n.endswith("bias") or n.startswith("norm."))]
+    decayed = [p for n, p in named_b.items() if n not in MUON_NAMES and all(p is not q for q in no_decay)]
+    adamw = torch.optim.AdamW([{"params": decayed}, {"params": no_decay, "weight_decay": 0.0}], lr=hp["adam_lr"],
+                              betas=hp["betas"], eps=hp["eps"], weight_decay=hp["weight_decay"], foreach=False)
     bufs = {n: torch.zeros_like(p) for n, p in muon_b.items()}
 
     # the module rule picked the expected split
@@ -449,14 +451,16 @@ def test_state_dict_round_trip_bf16_model_keeps_fp32_state():
 # ------------------------------------------------------------------------------------------------
 def test_module_selects_by_module_type():
     model = SmallLM()
-    opt = ds_muon.MuonAdamW(model, lr=0.02)
+    opt = ds_muon.MuonAdamW(model, lr=0.02, weight_decay=0.1)
     named = {id(p): n for n, p in model.named_parameters()}
     muon = {named[id(p)] for g in opt.param_groups if g["use_muon"] for p in g["params"]}
     adamw = {named[id(p)] for g in opt.param_groups if not g["use_muon"] for p in g["params"]}
     assert muon == MUON_NAMES
     assert adamw == {"embed.weight", "fc1.bias", "proj.bias", "norm.weight", "norm.bias", "head.weight", "head.bias"}
     assert {g["use_muon"] for g in opt.param_groups} == {True, False}
-    assert len(opt.param_groups) == 2
+    assert len(opt.param_groups) == 3  # Muon; AdamW decayed; AdamW norm weights and biases, weight_decay 0
+    exempt = {named[id(p)] for g in opt.param_groups if g["weight_decay"] == 0.0 and not g["use_muon"] for p in g["params"]}
+    assert exempt == {"fc1.bias", "proj.bias", "norm.weight", "norm.bias", "head.bias"}
 
 
 def test_frozen_params_are_not_in_groups():
