@@ -157,18 +157,27 @@ def log_info(message: str) -> None:
         handler.handle(record)
 
 
+def _autotp_mpu(engine: DeepSpeedEngine) -> bool:
+    """The engine's ``mpu`` is the one AutoTP sets (``tensor_parallel.autotp_size > 1``: DeepSpeed 0.19.8's
+    ``_configure_tensor_parallel_states`` makes ``deepspeed.utils.groups`` the mpu), which ds_muon serves at ZeRO
+    stages 1/2 (:mod:`ds_muon.integration.tensor_parallel`)."""
+    from deepspeed.utils import groups
+    return engine.autotp_size() > 1 and engine.mpu is groups
+
+
 def _engine_problem(engine: DeepSpeedEngine) -> tuple[Optional[str], bool]:
     """What ds_muon cannot serve about this engine (its config served), and whether DeepSpeed's built-in Muon
     could: ``(message naming the fix, built-in could)``, or ``(None, False)``.
 
-    * an ``mpu`` (model parallelism): Muon must orthogonalize whole matrices, not tensor-parallel slices;
+    * an ``mpu`` (model parallelism) other than AutoTP's: Muon must orthogonalize whole matrices, not
+      tensor-parallel slices;
     * DeepSpeed's native MoE layers (``deepspeed.moe.layer.MoE``): at stage 3 DeepSpeed itself refuses them
       (deepspeed 0.19.8, ``DeepSpeedEngine._validate_zero3_moe_compatibility``: "Native DeepSpeed MoE is not
       supported with ZeRO Stage 3. Use AutoEP or choose ZeRO stage 1/2."); at stages 1/2 their expert
       parameters are partitioned over the expert-data-parallel group, which ds_muon has not parity-tested;
     * AutoEP layers (``expert_parallel``): expert parallelism with ds_muon is not parity-tested.
     """
-    if engine.mpu is not None:
+    if engine.mpu is not None and not _autotp_mpu(engine):
         return ("ds_muon does not support model parallelism (an mpu was given): Muon must orthogonalize whole "
                 "matrices, not tensor-parallel slices", True)
     if not engine.has_moe_layers:
