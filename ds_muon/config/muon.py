@@ -318,6 +318,18 @@ class MuonOptimizerParams(BaseModel):
                      "about 6 x exchange_bucket_mb / W MiB when a bucket has at least W matrices, up to about "
                      "3 x exchange_bucket_mb MiB when it has few large ones. Source: ds_muon."))
 
+    tp_mode: Literal["full", "shard"] = Field(
+        "full",
+        description=("How Muon treats a matrix that DeepSpeed's AutoTP (tensor_parallel.autotp_size > 1) splits across "
+                     "the tensor-parallel group. 'full': the owner rank gathers every tensor-parallel shard's pieces "
+                     "(over the tensor-parallel x data-parallel ranks, in the same owner all_to_all) and "
+                     "orthogonalizes and shape-scales the full matrix once, as Muon does without tensor parallelism "
+                     "(Megatron's 'distributed' mode). 'shard': each shard is orthogonalized and scaled on its own "
+                     "within its data-parallel group, which saves the tensor-parallel part of the exchange but is a "
+                     "different update (NS of a shard is not a shard of NS; Megatron's 'blockwise' mode, what "
+                     "DeepSpeed's built-in Muon does). No effect without AutoTP. Source: ds_muon; see "
+                     "docs/parallelism_tp.md."))
+
     # ---- faults ------------------------------------------------------------------------------
     max_consecutive_skipped_steps: int = Field(
         50, ge=0, le=1_000_000,

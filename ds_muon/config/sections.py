@@ -115,6 +115,7 @@ def section_problems(ds_config: dict, optimizer: str,
     if stage is not None and not (is_number(stage) and stage in (0, 1, 2, 3)):
         problems.append(f"zero_optimization.stage: {stage!r} is invalid: allowed: 0, 1, 2, 3 (a number)")
     problems += unserved_modes(ds_config, optimizer, params=False)  # the params' own check reports those
+    problems += _tensor_parallel_problems(ds_config, params)
     offload = zero.get("offload_optimizer")
     device = _device(offload)
     if device == "nvme":
@@ -151,6 +152,32 @@ def section_problems(ds_config: dict, optimizer: str,
     return problems
 
 
+def autotp_size(ds_config: dict) -> int:
+    """``tensor_parallel.autotp_size`` of ``ds_config`` (1 when absent or not a number: DeepSpeed's default 0 means
+    no AutoTP)."""
+    tp = ds_config.get("tensor_parallel")
+    size = tp.get("autotp_size") if isinstance(tp, dict) else None
+    return int(size) if is_number(size) and size > 1 else 1
+
+
+def _tensor_parallel_problems(ds_config: dict, params: Any) -> list[str]:
+    """Muon options that do not fit AutoTP's split matrices (one line each, naming the key and the fix)."""
+    size = autotp_size(ds_config)
+    if size == 1 or not isinstance(params, MuonOptimizerParams):
+        return []
+    out = []
+    if params.qk_clip.enabled:
+        out.append(f"optimizer.params.qk_clip: enabled with tensor_parallel.autotp_size {size} is not served by "
+                   "ds_muon: AutoTP splits the attention heads across the tensor-parallel ranks, and QK-clip's "
+                   "recorder and head rows are not tensor-parallel yet; disable qk_clip or set autotp_size to 1")
+    if params.tp_mode == "shard" and (params.per_head_muon or params.muon_splits):
+        key = "per_head_muon" if params.per_head_muon else "muon_splits"
+        out.append(f"optimizer.params.{key}: with tp_mode 'shard' is not served by ds_muon: the split is declared on "
+                   "the full matrix and does not fit a tensor-parallel shard; use tp_mode 'full' (the owner "
+                   f"orthogonalizes the full matrix, split as declared) or remove {key}")
+    return out
+
+
 def _stage(zero: dict) -> Any:
     stage = zero.get("stage", 0)
     return stage if stage is not None else 0
@@ -176,7 +203,7 @@ def unserved_modes(ds_config: dict, optimizer: str = MUON, params: bool = True) 
       ``BF16_Optimizer`` there, not a ZeRO optimizer;
     * ``offload_optimizer.device`` 'nvme' at stages 1/2 (DeepSpeed runs it as CPU offload; ds_muon's NVMe
       offload is ZeRO-3's), ``elastic_checkpoint`` true at stages 1/2, ``offload_param.device`` 'nvme', ``zenflow``,
-      AutoTP (``autotp_size > 1``);
+      AutoTP (``autotp_size > 1``) at ZeRO stage 3 or with Adam-mini (ds_muon's Muon serves it at stages 1/2);
     * with ``params``: the built-in's ``optimizer.params`` modes ds_muon does not implement (``adam_w_mode`` or
       ``fp32_optimizer_states`` false; :func:`ds_muon.config.parse_muon_params` reports them otherwise).
     """
@@ -217,11 +244,16 @@ def unserved_modes(ds_config: dict, optimizer: str = MUON, params: bool = True) 
         out.append(NVME_PARAM_OFFLOAD_PROBLEM)
     if zero.get("zenflow"):
         out.append(f"zero_optimization.zenflow: is not supported by {served}; remove it")
-    tp = ds_config.get("tensor_parallel")
-    if isinstance(tp, dict) and is_number(tp.get("autotp_size")) and tp["autotp_size"] > 1:
-        out.append(f"tensor_parallel.autotp_size: {tp['autotp_size']!r} is invalid: {served} orthogonalizes "
-                   "whole matrices (and Adam-mini's blocks are whole heads and tensors) and does not support "
-                   "tensor parallelism yet; set autotp_size to 1")
+    tp_size = autotp_size(ds_config)
+    if tp_size > 1 and optimizer != MUON:
+        out.append(f"tensor_parallel.autotp_size: {tp_size!r} is not served by {served}: its blocks are whole heads "
+                   "and whole tensors, which AutoTP splits across the tensor-parallel ranks; use optimizer \"Muon\" "
+                   "(which serves AutoTP at ZeRO stages 1 and 2), or set autotp_size to 1")
+    elif tp_size > 1 and stage == 3:
+        out.append(f"tensor_parallel.autotp_size: {tp_size!r} with ZeRO stage 3 is not served by {served} yet: it "
+                   "serves AutoTP at ZeRO stages 1 and 2 (the full-matrix owner exchange over the tensor-parallel x "
+                   "data-parallel ranks, docs/parallelism_tp.md); set zero_optimization.stage to 1 or 2, or "
+                   "autotp_size to 1")
     opt_params = (ds_config.get("optimizer") or {}).get("params") if isinstance(ds_config.get("optimizer"), dict) \
         else None
     if params and optimizer == MUON and isinstance(opt_params, dict):

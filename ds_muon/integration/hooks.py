@@ -158,20 +158,29 @@ def log_info(message: str) -> None:
         handler.handle(record)
 
 
+def _autotp_mpu(engine: DeepSpeedEngine) -> bool:
+    """The engine's ``mpu`` is the one AutoTP sets (``tensor_parallel.autotp_size > 1``: DeepSpeed 0.19.8's
+    ``_configure_tensor_parallel_states`` makes ``deepspeed.utils.groups`` the mpu), which ds_muon serves at ZeRO
+    stages 1/2 (:mod:`ds_muon.integration.tensor_parallel`)."""
+    from deepspeed.utils import groups
+    return engine.autotp_size() > 1 and engine.mpu is groups
+
+
 def _engine_problem(engine: DeepSpeedEngine) -> tuple[Optional[str], bool]:
     """What ds_muon cannot serve about this engine (its config served), and whether DeepSpeed's built-in Muon
     could: ``(message naming the fix, built-in could)``, or ``(None, False)``.
 
-    * an ``mpu`` with tensor or pipeline parallelism (:func:`ds_muon.integration.parallelism.mpu_problem`): Muon
-      must orthogonalize whole matrices, not tensor-parallel slices (an mpu with sequence parallelism only, as
-      DeepSpeed-Ulysses passes, is served: docs/parallelism.md);
+    * an ``mpu`` with tensor or pipeline parallelism (:func:`ds_muon.integration.parallelism.mpu_problem`), other
+      than AutoTP's own (served at stages 1/2: docs/parallelism_tp.md): Muon must orthogonalize whole matrices,
+      not tensor-parallel slices (an mpu with sequence parallelism only, as DeepSpeed-Ulysses passes, is served:
+      docs/parallelism.md);
     * DeepSpeed's native MoE layers (``deepspeed.moe.layer.MoE``): at stage 3 DeepSpeed itself refuses them
       (deepspeed 0.19.8, ``DeepSpeedEngine._validate_zero3_moe_compatibility``: "Native DeepSpeed MoE is not
       supported with ZeRO Stage 3. Use AutoEP or choose ZeRO stage 1/2."); at stages 1/2 their expert
       parameters are partitioned over the expert-data-parallel group, which ds_muon has not parity-tested;
     * AutoEP layers (``expert_parallel``): expert parallelism with ds_muon is not parity-tested.
     """
-    mpu = mpu_problem(engine.mpu)
+    mpu = None if _autotp_mpu(engine) else mpu_problem(engine.mpu)
     if mpu is not None:
         return mpu, True
     if not engine.has_moe_layers:

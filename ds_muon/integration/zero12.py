@@ -43,6 +43,7 @@ from ..sharded.no_grad import GradientFlags
 from ..sharded.ownership import ParamInfo
 from ..sharded.qk_clip import scale_shard_, shard_ranges
 from .inner import DsMuonInner
+from .tensor_parallel import TensorParallelLayout, autotp_world, tensor_parallel_split
 from .zero12_checkpoint import FlatCheckpointing
 from .zero_common import AdamMiniSlot, DsMuonZeroSteps
 
@@ -95,9 +96,12 @@ class MuonZero12Optimizer(FlatCheckpointing, DsMuonZeroSteps, DeepSpeedZeroOptim
         self._pool = BufferPool()
         self._init_steps()
         self.pieces = [self._group_pieces(i) for i in range(len(self.bit16_groups))]
-        self.muon_steps = {i: self._muon_step_of(f"ZeRO param group {i}", self._infos(i), self._world(i),
+        # AutoTP with tp_mode "full": each Muon group's exchange runs over the tensor-parallel x data-parallel ranks
+        self.tensor_parallel = (TensorParallelLayout(self.dp_process_group)
+                                if autotp_world() > 1 and getattr(self.optimizer.config, "tp_mode", "full") == "full" else None)
+        self.muon_steps = {i: self._muon_step_of(f"ZeRO param group {i}", *self._muon_layout(i),
                                                  int(self.partition_size[i]), self.optimizer.param_groups[i],
-                                                 self.real_dp_process_group[i])
+                                                 self._exchange_group(i))
                            for i, a in enumerate(self._algorithms) if a == MUON}
         self.muon_plans = {i: s.plan for i, s in self.muon_steps.items()}
         self.gradient_flags = GradientFlags({i: s.block_map for i, s in self.muon_steps.items()}, self._device)
@@ -127,6 +131,22 @@ class MuonZero12Optimizer(FlatCheckpointing, DsMuonZeroSteps, DeepSpeedZeroOptim
     def _infos(self, i: int) -> list[ParamInfo]:
         return [ParamInfo(self._name(p), tuple(meta.shape), meta.numel(), getattr(p, SPLIT_ATTR, None), pieces)
                 for (p, pieces), meta in zip(self.pieces[i], self.round_robin_bit16_meta[i])]
+
+    def _muon_layout(self, i: int) -> tuple[list[ParamInfo], int]:
+        """Group ``i``'s plan parameters and the size of the group its exchange runs over: this rank's
+        data-parallel group, or under AutoTP with ``tp_mode: "full"`` the tensor-parallel x data-parallel ranks
+        (:class:`~ds_muon.integration.tensor_parallel.TensorParallelLayout`)."""
+        if self.tensor_parallel is None:
+            return self._infos(i), self._world(i)
+        splits = {self._name(p): getattr(p, SPLIT_ATTR, None) for p, _ in self.pieces[i]}
+        params = [(self._name(p), tuple(meta.shape), tensor_parallel_split(p, self._name(p)), pieces)
+                  for (p, pieces), meta in zip(self.pieces[i], self.round_robin_bit16_meta[i])]
+        infos = self.tensor_parallel.infos(f"ZeRO param group {i}", params, splits.get)
+        return infos, len(self.tensor_parallel.coords)
+
+    def _exchange_group(self, i: int):
+        """The process group of group ``i``'s owner exchange and no-gradient flags."""
+        return self.real_dp_process_group[i] if self.tensor_parallel is None else self.tensor_parallel.group
 
     def _adam_mini_step_of(self, i: int) -> AdamMiniShardStep:
         slots = []
@@ -230,7 +250,7 @@ class MuonZero12Optimizer(FlatCheckpointing, DsMuonZeroSteps, DeepSpeedZeroOptim
         fp32 = self.single_partition_of_fp32_groups[i]
         group = self.optimizer.param_groups[i]
         momentum = self._momentum_of(fp32, group)
-        had = self.gradient_flags.blocks_with_gradient(i, fp32.grad, self.real_dp_process_group[i], {})
+        had = self.gradient_flags.blocks_with_gradient(i, fp32.grad, self._exchange_group(i), {})
         self.muon_steps[i].run(fp32, fp32.grad, momentum, had, group)
 
     @torch.no_grad()

@@ -82,16 +82,19 @@ def build_block_map(slots: Sequence, rank: int, shard_numel: int,
     blocks: list[int] = []
     names: list[str] = []
     offset = 0
-    for slot in sorted(slots, key=_order):
+    local = []  # (slot, block size, first block id) of the slots this rank holds a piece of
+    for slot in sorted(slots, key=_order):  # block ids: the global order
         if block_numel is not None:
             size = block_numel(slot)
         else:  # one block per matrix of the Newton–Schulz view (the slot's own: it knows conv weights)
             size = slot.numel // (getattr(slot, "ns_shape", None) or ns_view_shape(slot.shape))[0]
-        base = len(names)
+        if slot.pieces[rank].sent:
+            local.append((slot, size, len(names)))
         names.extend(f"{slot.name}[{k}]" for k in range(slot.numel // size))
+    # segments: this rank's shard order (the global order too, except where slots are held by disjoint rank sets:
+    # the replicated Muon matrices under AutoTP, ds_muon.integration.tensor_parallel)
+    for slot, size, base in sorted(local, key=lambda x: x[0].pieces[rank].shard_offset):
         piece = slot.pieces[rank]
-        if not piece.sent:
-            continue
         if piece.shard_offset < offset or piece.shard_offset + piece.sent > shard_numel:
             raise ValueError(f"block map: parameter {slot.name!r} at shard offset {piece.shard_offset} "
                              f"(+{piece.sent}) overlaps another or runs past the shard ({shard_numel} elements)")

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from ..core.matrix import matrix_view, orthogonalize_blocks_
-from .ownership import BucketedPlan, ExchangePlan
+from .ownership import BucketedPlan, ExchangePlan, ShapeBatch
+from .tensor_parallel import full_to_stacked_, stacked_to_full
 
 # Buckets holding exchange buffers at once: one computing, one returning, one arriving.
 PIPELINE_DEPTH = 3
@@ -182,8 +183,7 @@ class OwnerExchange:
                                                                                  p.length))
                       for j, slot in enumerate(batch.members) for s, p in enumerate(slot.pieces) if p.length]
             torch._foreach_copy_([f for f, _ in pieces], [w for _, w in pieces])
-            view = batch.view if batch.view is not None else matrix_view(batch.ns_shape)
-            orthogonalize_blocks_(full, view, fn)  # one batched call per block group of the view
+            _orthogonalize_batch_(full, batch, fn)
             torch._foreach_copy_([w for _, w in pieces], [f for f, _ in pieces])
 
     def _owner_compute_chunked(self, b: ExchangePlan, owner_side: torch.Tensor, fn: OrthogonalizeFn,
@@ -197,7 +197,19 @@ class OwnerExchange:
             chunks = block[:, batch.start:batch.start + k * c].view(W, k, c).permute(1, 0, 2)
             full = self.pool.get("matrix", k * W * c, self.assembly_dtype, device).view(k, W * c)
             full.view(k, W, c).copy_(chunks)
-            view = batch.view if batch.view is not None else matrix_view(batch.ns_shape)
-            orthogonalize_blocks_(full, view, fn)  # one batched call per block group of the view
+            _orthogonalize_batch_(full[:, :numel], batch, fn)
             full[:, numel:].zero_()
             chunks.copy_(full.view(k, W, c))
+
+
+def _orthogonalize_batch_(flat: torch.Tensor, batch: ShapeBatch, fn: OrthogonalizeFn) -> None:
+    """In place on ``flat`` ``(k, numel)``, a batch of whole parameters: every block of their matrix view
+    orthogonalized, one batched call per block group; a tensor-parallel batch (``batch.tp``) is in stacked form, so it
+    is rearranged into the full matrices first and back after (:mod:`ds_muon.sharded.tensor_parallel`)."""
+    view = batch.view if batch.view is not None else matrix_view(batch.ns_shape)
+    if batch.tp is None:
+        orthogonalize_blocks_(flat, view, fn)
+        return
+    full = stacked_to_full(flat, batch.tp)
+    orthogonalize_blocks_(full, view, fn)
+    full_to_stacked_(flat, full, batch.tp)

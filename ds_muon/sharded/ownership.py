@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from ..core.matrix import MatrixView, Split, matrix_view
-from ..partitions import Piece, chunked_pieces
+from ..partitions import Piece, TensorParallelSplit, chunked_pieces
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,8 @@ class MatrixSlot:
             from that rank.
         cost: Newton–Schulz matmul FLOPs for it (summed over the blocks of its view).
         view: its :class:`~ds_muon.core.matrix.MatrixView` (the blocks Newton–Schulz orthogonalizes).
+        tp: its tensor-parallel split (``shape`` is then the full matrix and ``pieces`` address its stacked
+            form, :func:`ds_muon.partitions.tensor_parallel_pieces`), or None.
     """
 
     index: int
@@ -63,6 +65,7 @@ class MatrixSlot:
     owner_offsets: tuple[int, ...]
     cost: int
     view: Optional[MatrixView] = None
+    tp: Optional[TensorParallelSplit] = None
 
     @property
     def chunked(self) -> bool:
@@ -110,6 +113,7 @@ class ShapeBatch:
     numel: int
     members: tuple[MatrixSlot, ...]
     view: Optional[MatrixView] = None
+    tp: Optional[TensorParallelSplit] = None
 
     @property
     def count(self) -> int:
@@ -200,6 +204,9 @@ class ParamInfo:
         name, shape, numel, split: the parameter and its declared or detected :class:`~ds_muon.core.matrix.Split`.
         pieces: its :class:`Piece` on every rank; None: ZeRO-3's chunked layout (:func:`chunk_size`), the
             parameters' chunks back to back in the shard in list order.
+        tp: a tensor-parallel matrix's split over the tensor-parallel group: ``shape``/``numel`` are then the full
+            matrix's and ``pieces`` address its stacked form (:func:`ds_muon.partitions.tensor_parallel_pieces`);
+            the owner orthogonalizes the full matrix. None: not split.
     """
 
     name: str
@@ -207,6 +214,7 @@ class ParamInfo:
     numel: int
     split: Optional[Split] = None
     pieces: Optional[tuple[Piece, ...]] = None
+    tp: Optional[TensorParallelSplit] = None
 
 
 def chunk_size(numel: int, world_size: int) -> int:
@@ -262,7 +270,7 @@ def _assign_owners(infos: list[_Info], world_size: int, policy: str) -> dict[int
 
 def _layout(infos: list[_Info], owners: dict[int, int], world_size: int, shard_numel: int) -> ExchangePlan:
     """Exchange layout of the given matrices: by owner, then view, then index."""
-    order = sorted(infos, key=lambda t: (owners[t.index], t.view.sort_key(), t.index))
+    order = sorted(infos, key=lambda t: (owners[t.index], t.view.sort_key(), _tp_key(t.param.tp), t.index))
     sends = [[0] * world_size for _ in range(world_size)]
     slots = []
     for t in order:
@@ -270,19 +278,24 @@ def _layout(infos: list[_Info], owners: dict[int, int], world_size: int, shard_n
         offsets = tuple(sends[s][d] for s in range(world_size))
         p = t.param
         slots.append(MatrixSlot(t.index, p.name, tuple(p.shape), t.view.ns_shape, p.numel, t.pieces, d, offsets,
-                                t.cost, t.view))
+                                t.cost, t.view, p.tp))
         for s in range(world_size):
             sends[s][d] += t.pieces[s].sent
     batches: list[list[ShapeBatch]] = [[] for _ in range(world_size)]
     for s in slots:
         rank_batches = batches[s.owner]
         last = rank_batches[-1] if rank_batches else None
-        if last is not None and last.view.sort_key() == s.view.sort_key():
-            rank_batches[-1] = ShapeBatch(last.ns_shape, last.numel, last.members + (s,), last.view)
+        if last is not None and last.view.sort_key() == s.view.sort_key() and last.tp == s.tp:
+            rank_batches[-1] = ShapeBatch(last.ns_shape, last.numel, last.members + (s,), last.view, last.tp)
         else:
-            rank_batches.append(ShapeBatch(s.ns_shape, s.numel, (s,), s.view))
+            rank_batches.append(ShapeBatch(s.ns_shape, s.numel, (s,), s.view, s.tp))
     return ExchangePlan(world_size, tuple(slots), tuple(tuple(row) for row in sends),
                         tuple(tuple(b) for b in batches), shard_numel)
+
+
+def _tp_key(tp: Optional[TensorParallelSplit]) -> tuple:
+    """Orders matrices of one view so that those with the same tensor-parallel split are adjacent (one batch)."""
+    return () if tp is None else (tp.dim, tp.sizes)
 
 
 def _infos(params: Sequence[ParamInfo], world_size: int, ns_steps: int, ns_method: str,

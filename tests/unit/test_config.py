@@ -447,7 +447,9 @@ def test_nvme_parameter_offload_is_refused(tmp_path):
     (lambda c: c["zero_optimization"].update(offload_optimizer={"device": "cpu", "ratio": 0.5}),
      r"offload_optimizer\.ratio: 0\.5 is invalid: DeepSpeed 0\.19\.8's ZeRO-3 partial optimizer offload runs only "
      r"with DeepSpeedCPUAdam.*remove ratio"),
-    (lambda c: c.update(tensor_parallel={"autotp_size": 2}), r"tensor_parallel\.autotp_size: 2 .*set autotp_size to 1"),
+    (lambda c: c.update(tensor_parallel={"autotp_size": 2}),
+     r"tensor_parallel\.autotp_size: 2 with ZeRO stage 3 is not served by ds_muon yet.*stages 1 and 2.*set "
+     r"zero_optimization\.stage to 1 or 2, or autotp_size to 1"),
     (lambda c: c["zero_optimization"].update(zenflow={"topk_ratio": 0.1}), r"zero_optimization\.zenflow"),
     (lambda c: c["zero_optimization"].update(offload_optimizer={"device": "cpu", "super_offload": True}),
      r"offload_optimizer\.super_offload: true is invalid: DeepSpeed 0\.19\.8's SuperOffload.*no Muon step"),
@@ -456,6 +458,29 @@ def test_unsupported_combinations_are_named(mutate, match):
     cfg = muon_config()
     mutate(cfg)
     with pytest.raises(ConfigError, match=match):
+        validate_ds_config(cfg)
+
+
+def test_autotp_is_served_at_stages_1_and_2_with_its_limits_named():
+    """AutoTP: served at ZeRO-1/2 with ``tp_mode`` 'full' (default) or 'shard'; QK-clip, and a declared split in
+    shard mode, are refused naming the key and the fix."""
+    for stage in (1, 2):
+        for mode in ("full", "shard"):
+            cfg = muon_config()
+            cfg["zero_optimization"]["stage"] = stage
+            cfg["tensor_parallel"] = {"autotp_size": 2}
+            cfg["optimizer"]["params"]["tp_mode"] = mode
+            assert validate_ds_config(cfg).params.tp_mode == mode
+    cfg["optimizer"]["params"]["tp_mode"] = "blockwise"
+    with pytest.raises(ConfigError, match=r"optimizer\.params\.tp_mode: 'blockwise' is invalid.*'full', 'shard'"):
+        validate_ds_config(cfg)
+    cfg["optimizer"]["params"].update(tp_mode="shard", per_head_muon=True)
+    with pytest.raises(ConfigError, match=r"optimizer\.params\.per_head_muon: with tp_mode 'shard' is not served.*"
+                                          r"use tp_mode 'full'"):
+        validate_ds_config(cfg)
+    cfg["optimizer"]["params"].update(tp_mode="full", qk_clip={"enabled": True})
+    with pytest.raises(ConfigError, match=r"optimizer\.params\.qk_clip: enabled with tensor_parallel\.autotp_size 2 "
+                                          r"is not served.*disable qk_clip or set autotp_size to 1"):
         validate_ds_config(cfg)
 
 
