@@ -32,12 +32,14 @@ __all__ = ["autotp_world", "tensor_parallel_split", "TensorParallelLayout"]
 TP_ATTR = "tensor_model_parallel"  # deepspeed.module_inject.layers.DS_TENSOR_MODEL_PARALLEL
 
 
-def autotp_world() -> int:
-    """The tensor-parallel world size AutoTP set up (1 without AutoTP)."""
-    from deepspeed.utils import groups
-    if groups.get_tensor_model_parallel_group() is None:
+def autotp_world(module: Optional[torch.nn.Module]) -> int:
+    """The tensor-parallel world size of ``module``: 1 unless AutoTP split some of its parameters (marked
+    ``tensor_model_parallel``), else the size of ``deepspeed.utils.groups``' tensor-parallel group. (The groups are
+    process-global and DeepSpeed asserts on reading them before AutoTP set them up, so the model is asked first.)"""
+    if module is None or not any(getattr(p, TP_ATTR, False) for p in module.parameters()):
         return 1
-    return groups.get_tensor_model_parallel_world_size()
+    from deepspeed.utils import groups
+    return dist.get_world_size(groups.get_tensor_model_parallel_group())
 
 
 def tensor_parallel_split(param: torch.nn.Parameter, name: str) -> Optional[TensorParallelSplit]:

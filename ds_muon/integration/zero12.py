@@ -98,7 +98,7 @@ class MuonZero12Optimizer(FlatCheckpointing, DsMuonZeroSteps, DeepSpeedZeroOptim
         self.pieces = [self._group_pieces(i) for i in range(len(self.bit16_groups))]
         # AutoTP with tp_mode "full": each Muon group's exchange runs over the tensor-parallel x data-parallel ranks
         self.tensor_parallel = (TensorParallelLayout(self.dp_process_group)
-                                if autotp_world() > 1 and getattr(self.optimizer.config, "tp_mode", "full") == "full" else None)
+                                if autotp_world(module) > 1 and getattr(self.optimizer.config, "tp_mode", "full") == "full" else None)
         self.muon_steps = {i: self._muon_step_of(f"ZeRO param group {i}", *self._muon_layout(i),
                                                  int(self.partition_size[i]), self.optimizer.param_groups[i],
                                                  self._exchange_group(i))

@@ -190,8 +190,8 @@ class DsMuonZeroSteps:
         if not overflow:
             self.qk_clip_stats = stats
             self.step_count += 1
-            until = self.optimizer.config.qk_clip.until_step
-            if self.qk_clip_targets and until is not None and self.step_count == until:
+            until = self.optimizer.config.qk_clip.until_step if self.qk_clip_targets else None
+            if until is not None and self.step_count == until:
                 stop_recording(self.qk_clip_targets)  # the window's last step: the next forwards need not record
             self.skips.applied()
             if self.monitor_reporter is not None:
