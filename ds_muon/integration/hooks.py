@@ -163,7 +163,7 @@ def _autotp_mpu(engine: DeepSpeedEngine) -> bool:
     ``_configure_tensor_parallel_states`` makes ``deepspeed.utils.groups`` the mpu), which ds_muon serves at ZeRO
     stages 1/2 (:mod:`ds_muon.integration.tensor_parallel`)."""
     from deepspeed.utils import groups
-    return engine.autotp_size() > 1 and engine.mpu is groups
+    return engine.mpu is groups and engine.autotp_size() > 1
 
 
 def _engine_problem(engine: DeepSpeedEngine) -> tuple[Optional[str], bool]:
