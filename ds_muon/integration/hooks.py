@@ -52,6 +52,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import logger as ds_logger
 
 from ..config import MUON, load_ds_config, optimizer_kind, unserved_modes
+from ..config.sections import deepspeed_version
 from ..errors import ConfigError
 from ..import_hooks import after_import
 from ..model.adam_mini_blocks import adam_mini_param_groups, adam_mini_plan, adam_mini_summary
@@ -178,7 +179,11 @@ def _engine_problem(engine: DeepSpeedEngine) -> tuple[Optional[str], bool]:
       (deepspeed 0.19.8, ``DeepSpeedEngine._validate_zero3_moe_compatibility``: "Native DeepSpeed MoE is not
       supported with ZeRO Stage 3. Use AutoEP or choose ZeRO stage 1/2."); at stages 1/2 their expert
       parameters are partitioned over the expert-data-parallel group, which ds_muon has not parity-tested;
-    * AutoEP layers (``expert_parallel``): expert parallelism with ds_muon is not parity-tested.
+    * AutoEP layers (``expert_parallel``): DeepSpeed 0.19.8 swaps each MoE block for an ``AutoEPMoELayer`` whose
+      stacked experts (``w1``/``w3``/``w2``, ``[local experts, out, in]``) stay on their expert-parallel rank and are
+      partitioned over the expert-data-parallel group (ZeRO-3: ``ds_zero_partition_process_group``). ds_muon's
+      exchange runs there (one owner per expert within that group), but the router (``router.gate``) is tagged
+      Muon and nothing is parity-tested against the oracle yet: refused (docs/parallelism.md, "AutoEP").
     """
     mpu = None if _autotp_mpu(engine) else mpu_problem(engine.mpu)
     if mpu is not None:
@@ -196,8 +201,14 @@ def _engine_problem(engine: DeepSpeedEngine) -> tuple[Optional[str], bool]:
         return (f"the model holds DeepSpeed's native MoE layers ({native[0]!r}{', ...' if len(native) > 1 else ''}), "
                 "whose expert-parallel partitions ds_muon does not serve yet (not parity-tested). "
                 f"{use_instead}", True)
-    return ("ds_muon does not support DeepSpeed's AutoEP MoE layers (\"expert_parallel\") yet: expert parallelism "
-            f"with ds_muon is not parity-tested. {use_instead}, or turn expert_parallel off", True)
+    return ("ds_muon does not support DeepSpeed's AutoEP MoE layers (\"expert_parallel\") yet: DeepSpeed "
+            f"{deepspeed_version()} replaces each MoE block with an AutoEPMoELayer whose experts live on their "
+            "expert-parallel ranks and are partitioned over the expert-data-parallel group, and ds_muon is not "
+            "parity-tested there yet (its owner exchange over that group, the router's AdamW selection; "
+            "docs/parallelism.md, \"AutoEP\"). "
+            f"{use_instead}, with expert_parallel off (ZeRO partitions every expert over all data-parallel ranks); "
+            "or keep expert_parallel with DeepSpeed's built-in Muon (DS_MUON=0; at ZeRO-3 with "
+            "zero_optimization.reduce_scatter false)", True)
 
 
 def _configure_basic_optimizer(self: DeepSpeedEngine, model_parameters):

@@ -3,7 +3,8 @@
 Run once per ``initialize`` (:func:`host_problems`), after the config itself parsed
 (:func:`ds_muon.config.parse_ds_config`): an NVMe swap directory must exist, be writable and take O_DIRECT
 files; DeepSpeed's async_io op must be buildable (libaio); and no stale JIT build lock of that op may be
-left (DeepSpeed would wait for it forever). Each problem is a line naming the key and the fix.
+left (DeepSpeed would wait for it forever). ZeRO++'s quantized weights and gradients (qwZ, qgZ) need DeepSpeed's
+quantizer op, which the CPU accelerator does not have. Each problem is a line naming the key and the fix.
 """
 from __future__ import annotations
 
@@ -97,17 +98,73 @@ def _nvme_path_problems(section: str, nvme_path: Any) -> list[str]:
     return []
 
 
+QUANTIZED_KEYS = {"zero_quantized_weights": "qwZ, quantized weight all-gather",
+                  "zero_quantized_nontrainable_weights": "quantized frozen weights",
+                  "zero_quantized_gradients": "qgZ, quantized gradient reduce-scatter"}
+
+
+def _quantizer_missing() -> Optional[str]:
+    """Why this accelerator cannot load DeepSpeed's ``QuantizerBuilder`` op (ZeRO++ qwZ/qgZ), in DeepSpeed's own
+    words, or None when it can (prebuilt, or a builder for this accelerator that is compatible here).
+
+    The CPU accelerator (DeepSpeed 0.19.8) maps it to ``NotImplementedBuilder``, whose ``load()`` raises at once
+    (``ValueError: This op had not been implemented on CPU backend.``), building nothing; that message is returned.
+    DeepSpeed itself only loads it inside ``deepspeed.initialize`` (qwZ: in ``zero.Init``, after the model is
+    on the device) or at the first backward (qgZ: ``all_to_all_quant_reduce``)."""
+    try:
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.git_version_info import installed_ops
+        if installed_ops.get("quantizer"):
+            return None
+        accelerator = get_accelerator()
+        builder = accelerator.create_op_builder("QuantizerBuilder")
+    except Exception:  # noqa: BLE001 - an unusual DeepSpeed build; let DeepSpeed report it later
+        return None
+    name = accelerator.device_name()
+    if builder is None:
+        return f"the {name} accelerator has no QuantizerBuilder"
+    if type(builder).__name__ == "NotImplementedBuilder":
+        try:
+            builder.load(verbose=False)  # raises at once; it has no sources to build
+        except Exception as err:  # noqa: BLE001 - DeepSpeed's reason, quoted
+            return f"DeepSpeed {deepspeed_version()} on the {name} accelerator: \"{err}\""
+        return None
+    if not builder.is_compatible(verbose=False):
+        return f"DeepSpeed {deepspeed_version()}'s QuantizerBuilder is not compatible with this {name} setup"
+    return None
+
+
+def _quantized_problems(zero: dict) -> list[str]:
+    """ZeRO++ quantization keys that are on at stage 3 (DeepSpeed passes them to its ZeRO-3 optimizer only) while
+    the quantizer op cannot load here: one line each, naming the key, DeepSpeed's reason and the fix."""
+    stage = zero.get("stage")
+    keys = [k for k in QUANTIZED_KEYS if zero.get(k) is True]
+    if stage != 3 or not keys:
+        return []
+    reason = _quantizer_missing()
+    if reason is None:
+        return []
+    return [f"zero_optimization.{key}: true (ZeRO++ {QUANTIZED_KEYS[key]}) needs DeepSpeed's QuantizerBuilder op, "
+            f"which cannot load here ({reason}); ZeRO++ quantization runs on CUDA. Set {key} to false on this "
+            f"machine (zero_hpz_partition_size, ZeRO++'s hierarchical partitioning, needs no quantizer)"
+            for key in keys]
+
+
 def host_problems(ds_config: dict) -> list[str]:
     """What this host lacks for ``ds_config`` (a dict ds_muon serves): one line per problem, naming the key and
     the fix. For an NVMe ``offload_optimizer``: the ``nvme_path`` directory (exists, writable, O_DIRECT), libaio
     for DeepSpeed's async_io op, and no stale JIT build lock of that op (:func:`_async_io_build_lock_problem`).
-    Writes (and removes) one probe file in ``nvme_path``."""
+    Writes (and removes) one probe file in ``nvme_path``. At ZeRO stage 3, ZeRO++'s ``zero_quantized_weights``,
+    ``zero_quantized_nontrainable_weights`` and ``zero_quantized_gradients`` need DeepSpeed's quantizer op
+    (:func:`_quantizer_missing`), absent on the CPU accelerator."""
     zero = ds_config.get("zero_optimization")
-    offload = zero.get("offload_optimizer") if isinstance(zero, dict) else None
+    zero = zero if isinstance(zero, dict) else {}
+    problems = _quantized_problems(zero)
+    offload = zero.get("offload_optimizer")
     device = offload.get("device") if isinstance(offload, dict) else None
     if str(getattr(device, "value", device)).lower() != "nvme":
-        return []
-    problems = list(_nvme_path_problems("offload_optimizer", offload.get("nvme_path")))
+        return problems
+    problems += _nvme_path_problems("offload_optimizer", offload.get("nvme_path"))
     if not _async_io_available():
         problems.append("zero_optimization.offload_optimizer.device: 'nvme' needs DeepSpeed's async_io op, which "
                         "cannot be built here: libaio is missing; install it (Debian/Ubuntu: apt-get install "

@@ -82,6 +82,9 @@ def test_autoep_layers_are_refused_naming_the_key():
     problem, builtin_could = _engine_problem(engine(True))
     assert builtin_could and problem is not None
     assert "AutoEP MoE layers (\"expert_parallel\")" in problem and "not parity-tested" in problem, problem
+    # what DeepSpeed does with the experts, where the rest is written down, and what to use instead
+    assert "expert-data-parallel group" in problem and "docs/parallelism.md" in problem, problem
+    assert "stacked expert weights" in problem and "expert_parallel off" in problem, problem
 
 
 def _native_moe_at_stage_2(rank: int, world_size: int) -> dict:

@@ -49,3 +49,31 @@ def test_the_model_prints_a_table(capsys) -> None:
     comm_model.main(["--model", "tiny", "--world-sizes", "2,16"])
     out = capsys.readouterr().out
     assert "| 16 |" in out and "owners with work" in out
+
+
+@pytest.mark.parametrize("world_size", [64, 256])
+def test_tensor_and_expert_parallel_rows(infos, world_size: int) -> None:
+    """The TP and EP rows of docs/parallelism.md: ``full`` = the data-parallel plan at W; ``shard`` = each TP rank's
+    shards (1/T of every matrix) over D = W/T; EP = the dense matrices over W plus 1/EP of the experts over W/EP.
+    Each mean within the closed form ``2 n (w-1) / w^2`` per exchange (plus chunk padding)."""
+    tp, ep = 8, 8
+    moe = comm_model.muon_param_infos("moe-1.5b")
+    rows = {r["mode"].split(" (")[0]: r for r in comm_model.parallel_rows(infos, moe, world_size, tp, ep, 1)}
+    P = sum(p.numel for p in infos)
+    dp, full, shard = rows["data parallel"], rows[f"AutoTP T={tp}, tp_mode full"], rows[f"AutoTP T={tp}, tp_mode shard"]
+    assert full == {**dp, "mode": full["mode"]}
+    assert shard["elements"] == P // tp and shard["groups"] == str(world_size // tp)
+
+    def closed(n, w):
+        return 2 * n * (w - 1) / w**2
+
+    assert closed(P / tp, world_size // tp) <= shard["mean_bytes"] <= closed(P / tp, world_size // tp) * 1.01
+    dense = sum(p.numel for p in moe if "experts" not in p.name)
+    experts = sum(p.numel for p in moe if "experts" in p.name)
+    assert experts > 0 and dense > 0
+    moe_ep = rows[f"MoE, EP={ep}"]
+    assert moe_ep["elements"] == dense + experts // ep
+    assert moe_ep["groups"] == f"{world_size} + {world_size // ep}"
+    want = closed(dense, world_size) + closed(experts / ep, world_size // ep)
+    assert want <= moe_ep["mean_bytes"] <= want * 1.01
+    assert moe_ep["max_bytes"] < rows["MoE, data parallel"]["max_bytes"]
