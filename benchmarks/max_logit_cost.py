@@ -11,8 +11,9 @@ between blocks of ``--steps`` steps, off and on alternating for ``--rounds`` rou
 machine's speed hits both alike); each step with recording also takes the values
 (``RECORDER.take``, what the clip does once per step). Prints medians of the step and fwd+bwd time
 per condition, the ratio, and the recording's own time measured alone: ``max_logits_per_head`` on
-one layer's query/key shapes, times the layer count (``--no-micro`` skips it). Target: recording
-<= 3% of step time.
+one layer's query/key shapes, times the layer count, wall clock and CUDA events, next to the
+implementation before 2026-12-02 (``previous_max_logits_per_head``; ``--no-micro`` skips both).
+``--micro-only`` times only these (no engine). Target (issue 27): recording <= 2% of step time.
 """
 from __future__ import annotations
 
@@ -32,20 +33,103 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def micro_cost(cfg, micro_batch: int, seq_len: int, device, dtype, reps: int = 10) -> float:
-    """Seconds of ``max_logits_per_head`` for all layers of one forward, measured alone."""
+def previous_max_logits_per_head(query, key, scaling: float, attention_mask=None, is_causal: bool = False,
+                                 chunk_size=None):
+    """``ds_muon.model.max_logits.max_logits_per_head`` as it was until 2026-12-02, kept to time against the
+    current one (``--micro``) and for ``tests/unit/test_max_logits.py``'s old-against-new check. Same contract.
+    Per chunk it ran two matmuls under causality (keys before the chunk, the diagonal block), built the
+    causal mask from two ``arange`` and reduced each score chunk over the non-contiguous dims ``(0, 3, 4)``
+    straight to ``(Hkv, G)``; about 10 kernels per chunk."""
+    import torch
+    from ds_muon.model import max_logits as ml
+    B, H, Sq, D = query.shape
+    Hkv, Sk = key.shape[1], key.shape[2]
+    G = H // Hkv
+    if chunk_size is None:
+        chunk_size = max(1, ml.CHUNK_ELEMENTS // max(1, B * H * Sk))
+        if is_causal:
+            chunk_size = min(chunk_size, max(64, -(-Sq // 4)))
+    mask = None if attention_mask is None else ml._grouped_mask(attention_mask, B, H, Hkv, Sq, Sk)
+    with torch.no_grad():
+        q = query.detach().reshape(B, Hkv, G, Sq, D)
+        kt = key.detach().transpose(-1, -2).unsqueeze(2)
+        best = torch.full((Hkv, G), float("-inf"), dtype=query.dtype, device=query.device)
+        for i0 in range(0, Sq, chunk_size):
+            i1 = min(i0 + chunk_size, Sq)
+            qc = q[:, :, :, i0:i1]
+            if is_causal:
+                if i0 > 0:
+                    free = torch.matmul(qc, kt[..., :min(i0, Sk)])
+                    torch.maximum(best, free.amax(dim=(0, 3, 4)), out=best)
+                if i0 < Sk:
+                    diag = torch.matmul(qc, kt[..., i0:min(i1, Sk)])
+                    rows = torch.arange(i0, i1, device=query.device)[:, None]
+                    cols = torch.arange(i0, min(i1, Sk), device=query.device)[None, :]
+                    diag.masked_fill_(cols > rows, float("-inf"))
+                    torch.maximum(best, diag.amax(dim=(0, 3, 4)), out=best)
+                continue
+            scores = torch.matmul(qc, kt)
+            if mask is not None:
+                allowed = mask[:, :, :, i0:i1] if mask.size(3) == Sq else mask
+                scores.masked_fill_(~allowed, float("-inf"))
+            torch.maximum(best, scores.amax(dim=(0, 3, 4)), out=best)
+        return best.reshape(H).float() * scaling
+
+
+def micro_cost(cfg, micro_batch: int, seq_len: int, device, dtype, reps: int = 10, fn=None) -> dict:
+    """``fn`` (default ``max_logits_per_head``) on one layer's causal query/key shapes, measured alone, times the
+    layer count: ``{"wall_s", "gpu_s"}`` per step (``gpu_s``: CUDA events around the same calls, None on CPU)."""
     import torch
     from ds_muon.model.max_logits import max_logits_per_head
+    fn = max_logits_per_head if fn is None else fn
     q = torch.randn(micro_batch, cfg.n_heads, seq_len, cfg.head_dim, device=device, dtype=dtype)
     k = torch.randn(micro_batch, cfg.n_kv_heads, seq_len, cfg.head_dim, device=device, dtype=dtype)
     for _ in range(3):
-        max_logits_per_head(q, k, cfg.head_dim ** -0.5, is_causal=True)
+        fn(q, k, cfg.head_dim ** -0.5, is_causal=True)
     sync(device)
+    cuda = device.type == "cuda"
+    if cuda:
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
     t = time.perf_counter()
     for _ in range(reps):
-        max_logits_per_head(q, k, cfg.head_dim ** -0.5, is_causal=True)
+        fn(q, k, cfg.head_dim ** -0.5, is_causal=True)
+    if cuda:
+        stop.record()
     sync(device)
-    return (time.perf_counter() - t) / reps * cfg.n_layers
+    wall = (time.perf_counter() - t) / reps * cfg.n_layers
+    gpu = start.elapsed_time(stop) / 1e3 / reps * cfg.n_layers if cuda else None
+    return dict(wall_s=wall, gpu_s=gpu)
+
+
+def micro_only(args) -> None:
+    """``--micro-only``: both implementations alone on the preset's layer shapes (bf16 on CUDA, fp32 on CPU),
+    with their results compared; printed and written to ``--out``."""
+    import torch
+    sys.path.insert(0, os.path.join(REPO, "examples"))
+    sys.path.insert(0, REPO)
+    from ds_muon.model.max_logits import max_logits_per_head
+    from model import ModelConfig
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cfg = ModelConfig.preset(args.model, max_seq_len=args.seq_len)
+    res = {name: micro_cost(cfg, args.micro_batch, args.seq_len, device, dtype, fn=fn)
+           for name, fn in (("current", max_logits_per_head), ("previous", previous_max_logits_per_head))}
+    q = torch.randn(args.micro_batch, cfg.n_heads, args.seq_len, cfg.head_dim, device=device, dtype=dtype)
+    k = torch.randn(args.micro_batch, cfg.n_kv_heads, args.seq_len, cfg.head_dim, device=device, dtype=dtype)
+    a = max_logits_per_head(q, k, cfg.head_dim ** -0.5, is_causal=True)
+    b = previous_max_logits_per_head(q, k, cfg.head_dim ** -0.5, is_causal=True)
+    res["max_abs_difference"] = float((a - b).abs().max())
+    res.update(model=args.model, micro_batch=args.micro_batch, seq_len=args.seq_len, device=str(device),
+               torch=torch.__version__)
+    for name in ("current", "previous"):
+        m = res[name]
+        gpu = "" if m["gpu_s"] is None else f", GPU {m['gpu_s'] * 1e3:.3f} ms"
+        print(f"{name}: {m['wall_s'] * 1e3:.3f} ms per step ({cfg.n_layers} layers, wall){gpu}")
+    print(f"max |current - previous| = {res['max_abs_difference']:.3g}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
 
 
 def main() -> None:
@@ -58,8 +142,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="off/on block pairs")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--micro", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--micro-only", action="store_true",
+                    help="only time the recording alone (current and previous implementation), no engine")
     ap.add_argument("--out", default=None, help="also write the results as JSON")
     args = ap.parse_args()
+    if args.micro_only:
+        return micro_only(args)
 
     if "RANK" not in os.environ:  # plain `python ...`: a single process
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
@@ -125,6 +213,8 @@ def main() -> None:
                    peak_gib=peak[k] / 2**30) for k in (False, True)}
     dtype = torch.bfloat16 if config.get("bf16", {}).get("enabled") else torch.float32
     micro = micro_cost(cfg, args.micro_batch, args.seq_len, device, dtype) if args.micro else None
+    micro_prev = (micro_cost(cfg, args.micro_batch, args.seq_len, device, dtype, fn=previous_max_logits_per_head)
+                  if args.micro else None)
     if rank == 0:
         off, on = res[False], res[True]
         print(f"\nmodel {args.model} ({sum(p.ds_numel for p in model.parameters()) / 1e6:.0f}M params), "
@@ -137,11 +227,13 @@ def main() -> None:
         print(f"step on/off {on['step_s'] / off['step_s']:.4f}x ({on['step_s'] / off['step_s'] - 1:+.2%}); "
               f"fwd+bwd on/off {on['fwd_bwd_s'] / off['fwd_bwd_s']:.4f}x")
         if micro is not None:
-            print(f"max_logits_per_head alone: {micro * 1e3:.2f} ms per step ({cfg.n_layers} layers) = "
-                  f"{micro / off['step_s']:.2%} of the step without recording")
+            for name, m in (("max_logits_per_head", micro), ("previous_max_logits_per_head", micro_prev)):
+                gpu = "" if m["gpu_s"] is None else f", GPU {m['gpu_s'] * 1e3:.2f} ms"
+                print(f"{name} alone: {m['wall_s'] * 1e3:.2f} ms per step ({cfg.n_layers} layers){gpu} = "
+                      f"{m['wall_s'] / off['step_s']:.2%} of the step without recording")
         if args.out:
             with open(args.out, "w") as f:
-                json.dump(dict(args=vars(args), off=off, on=on, micro_s=micro), f, indent=1)
+                json.dump(dict(args=vars(args), off=off, on=on, micro=micro, micro_previous=micro_prev), f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
 

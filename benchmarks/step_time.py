@@ -217,17 +217,44 @@ def _quintic_form(form: str):
     return run
 
 
-_OPTS = ("eager", "static", "dynamic", "autotune", "fused", "plain", "baddbmm", "hybrid")
+_OPTS = ("eager", "static", "dynamic", "autotune", "fused", "plain", "baddbmm", "hybrid", "cublaslt")
+
+
+def _with_cublaslt(fn):
+    """``fn`` run (and compiled, on its first call) with cuBLASLt as torch's preferred BLAS library
+    (``torch.backends.cuda.preferred_blas_library``; batched bf16 matmuls then go through cublasLt's heuristics
+    instead of cublas's), the previous preference restored after each call; CUDA only."""
+    import torch
+
+    def run(x):
+        if x.device.type != "cuda":
+            return fn(x)
+        before = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        try:
+            return fn(x)
+        finally:
+            torch.backends.cuda.preferred_blas_library(before)
+
+    return run
 
 
 def ns_variant(name: str, steps: int, device, backend: str = "inductor"):
+    """See ``_ns_variant``; option ``cublaslt`` wraps its function in ``_with_cublaslt``."""
+    fn, method, dtype = _ns_variant(name, steps, device, backend)
+    if "cublaslt" in name.partition("[")[2]:
+        fn = _with_cublaslt(fn)
+    return fn, method, dtype
+
+
+def _ns_variant(name: str, steps: int, device, backend: str = "inductor"):
     """``(fn, flops_method, dtype)`` for a microbenchmark variant ``name``.
 
     ``name`` is a peer (``PEERS``) or ``method[opt,...]`` with ``method`` in ds_muon's ``NS_METHODS``
     and options: ``eager`` (not compiled), ``static`` (``dynamic=False``), ``dynamic``
     (``dynamic=True``), ``autotune`` (``mode="max-autotune-no-cudagraphs"``, static unless
     ``dynamic``), ``fused``/``plain`` (``QUINTIC_FORMS``), ``baddbmm``/``hybrid`` (rejected forms of
-    the standard quintic, ``_quintic_form``). No options: ``compiled_orthogonalize(method)`` as ds_muon
+    the standard quintic, ``_quintic_form``), ``cublaslt`` (cuBLASLt as the preferred BLAS library, CUDA only). No options: ``compiled_orthogonalize(method)`` as ds_muon
     runs it (``COMPILE_MODE``, ``COMPILE_DYNAMIC``, ``QUINTIC_FORM``). Compute dtype: bf16 (gram:
     fp16, as ``resolve_ns_dtype``'s ``auto``); float32 on CPU. ``backend`` other than inductor
     (tests: ``"eager"``) drops ``autotune``."""
@@ -521,7 +548,7 @@ def main() -> None:
                     help="Newton-Schulz microbenchmark shapes BxMxN, comma-separated (CPU smoke test: 2x64x64,...)")
     ap.add_argument("--ns-variants", default=",".join(NS_VARIANTS),
                     help="what the microbenchmark times, in order: peers (heavyball, torch.optim.Muon) and "
-                         "ds_muon's method[opt,...] with opts eager/static/dynamic/autotune/fused/plain/baddbmm/hybrid "
+                         "ds_muon's method[opt,...] with opts eager/static/dynamic/autotune/fused/plain/baddbmm/hybrid/cublaslt "
                          "(see ns_variant); variant names contain commas inside [], so separate them with ';' "
                          "when any has more than one option")
     ap.add_argument("--ns-iters", type=int, default=10, help="timed calls per variant and shape (after 3 untimed)")

@@ -241,7 +241,10 @@ class MuonOptimizerParams(BaseModel):
                      "'max-autotune-no-cudagraphs' with static shapes (one graph per (batch, rows, cols) of the owner "
                      "plan, 4-9 s of Triton autotuning each on the first step). Measured on one H200, bf16, 5 steps: "
                      "83-85% of the matmul rate against 77-80% without (docs/benchmarks.md). Pays on long runs; "
-                     "off by default for the start-up time. Source: ds_muon, benchmarks/step_time.py --ns-micro."))
+                     "off by default for the start-up time. Prints a progress line per graph on rank 0 and keeps "
+                     "inductor's caches in $XDG_CACHE_HOME/ds_muon/torchinductor (~/.cache/...) unless "
+                     "TORCHINDUCTOR_CACHE_DIR is set, so a second start with the same shapes skips the tuning. "
+                     "Source: ds_muon, benchmarks/step_time.py --ns-micro."))
     update_scale: Literal["shape", "rms_match"] = Field(
         "shape",
         description=("Dimensionless multiplier of the orthogonalized update of a (rows, cols) matrix (conv "

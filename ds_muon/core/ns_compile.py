@@ -8,13 +8,17 @@ falls back to eager while the rest of the user's program keeps its own setting.
 from __future__ import annotations
 
 import functools
+import os
+import sys
+import time
 
 import torch
 
 from .newton_schulz import check_form, orthogonalize
 from .ns_cost import check_method, check_steps
 
-__all__ = ["COMPILE_MODE", "COMPILE_DYNAMIC", "AUTOTUNE_COMPILE", "COMPILE_GRAPH_LIMIT", "compiled_orthogonalize"]
+__all__ = ["COMPILE_MODE", "COMPILE_DYNAMIC", "AUTOTUNE_COMPILE", "COMPILE_GRAPH_LIMIT", "compiled_orthogonalize",
+           "AUTOTUNE_PROGRESS", "persistent_inductor_cache"]
 
 #: ``torch.compile`` ``mode`` and ``dynamic`` of ``compiled_orthogonalize`` when none is given (the
 #: owner step's Newton–Schulz). ``None``/``True``: inductor's default mode, dynamic shapes (few graphs
@@ -38,6 +42,83 @@ COMPILE_GRAPH_LIMIT = 64
 
 
 _DEFAULT = "default"  # compiled_orthogonalize: "use the module-level setting"
+
+#: Where inductor's caches go when ``ns_autotune`` is on and the user has not chosen
+#: (``TORCHINDUCTOR_CACHE_DIR`` unset): ``$XDG_CACHE_HOME/ds_muon/torchinductor`` (``~/.cache/...``), which
+#: survives reboots, unlike inductor's own default under ``/tmp``.
+CACHE_SUBDIR = os.path.join("ds_muon", "torchinductor")
+
+
+def persistent_inductor_cache() -> str:
+    """Point inductor's on-disk caches at a persistent directory unless the user chose one; return the directory.
+
+    With static shapes and ``max-autotune`` every Newton–Schulz call shape costs seconds to a minute of
+    Triton autotuning on its first compile. Inductor caches the compiled graph (FX graph cache, which
+    holds the autotuned kernel choice), the autotuning results (``autotune_local_cache``) and the Triton
+    binaries under ``TORCHINDUCTOR_CACHE_DIR`` (Triton's under ``<dir>/triton`` unless ``TRITON_CACHE_DIR``
+    is set), so a second start with the same shapes, torch and GPU only re-traces (seconds). Inductor's
+    default directory is under ``/tmp``; this sets ``TORCHINDUCTOR_CACHE_DIR`` to
+    ``$XDG_CACHE_HOME/ds_muon/torchinductor`` (default ``~/.cache/ds_muon/torchinductor``) when it is unset,
+    before the first compile, and turns the two local caches on. An existing ``TORCHINDUCTOR_CACHE_DIR``
+    (the user's, or the one inductor fixed on an earlier compile in this process) is kept.
+    """
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        current = os.path.join(base, CACHE_SUBDIR)
+        try:
+            os.makedirs(current, exist_ok=True)
+        except OSError:  # read-only home: inductor's own default stays in force
+            return ""
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = current
+    from torch._inductor import config as inductor_config
+    inductor_config.fx_graph_cache = True
+    inductor_config.autotune_local_cache = True
+    return current
+
+
+class AutotuneProgress:
+    """Progress lines of the static-shape (``ns_autotune``) Newton–Schulz compiles, on rank 0 (stderr).
+
+    ``expect(n)`` (the integration layer, from the owner plan's distinct call shapes of this rank) gives the
+    total; each first call of a new shape prints ``ds_muon ns_autotune: compiling Newton-Schulz graph k/n for
+    (batch, rows, cols) dtype ...`` before it compiles and ``... done in s; m left`` after.
+    """
+
+    def __init__(self) -> None:
+        self.expected: int | None = None
+        self.seen: set = set()
+        self.stream = sys.stderr
+
+    def expect(self, n: int) -> None:
+        """The number of distinct call shapes this process will compile (None: unknown)."""
+        self.expected = n
+
+    def _print(self, text: str) -> None:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+            return
+        print(f"ds_muon ns_autotune: {text}", file=self.stream, flush=True)
+
+    def call(self, key: tuple, run):
+        """``run()``; around its first call for ``key`` (a shape, dtype, method), the two progress lines."""
+        if key in self.seen:
+            return run()
+        self.seen.add(key)
+        k, n = len(self.seen), self.expected
+        total = f"/{n}" if n else ""
+        where = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "inductor's default cache")
+        self._print(f"compiling Newton-Schulz graph {k}{total} for {key[0]} {key[1]} {key[2]} (first use: Triton "
+                    f"autotuning, seconds to a minute; cached in {where})")
+        t0 = time.perf_counter()
+        out = run()
+        left = f"; {max(0, n - k)} left" if n else ""
+        self._print(f"graph {k}{total} done in {time.perf_counter() - t0:.1f} s{left}")
+        return out
+
+
+#: The progress of this process's ``ns_autotune`` compiles (see :class:`AutotuneProgress`).
+AUTOTUNE_PROGRESS = AutotuneProgress()
 
 
 def compiled_orthogonalize(method: str = "standard", steps: int = 5, dtype: torch.dtype | None = None,
@@ -86,15 +167,25 @@ def compiled_orthogonalize(method: str = "standard", steps: int = 5, dtype: torc
 @functools.lru_cache(maxsize=None)
 def _compiled(method: str, steps: int, dtype: torch.dtype | None, backend: str, mode: str | None,
               dynamic: bool | None, form: str):
+    static_autotune = mode is not None and "autotune" in mode and not dynamic
+    if static_autotune:
+        persistent_inductor_cache()
     compiled = torch.compile(functools.partial(orthogonalize, method=method, steps=steps, dtype=dtype, form=form),
                              dynamic=dynamic, backend=backend, mode=mode)
 
     # torch < 2.7 calls the limit cache_size_limit
     limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 
-    def fn(x: torch.Tensor) -> torch.Tensor:
+    def call(x: torch.Tensor) -> torch.Tensor:
         with torch._dynamo.config.patch(**{limit: COMPILE_GRAPH_LIMIT}):
             return compiled(x)
+
+    if not static_autotune:
+        return call
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return AUTOTUNE_PROGRESS.call((tuple(x.shape), str(x.dtype).replace("torch.", ""), method),
+                                      lambda: call(x))
 
     return fn
 

@@ -21,7 +21,7 @@ from deepspeed.utils import logger
 
 from ..checkpoint.metadata import raise_on_every_rank, zero_state_dict_problems
 from ..core.dtypes import resolve_exchange_dtype, resolve_ns_dtype
-from ..core.ns_compile import COMPILE_GRAPH_LIMIT
+from ..core.ns_compile import AUTOTUNE_PROGRESS, COMPILE_GRAPH_LIMIT
 from ..core.qk_clip import factor_vector
 from ..errors import ConfigError
 from ..model.attention import check_recorded, take_max_logits
@@ -155,6 +155,8 @@ class DsMuonZeroSteps:
         plans = list(self.muon_plans.values())
         worst = max(len(set().union(*(p.ns_call_shapes(r) for p in plans)))
                     for r in range(max(p.world_size for p in plans)))
+        rank = dist.get_rank(group=self.dp_process_group) if dist.is_initialized() else 0
+        AUTOTUNE_PROGRESS.expect(len(set().union(*(p.ns_call_shapes(rank) for p in plans))))  # progress lines
         if worst > COMPILE_GRAPH_LIMIT:
             raise ConfigError(f"optimizer.params.ns_autotune: this model's owner plan makes {worst} distinct "
                               f"Newton-Schulz call shapes on one rank, more than the {COMPILE_GRAPH_LIMIT} static "

@@ -27,6 +27,7 @@ attention function (:mod:`ds_muon.model.hf_attention`); a custom attention calls
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Optional
 
@@ -115,6 +116,10 @@ def max_logits_per_head(query: torch.Tensor, key: torch.Tensor, scaling: float,
     Computed under ``torch.no_grad`` over chunks of query positions, so the extra memory is
     ``O(B * H * chunk * Sk)`` elements, never a full ``(Sq, Sk)`` matrix per head. With
     ``is_causal`` the keys after a chunk's last query are skipped altogether (about half the work).
+    Per chunk: one matmul, one in-place mask (causal: of the diagonal block only, a cached triangle) and
+    one contiguous last-dim max into a ``(B, H, Sq)`` row-max buffer, reduced to ``(H,)`` once at the end
+    (the form before 2026-12-02, two matmuls and ~10 kernels per chunk with a reduction over
+    non-contiguous dims, is ``benchmarks/max_logit_cost.py``'s ``previous_max_logits_per_head``).
 
     Args:
         query: ``(B, H, Sq, D)``, floating point.
@@ -155,31 +160,46 @@ def max_logits_per_head(query: torch.Tensor, key: torch.Tensor, scaling: float,
     if chunk_size < 1:
         raise ValueError(f"max_logits_per_head: chunk_size must be >= 1, got {chunk_size}")
     mask = None if attention_mask is None else _grouped_mask(attention_mask, B, H, Hkv, Sq, Sk)
+    if B == 0 or Sq == 0 or Sk == 0:
+        return torch.full((H,), float("-inf"), dtype=torch.float32, device=query.device)
     with torch.no_grad():
         q = query.detach().reshape(B, Hkv, G, Sq, D)                # query head h = kv head h // G, member h % G
         kt = key.detach().transpose(-1, -2).unsqueeze(2)             # (Bk, Hkv, 1, D, Sk)
-        best = torch.full((Hkv, G), float("-inf"), dtype=query.dtype, device=query.device)
+        blocked = None if mask is None else ~mask
+        # per query row, the max over its allowed keys; one reduction over (B, Sq) at the end. Per chunk: one
+        # matmul, (causal: one masked_fill of the diagonal block), one contiguous last-dim amax.
+        rowmax = torch.empty((B, Hkv, G, Sq), dtype=query.dtype, device=query.device)
         for i0 in range(0, Sq, chunk_size):
             i1 = min(i0 + chunk_size, Sq)
             qc = q[:, :, :, i0:i1]                                   # (B, Hkv, G, c, D)
             if is_causal:
-                # keys [0, i0) are seen by every query of the chunk; keys [i0, i1) by the lower triangle
-                if i0 > 0:
-                    free = torch.matmul(qc, kt[..., :min(i0, Sk)])
-                    torch.maximum(best, free.amax(dim=(0, 3, 4)), out=best)
-                if i0 < Sk:
-                    diag = torch.matmul(qc, kt[..., i0:min(i1, Sk)])  # (B, Hkv, G, c, c')
-                    rows = torch.arange(i0, i1, device=query.device)[:, None]
-                    cols = torch.arange(i0, min(i1, Sk), device=query.device)[None, :]
-                    diag.masked_fill_(cols > rows, float("-inf"))
-                    torch.maximum(best, diag.amax(dim=(0, 3, 4)), out=best)
-                continue
-            scores = torch.matmul(qc, kt)                            # (B, Hkv, G, c, Sk)
-            if mask is not None:
-                allowed = mask[:, :, :, i0:i1] if mask.size(3) == Sq else mask
-                scores.masked_fill_(~allowed, float("-inf"))
-            torch.maximum(best, scores.amax(dim=(0, 3, 4)), out=best)
-        return best.reshape(H).float() * scaling
+                # query i sees keys j <= i: the chunk needs keys [0, min(i1, Sk)); in the block of keys
+                # [i0, i1) only the lower triangle is allowed (keys after the chunk's last query: never computed)
+                end = min(i1, Sk)
+                scores = torch.matmul(qc, kt[..., :end])             # (B, Hkv, G, c, end)
+                if i0 < end:
+                    scores[..., i0:end].masked_fill_(_future_keys(i1 - i0, end - i0, query.device), float("-inf"))
+            else:
+                scores = torch.matmul(qc, kt)                        # (B, Hkv, G, c, Sk)
+                if blocked is not None:
+                    scores.masked_fill_(blocked[:, :, :, i0:i1] if blocked.size(3) == Sq else blocked, float("-inf"))
+            torch.amax(scores, dim=-1, out=rowmax[..., i0:i1])
+        return rowmax.amax(dim=(0, 3)).reshape(H).float() * scaling
+
+
+@functools.lru_cache(maxsize=32)
+def _strict_upper(rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    """``(rows, cols)`` bool, True where ``col > row``: the future keys of a causal chunk's diagonal block (cached
+    per shape and device, so a training step builds it once)."""
+    return torch.ones(rows, cols, dtype=torch.bool, device=device).triu_(1)
+
+
+def _future_keys(rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    """:func:`_strict_upper`, cached in eager mode; built in the graph under ``torch.compile`` (no cached tensors
+    captured as constants)."""
+    if torch.compiler.is_compiling():
+        return torch.ones(rows, cols, dtype=torch.bool, device=device).triu_(1)
+    return _strict_upper(rows, cols, device)
 
 
 def _grouped_mask(mask: torch.Tensor, B: int, H: int, Hkv: int, Sq: int, Sk: int) -> torch.Tensor:

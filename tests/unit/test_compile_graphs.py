@@ -150,4 +150,6 @@ def test_ns_autotune_refuses_more_static_graphs_than_the_limit(monkeypatch):
     check(fake(torch.device("cpu"), ns_autotune=True))
     check(fake(cuda, ns_autotune=False))
     monkeypatch.setattr(zero_common, "COMPILE_GRAPH_LIMIT", shapes)
+    monkeypatch.setattr(zero_common.AUTOTUNE_PROGRESS, "expected", None)
     check(fake(cuda, ns_autotune=True))
+    assert zero_common.AUTOTUNE_PROGRESS.expected == shapes  # the progress lines' total (this rank's shapes)

@@ -231,3 +231,33 @@ def test_default_chunks_keep_the_score_budget(monkeypatch, is_causal):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
     full = 2 * 4 * 256 * 256 * 4
     assert len(sizes) > 8 and max(sizes) <= 4096 * 4 < full, (len(sizes), max(sizes))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("Sq,Sk,chunk", [(64, 64, None), (37, 37, 5), (20, 29, 6), (29, 20, 4), (70, 70, 64)])
+def test_same_values_as_the_previous_implementation(Sq, Sk, chunk, dtype):
+    """The implementation of 2026-12-02 (one matmul per chunk, cached causal block mask, row maxima reduced once)
+    gives what the one before it gave (``benchmarks/max_logit_cost.py``'s ``previous_max_logits_per_head``) on
+    random inputs: GQA, causal (Sq = Sk, Sq < Sk, Sq > Sk), left padding, per-head bool and additive masks;
+    exactly on integer-valued inputs, within the matmul's summation order on random floats."""
+    from tests.support.tools import repo_module
+    previous = repo_module("benchmarks/max_logit_cost.py").previous_max_logits_per_head
+    g = torch.Generator().manual_seed(Sq * 100 + Sk)
+    for B, H, Hkv in ((2, 8, 2), (3, 4, 4), (1, 6, 1)):
+        qi, ki = qk(B=B, H=H, Hkv=Hkv, Sq=Sq, Sk=Sk, D=16, dtype=dtype, seed=Sq + H)
+        qf = torch.randn(B, H, Sq, 16, generator=g).to(dtype)
+        kf = torch.randn(B, Hkv, Sk, 16, generator=g).to(dtype)
+        masks = [None, torch.rand(B, H, Sq, Sk, generator=g) > 0.4, torch.rand(B, 1, 1, Sk, generator=g) > 0.2]
+        if Sq == Sk:
+            masks.append(left_padding(B, Sq, [0, Sq // 3, Sq - 1][:B]))
+        additive = torch.zeros(B, 1, Sq, Sk).masked_fill(torch.rand(B, 1, Sq, Sk, generator=g) > 0.5, float("-inf"))
+        masks.append(additive)
+        for q, k, exact in ((qi, ki, True), (qf, kf, False)):
+            cases = [dict(is_causal=True)] + [dict(attention_mask=m) for m in masks]
+            for kw in cases:
+                got = max_logits_per_head(q, k, 0.17, chunk_size=chunk, **kw)
+                want = previous(q, k, 0.17, chunk_size=chunk, **kw)
+                if exact:
+                    assert torch.equal(got, want), (B, H, Hkv, kw.keys())
+                else:
+                    torch.testing.assert_close(got, want, rtol=1e-6 if dtype == torch.float32 else 8e-3, atol=0)

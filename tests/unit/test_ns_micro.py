@@ -5,6 +5,7 @@ autotune mode is inductor's, dropped with another backend)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -63,3 +64,51 @@ def test_ns_autotune_runs_the_measured_variant():
     assert not parse_muon_params({}).ns_autotune
     with pytest.raises(ConfigError, match="ns_autotune.*ns_compile: true"):
         parse_muon_params({"ns_autotune": True, "ns_compile": False})
+
+
+def test_ns_autotune_progress_lines_and_persistent_cache(monkeypatch, tmp_path):
+    """``ns_autotune`` (issue 27, item 4): each new static call shape prints a line before it compiles (which
+    graph of how many, the shape) and one after (seconds, how many left), on rank 0; a shape seen before
+    prints nothing. The compile of an autotuned graph first points inductor's caches at a persistent
+    directory (``$XDG_CACHE_HOME/ds_muon/torchinductor``) when ``TORCHINDUCTOR_CACHE_DIR`` is unset, and keeps
+    a directory the user set."""
+    import io
+
+    from torch._inductor import config as inductor_config
+
+    from ds_muon.core import ns_compile
+    progress = ns_compile.AutotuneProgress()
+    progress.stream = io.StringIO()
+    progress.expect(3)
+    calls = []
+    for shape in [(16, 64, 64), (16, 64, 64), (4, 32, 96)]:
+        assert progress.call((shape, "bfloat16", "standard"), lambda: calls.append(shape) or 7) == 7
+    lines = progress.stream.getvalue().splitlines()
+    assert len(calls) == 3 and len(lines) == 4, lines
+    assert "graph 1/3 for (16, 64, 64) bfloat16 standard" in lines[0] and "2 left" in lines[1]
+    assert "graph 2/3 for (4, 32, 96)" in lines[2] and "1 left" in lines[3]
+
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", inductor_config.fx_graph_cache)
+    monkeypatch.setattr(inductor_config, "autotune_local_cache", inductor_config.autotune_local_cache)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    want = str(tmp_path / "ds_muon" / "torchinductor")
+    # the compiled function of ns_autotune's settings: torch.compile replaced (no inductor run on CPU)
+    monkeypatch.setattr(ns_compile.torch, "compile", lambda f, **kw: f)
+    monkeypatch.setattr(ns_compile, "AUTOTUNE_PROGRESS", progress)
+    ns_compile.compiled_orthogonalize.cache_clear()
+    try:
+        fn = ns_compile.compiled_orthogonalize("standard", 5, torch.float32, **ns_compile.AUTOTUNE_COMPILE)
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == want and os.path.isdir(want)
+        assert inductor_config.fx_graph_cache and inductor_config.autotune_local_cache
+        fn(torch.randn(2, 8, 12))
+        assert "(2, 8, 12) float32 standard" in progress.stream.getvalue().splitlines()[-2]
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+        assert ns_compile.persistent_inductor_cache() == str(tmp_path / "mine")
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+        # the default (dynamic) compile touches neither the cache directory nor the progress
+        before = progress.stream.getvalue()
+        ns_compile.compiled_orthogonalize("standard", 5, torch.float32)(torch.randn(2, 8, 12))
+        assert progress.stream.getvalue() == before
+    finally:
+        ns_compile.compiled_orthogonalize.cache_clear()
