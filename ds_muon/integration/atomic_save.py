@@ -204,7 +204,8 @@ def install_atomic_save(engine) -> None:
     Raises (from the wrapped ``save_checkpoint``):
         CheckpointError: on every rank together, when creating the tag folder or writing a file failed on some
             rank; names each failed file, the bytes it needed, the bytes free on its filesystem, the tag and what
-            ``latest`` still names.
+            ``latest`` still names (no file under a final name was changed). Also when renaming the written files
+            into place failed on some rank, naming per rank the files replaced and those left as they were.
     """
     engine_ref = weakref.ref(engine)
     save = type(engine).save_checkpoint
