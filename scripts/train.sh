@@ -20,10 +20,14 @@ if [[ ! -x "$VENV/bin/python" ]]; then
     "$PYTHON" -m venv "$VENV"
 fi
 export PATH="$(cd "$VENV/bin" && pwd):$PATH"        # the launcher, and ninja for DeepSpeed's JIT-built ops
-# DeepSpeed JIT-builds a C++ op on first use (on CPU: its shared-memory all-reduce, ~1 min on 2 cores). The default
+# DeepSpeed JIT-builds a C++ op on first use (on CPU: its shared-memory all-reduce: 48 s on 2 idle cores, 284 s on 2
+# loaded ones). The default
 # cache (~/.cache/torch_extensions) is shared by all environments, and each one rebuilds it with its own include
 # paths, so keep one cache per environment.
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$(cd "$VENV" && pwd)/torch_extensions}"
+# ... and `source $VENV/bin/activate` sets the same default later (deactivate removes it): without it, a
+# later `deepspeed examples/train.py` rebuilds every op in torch's default cache, silently, for minutes.
+python scripts/venv_hook.py "$VENV" || true
 
 if ! python -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1; then

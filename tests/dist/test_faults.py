@@ -533,7 +533,8 @@ def _after_crash(rank: int, world_size: int, ckpt_dir: str) -> dict:
 
 def test_crash_during_save_keeps_previous_checkpoint(tmp_path):
     """SIGKILL of rank 1 in the middle of writing its optimizer file: `latest` still names t1, t1 loads
-    (muon_step_count 1), and loading t2 explicitly names the missing optimizer file of rank 1."""
+    (muon_step_count 1), and loading t2 explicitly is refused: no file of the killed save was renamed into place
+    (rank 0's files wait for every rank's, as ``.tmp``), so t2 has no model-states file."""
     import os
     ckpt = str(tmp_path / "ckpt")
     with pytest.raises(RuntimeError):
@@ -543,8 +544,7 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path):
     results = run_distributed(_after_crash, 2, ckpt)
     for out in results:
         assert "/t1/" in out["latest_loaded"] and out["steps"] == 1, out
-        assert out["t2"] and "has no ZeRO optimizer file of data-parallel rank 1" in out["t2"], out["t2"]
-        assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in out["t2"], out["t2"]
+        assert out["t2"] and "has no mp_rank_00_model_states.pt: the save did not finish" in out["t2"], out["t2"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -844,6 +844,86 @@ def test_save_into_a_full_disk_fails_on_every_rank_and_keeps_latest(tmp_path, st
         for tag, want in (("t1", out["w1"]), ("t2", out["w2"])):
             assert all(torch.equal(out[f"{tag}_loaded"][n], want[n]) for n in want), f"{tag} did not load intact"
     assert any(not torch.equal(results[0]["w1"][n], results[0]["w2"][n]) for n in results[0]["w1"])
+
+
+def _tag_files(folder: str) -> dict:
+    """``{relative path: bytes}`` of every file under ``folder``."""
+    out = {}
+    for d, _, files in os.walk(folder):
+        for f in files:
+            with open(os.path.join(d, f), "rb") as fh:
+                out[os.path.relpath(os.path.join(d, f), folder)] = fh.read()
+    return out
+
+
+def _resave_fills_disk(rank: int, world_size: int, ckpt_dir: str) -> dict:
+    """Save t1, train a step, fill the filesystem but a third of t1's bytes, save t1 again (fails); record t1's files
+    before and after and load t1 into a fresh engine; free the space, save t1 again (succeeds) and load it."""
+    import torch.distributed as dist
+    from ds_muon.errors import CheckpointError
+    from tests.support.small_fs import fill, unfill
+    engine, model = build_engine(ds_config(gas=GAS))
+    _train_steps(engine, rank, range(1))
+    engine.save_checkpoint(ckpt_dir, tag="t1")
+    t1 = os.path.join(ckpt_dir, "t1")
+    out = {"w1": gathered_params(model), "files_before": _tag_files(ckpt_dir) if rank == 0 else None}
+    _train_steps(engine, rank, range(1, 2))
+    if rank == 0:
+        out["free"] = fill(ckpt_dir, _tag_bytes(t1) // 3)
+    dist.barrier()
+    try:
+        engine.save_checkpoint(ckpt_dir, tag="t1")
+        out["save"] = None
+    except CheckpointError as err:
+        out["save"] = str(err)
+    dist.barrier()
+    if rank == 0:
+        unfill(ckpt_dir)
+        out["files_after"] = _tag_files(ckpt_dir)
+    w2 = gathered_params(model)
+    engine.destroy()
+    engine, model = build_engine(ds_config(gas=GAS))
+    engine.load_checkpoint(ckpt_dir)  # latest = t1, the first save
+    out["t1_loaded"] = gathered_params(model)
+    out["steps_loaded"] = engine.optimizer.muon_step_count
+    engine.destroy()
+    engine, model = build_engine(ds_config(gas=GAS))
+    _train_steps(engine, rank, range(2))
+    engine.save_checkpoint(ckpt_dir, tag="t1")  # space freed: the same tag is overwritten, whole
+    out["w2_retry"] = gathered_params(model)
+    engine.destroy()
+    engine, model = build_engine(ds_config(gas=GAS))
+    engine.load_checkpoint(ckpt_dir, tag="t1")
+    out["t1_reloaded"] = gathered_params(model)
+    out["w2"] = w2
+    engine.destroy()
+    return out
+
+
+def test_failed_save_over_an_existing_tag_keeps_its_previous_files(tmp_path):
+    """``save_checkpoint`` to an existing tag (t1, also ``latest``) into a filesystem that fills during the save (ext4
+    on a loop device, filled to a third of the tag's bytes): every rank raises the same CheckpointError, which says
+    the previous save of the tag keeps all its files; every file of the directory is byte-identical to before the
+    failed save (no ``.tmp`` or staging folder left); a fresh engine loads t1 with the first save's weights and step
+    count. After the space is freed, saving t1 again replaces it whole (it loads with the new weights).
+    (Fails with files renamed into place as they are written: the tag then loses the files the failed save had
+    replaced.)"""
+    from tests.support.small_fs import small_filesystem
+    with small_filesystem(tmp_path, 24) as mnt:
+        ckpt = str(mnt / "ckpt")
+        results = run_distributed(_resave_fills_disk, 2, ckpt, timeout=DISK_FULL_DEADLINE_S + 300)
+    msgs = [out["save"] for out in results]
+    assert msgs[0] and msgs[0] == msgs[1], msgs
+    assert "a previous save of tag 't1', if any, keeps all its files" in msgs[0], msgs[0]
+    assert "`latest` still names 't1'" in msgs[0] and "No space left on device" in msgs[0], msgs[0]
+    before, after = results[0]["files_before"], results[0]["files_after"]
+    assert sorted(after) == sorted(before), (sorted(before), sorted(after))
+    assert all(after[name] == before[name] for name in before), [n for n in before if after[n] != before[n]]
+    for out in results:
+        assert out["steps_loaded"] == 1, out["steps_loaded"]
+        assert all(torch.equal(out["t1_loaded"][n], out["w1"][n]) for n in out["w1"]), "t1 did not survive intact"
+        assert all(torch.equal(out["t1_reloaded"][n], out["w2_retry"][n]) for n in out["w1"]), "the retry did not replace t1"
+        assert any(not torch.equal(out["w1"][n], out["w2"][n]) for n in out["w1"])
 
 
 class _FakeAio:

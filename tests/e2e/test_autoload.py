@@ -7,9 +7,11 @@ The scripts below never import ds_muon.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -270,31 +272,120 @@ def test_after_import_calls_each_callback_once_after_the_module_loads(tmp_path, 
     sys.modules.pop(name, None)
 
 
-@pytest.mark.parametrize("ds_muon_state", ["present", "missing", "broken", "present-DS_MUON=0"])
+TORCH_STUB = "raise ImportError('No module named torch (test stub: torch missing)')\n"
+# After the start-up probe: a process that imports deepspeed where torch is missing gets deepspeed's own
+# ImportError, and ds_muon adds nothing to it (no warning, no traceback of its own).
+IMPORT_DEEPSPEED = ("\ntry:\n    import deepspeed\nexcept ImportError as err:\n    print('DSIMPORT', repr(str(err)))\n"
+                    "else:\n    print('DSIMPORT imported')\n")
+
+
+@contextlib.contextmanager
+def _read_only(folder: Path):
+    """``folder`` made read-only as a site-packages on a read-only mount is (a bind mount, remounted ``ro``, as
+    root, who write-permission bits do not stop; ``chmod -R a-w`` otherwise). Skips where neither works."""
+    if os.geteuid() != 0:
+        for d, _, files in os.walk(folder):
+            for name in files:
+                os.chmod(os.path.join(d, name), 0o444)
+            os.chmod(d, 0o555)
+        try:
+            yield folder
+        finally:
+            for d, _, _ in os.walk(folder):
+                os.chmod(d, 0o755)
+        return
+    ro = folder.parent / f"{folder.name}_ro"
+    ro.mkdir()
+    try:
+        subprocess.run(["mount", "--bind", str(folder), str(ro)], check=True, capture_output=True, timeout=60)
+    except (OSError, subprocess.CalledProcessError) as err:
+        pytest.skip(f"read-only site-packages: cannot bind-mount here ({getattr(err, 'stderr', b'') or err})")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], check=True, capture_output=True, timeout=60)
+        probe = ro / "probe"
+        with pytest.raises(OSError):
+            probe.write_text("x")
+        yield ro
+    finally:
+        subprocess.run(["umount", str(ro)], capture_output=True, timeout=60)
+
+
+@pytest.mark.parametrize("ds_muon_state", ["present", "missing", "broken", "present-DS_MUON=0", "read-only",
+                                           "torch-missing"])
 @pytest.mark.parametrize("flags", [["-S"], ["-I", "-S"]], ids=["S", "isolated"])
 def test_startup_hook_never_raises_or_prints(tmp_path, ds_muon_state, flags) -> None:
     """The ``.pth`` line runs in every interpreter of the environment, trainer or not. With ds_muon present it only
     installs the finder (no torch, no deepspeed); half-uninstalled (the ``.pth`` left, the package gone) or broken
     (its ``__init__`` raising), Python starts silently as if it were not installed; ``DS_MUON=0`` installs nothing.
+    Installed into a read-only site-packages (no ``__pycache__`` can be written) it starts as silently as when
+    present. With torch missing (shadowed by a package whose import raises ImportError), start-up is silent and a
+    later ``import deepspeed`` raises deepspeed's own ImportError, unchanged, with nothing printed by ds_muon.
     (Python's ``site`` prints "Error processing line 1 of ...pth" and a traceback for a ``.pth`` line that raises.)"""
     site_dir = tmp_path / "site"
     site_dir.mkdir()
     (site_dir / "ds_muon_autoload.pth").write_text((REPO / "ds_muon_autoload.pth").read_text())
     path = {"present": str(REPO), "present-DS_MUON=0": str(REPO), "missing": str(tmp_path / "empty"),
-            "broken": str(tmp_path / "broken")}[ds_muon_state]
+            "broken": str(tmp_path / "broken"), "read-only": str(site_dir), "torch-missing": str(REPO)}[ds_muon_state]
     if ds_muon_state == "broken":
         (tmp_path / "broken" / "ds_muon").mkdir(parents=True)
         (tmp_path / "broken" / "ds_muon" / "__init__.py").write_text("raise RuntimeError('half-uninstalled')\n")
-    code = (f"import sys; sys.path.insert(0, {path!r}); import site; site.addsitedir({str(site_dir)!r}); "
-            "print('PROBE', 'ds_muon._autoload' in sys.modules, 'torch' in sys.modules, 'deepspeed' in sys.modules, "
-            "any(type(f).__module__ == 'ds_muon.import_hooks' for f in sys.meta_path))")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DS_MUON")}
-    if ds_muon_state.endswith("DS_MUON=0"):
-        env["DS_MUON"] = "0"
-    proc = subprocess.run([sys.executable, *flags, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
-                          timeout=120)
+    if ds_muon_state == "torch-missing":
+        (tmp_path / "stub" / "torch").mkdir(parents=True)
+        (tmp_path / "stub" / "torch" / "__init__.py").write_text(TORCH_STUB)
+    with contextlib.ExitStack() as stack:
+        if ds_muon_state == "read-only":  # an installed copy (no __pycache__), the .pth beside it
+            shutil.copytree(REPO / "ds_muon", site_dir / "ds_muon", ignore=shutil.ignore_patterns("__pycache__"))
+            site_dir = stack.enter_context(_read_only(site_dir))
+            path = str(site_dir)
+        first = [str(tmp_path / "stub")] if ds_muon_state == "torch-missing" else []
+        code = (f"import sys; sys.path[:0] = {first + [path]!r}; import site; site.addsitedir({str(site_dir)!r}); "
+                "print('PROBE', 'ds_muon._autoload' in sys.modules, 'torch' in sys.modules, "
+                "'deepspeed' in sys.modules, any(type(f).__module__ == 'ds_muon.import_hooks' for f in sys.meta_path), "
+                "sys.modules['ds_muon'].__file__.startswith(" + repr(path) + ") if 'ds_muon' in sys.modules else None)")
+        if ds_muon_state == "torch-missing":  # deepspeed importable (a path entry: the venv's .pth files do not run)
+            code += f"\nsys.path.append({sysconfig.get_paths()['purelib']!r})" + IMPORT_DEEPSPEED
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DS_MUON")}
+        if ds_muon_state.endswith("DS_MUON=0"):
+            env["DS_MUON"] = "0"
+        proc = subprocess.run([sys.executable, *flags, "-c", code], capture_output=True, text=True, env=env,
+                              cwd=tmp_path, timeout=120)
+        if ds_muon_state == "read-only":
+            assert not list(Path(path).rglob("__pycache__")), "wrote into the read-only site-packages"
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]
-    loaded, torch_loaded, ds_loaded, finder = proc.stdout.split("PROBE ", 1)[1].split()
+    loaded, torch_loaded, ds_loaded, finder, from_path = proc.stdout.split("PROBE ", 1)[1].split()[:5]
     assert torch_loaded == ds_loaded == "False"
-    assert loaded == str(ds_muon_state.startswith("present")), proc.stdout
-    assert finder == str(ds_muon_state == "present"), proc.stdout
+    served = ds_muon_state in ("present", "read-only", "torch-missing")
+    assert loaded == str(served or ds_muon_state == "present-DS_MUON=0"), proc.stdout
+    assert finder == str(served), proc.stdout
+    if loaded == "True":
+        assert from_path == "True", proc.stdout  # the copy under test, not another one on sys.path
+    if ds_muon_state == "torch-missing":
+        assert "DSIMPORT 'No module named torch (test stub: torch missing)'" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("flags", [[], ["-I"]], ids=["plain", "isolated"])
+@pytest.mark.parametrize("switch", ["auto", "DS_MUON=0"])
+def test_startup_hook_of_this_environment_never_raises_or_prints(tmp_path, flags, switch) -> None:
+    """The hook as pip installed it into this test environment's site-packages (``scripts/test.sh`` runs ``pip
+    install -e .``), under ``python -c`` and ``python -I -c`` (no PYTHONPATH, no user site): start-up prints nothing
+    and imports neither torch nor deepspeed; the finder is there unless ``DS_MUON=0``; with torch missing (a stub
+    put first on ``sys.path`` after start-up), ``import deepspeed`` raises deepspeed's own ImportError and nothing
+    else is printed."""
+    site = Path(sysconfig.get_paths()["purelib"])
+    if not (site / "ds_muon_autoload.pth").is_file():
+        pytest.skip(f"ds_muon is not pip-installed into {site} (no ds_muon_autoload.pth): run scripts/test.sh")
+    (tmp_path / "stub" / "torch").mkdir(parents=True)
+    (tmp_path / "stub" / "torch" / "__init__.py").write_text(TORCH_STUB)
+    code = ("import sys; print('PROBE', 'torch' in sys.modules, 'deepspeed' in sys.modules, "
+            "any(type(f).__module__ == 'ds_muon.import_hooks' for f in sys.meta_path)); "
+            f"sys.path.insert(0, {str(tmp_path / 'stub')!r})" + IMPORT_DEEPSPEED)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DS_MUON")}
+    if switch == "DS_MUON=0":
+        env["DS_MUON"] = "0"
+    proc = subprocess.run([sys.executable, *flags, "-c", code], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]
+    torch_loaded, ds_loaded, finder = proc.stdout.split("PROBE ", 1)[1].split()[:3]
+    assert torch_loaded == ds_loaded == "False", proc.stdout
+    assert finder == str(switch == "auto"), proc.stdout
+    assert "DSIMPORT 'No module named torch (test stub: torch missing)'" in proc.stdout, proc.stdout
