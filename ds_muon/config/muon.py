@@ -231,8 +231,8 @@ class MuonOptimizerParams(BaseModel):
                      "built-in Muon fixes bf16, fp16 for gram)."))
     ns_compile: bool = Field(
         True,
-        description=("Compile the Newton-Schulz iteration with torch.compile (dynamic shapes) when it runs on a CUDA "
-                     "device, and run the element-wise momentum step and update apply of the ZeRO-3 Muon step as "
+        description=("Compile the Newton-Schulz iteration with torch.compile (static shapes: one graph per call "
+                     "shape) when it runs on a CUDA device, and run the element-wise momentum step and update apply of the ZeRO-3 Muon step as "
                      "one compiled pass each there; on CPU all of it runs eagerly. Source: ds_muon; the gains are "
                      "measured by benchmarks/step_time.py and benchmarks/elementwise.py."))
     ns_autotune: bool = Field(

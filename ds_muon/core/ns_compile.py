@@ -1,6 +1,7 @@
 """``torch.compile`` of Newton–Schulz: the owner step's compiled ``orthogonalize`` (layer ``core``).
 
-The default is inductor's default mode with dynamic shapes (a handful of graphs per model);
+The default is inductor's default mode with static shapes (one graph per call shape: 84-87% of the
+matmul rate on one H200 against 77-79% with dynamic shapes, docs/benchmarks.md 2026-12-02);
 ``ns_autotune`` selects heavyball's settings (:data:`AUTOTUNE_COMPILE`). Every compiled call raises
 torch.compile's recompile limit for itself only (:data:`COMPILE_GRAPH_LIMIT`), so it never silently
 falls back to eager while the rest of the user's program keeps its own setting.
@@ -21,12 +22,15 @@ __all__ = ["COMPILE_MODE", "COMPILE_DYNAMIC", "AUTOTUNE_COMPILE", "COMPILE_GRAPH
            "AUTOTUNE_PROGRESS", "persistent_inductor_cache"]
 
 #: ``torch.compile`` ``mode`` and ``dynamic`` of ``compiled_orthogonalize`` when none is given (the
-#: owner step's Newton–Schulz). ``None``/``True``: inductor's default mode, dynamic shapes (few graphs
-#: per model, cuBLAS matmuls). heavyball compiles its Newton–Schulz with ``"max-autotune-no-cudagraphs"``
+#: owner step's Newton–Schulz). ``None``/``False``: inductor's default mode, static shapes (one graph per
+#: ``(batch, rows, cols)``, about 1-8 s of compiling each on first use, cuBLAS matmuls). Measured on one
+#: H200 (bf16, 5 steps, the 934M shapes 16x2048x2048, 16x5440x2048, 16x2048x5440; docs/benchmarks.md,
+#: 2026-12-02): 87.1 / 83.8 / 84.9% of the matmul rate static against 79.0 / 78.2 / 77.7% dynamic, the
+#: same orthogonality error. heavyball compiles its Newton–Schulz with ``"max-autotune-no-cudagraphs"``
 #: and static shapes (inductor benchmarks Triton matmul templates against cuBLAS per shape and can fuse
 #: the element-wise work into the matmuls' epilogues); the microbenchmark times both.
 COMPILE_MODE: str | None = None
-COMPILE_DYNAMIC: bool | None = True
+COMPILE_DYNAMIC: bool | None = False
 #: ``compiled_orthogonalize``'s ``mode``/``dynamic`` with the config key ``ns_autotune`` (opt-in):
 #: heavyball's settings. Measured on one H200 (docs/benchmarks.md, 2026-12-01, bf16, 5 steps):
 #: 83-85% of the matmul rate against 77-80% with the defaults, at the price of one graph per
@@ -126,11 +130,11 @@ def compiled_orthogonalize(method: str = "standard", steps: int = 5, dtype: torc
                            dynamic: bool | None = _DEFAULT, form: str | None = None):
     """``orthogonalize`` with ``method``, ``steps``, ``dtype`` and ``form`` fixed, compiled by ``torch.compile``.
 
-    By default (``COMPILE_DYNAMIC``) compiled with dynamic shapes, so a new batch count or matrix shape
-    mostly reuses a graph; torch
-    still specializes on a batch of 1 against more, square against rectangular, wide against tall,
-    and for ``"gram"`` on whether the Gram kernel pays (``ns_kernel``), so a model's set of shapes
-    needs a handful of graphs (with ``dynamic=False``: one graph per input shape). torch.compile's
+    By default (``COMPILE_DYNAMIC``) compiled with static shapes: one graph per input shape, which inductor
+    specializes (faster kernels: see ``COMPILE_DYNAMIC``); a model's Muon matrices have a handful of shapes
+    and each owner rank a handful of batch counts. With ``dynamic=True`` a new batch count or matrix shape
+    mostly reuses a graph; torch still specializes on a batch of 1 against more, square against
+    rectangular, wide against tall, and for ``"gram"`` on whether the Gram kernel pays (``ns_kernel``). torch.compile's
     default ``recompile_limit`` (8) is shared by every
     compiled function of the process and was hit in practice (it then silently falls back to
     eager); each call here runs under ``recompile_limit = COMPILE_GRAPH_LIMIT`` instead (see

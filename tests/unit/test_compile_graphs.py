@@ -2,14 +2,16 @@
 
 The owner step calls ``compiled_orthogonalize(method, steps, dtype)`` once per block group of each
 bucket's shape batches (:meth:`ds_muon.exchange.OwnerExchange._owner_compute`), with inputs of shape
-``(count, *blocks, rows, cols)``. Compiled with dynamic shapes, a graph is reused across sizes; torch
-still specializes on a size of 1 against more, on the orientation (``rows > cols``) and, for
+``(count, *blocks, rows, cols)``. The default (``COMPILE_DYNAMIC = False``) compiles one graph per distinct
+input shape (faster kernels: ds_muon/core/ns_compile.py); with ``dynamic=True`` a graph is reused across
+sizes; torch still specializes on a size of 1 against more, on the orientation (``rows > cols``) and, for
 ``"gram"``, on whether the Gram kernel pays. Here the exact calls of the benchmark models' plans
 (``examples/model.py``: 934M, 2.9B with per-head Q/K/V views, the 8-expert MoE) are replayed on
 meta tensors (no arithmetic) for every rank at W = 1, 2, 4, 8, and the graphs counted by a counting
-backend. They must stay within torch.compile's default ``recompile_limit`` (8), so even without
-ds_muon's per-call ``COMPILE_GRAPH_LIMIT`` nothing would fall back to eager (measured: at most 7, the
-per-head 2.9B plan with ``gram`` at W=4; 2-5 for the others).
+backend. Static: one graph per distinct shape, within ds_muon's per-call ``COMPILE_GRAPH_LIMIT`` (64),
+so nothing falls back to eager (measured: 3-4 for 934M, 10 for the per-head 2.9B plan at W=4, 5-7 for
+the MoE). Dynamic: within torch.compile's default ``recompile_limit`` (8) and shared across shapes
+(measured: at most 7, the per-head 2.9B plan with ``gram`` at W=4; 2-5 for the others).
 On GPU, ``benchmarks/step_time.py`` reports the graphs of a whole run.
 """
 from __future__ import annotations
@@ -57,8 +59,11 @@ def _owner_calls(preset: str, world_size: int, method: str, per_head: bool) -> l
 @pytest.mark.parametrize("preset,per_head,methods,sizes", [("934m", False, ("standard", "gram"), (1, 2, 4, 8)),
                                                            ("2.9b", True, ("standard",), (4,)),
                                                            ("moe-1.5b", False, ("standard",), (2, 8))])
-def test_compiled_newton_schulz_graphs_for_model_plans(preset, per_head, methods, sizes, monkeypatch):
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static-default", "dynamic"])
+def test_compiled_newton_schulz_graphs_for_model_plans(preset, per_head, methods, sizes, dynamic, monkeypatch):
+    from ds_muon.core import ns_compile
     from ds_muon.core.ns_compile import compiled_orthogonalize
+    assert ns_compile.COMPILE_DYNAMIC is False  # the default this test's static case stands for
     graphs = [0]
 
     def counting_backend(gm, example_inputs):  # torch.compile calls it once per new graph
@@ -72,7 +77,8 @@ def test_compiled_newton_schulz_graphs_for_model_plans(preset, per_head, methods
         for world_size in sizes:
             torch._dynamo.reset()
             graphs[0] = 0
-            fn = compiled_orthogonalize(method, 5, torch.bfloat16, backend=counting_backend)
+            fn = compiled_orthogonalize(method, 5, torch.bfloat16, backend=counting_backend,
+                                        **({"dynamic": True} if dynamic else {}))
             calls = _owner_calls(preset, world_size, method, per_head)
             assert len(calls) >= world_size
             for shape, stride, dtype in calls:
@@ -80,6 +86,9 @@ def test_compiled_newton_schulz_graphs_for_model_plans(preset, per_head, methods
             worst[(method, world_size)] = (graphs[0], len(set(c[0] for c in calls)))
     compiled_orthogonalize.cache_clear()
     torch._dynamo.reset()
+    if not dynamic:  # one graph per distinct shape, within ds_muon's per-call limit
+        assert all(g == n <= ns_compile.COMPILE_GRAPH_LIMIT for g, n in worst.values()), f"{preset}: {worst}"
+        return
     assert all(g <= GRAPH_BUDGET for g, _ in worst.values()), f"{preset}: (graphs, distinct shapes) {worst}"
     # more distinct input shapes than graphs somewhere: the graphs are shared across shapes
     assert any(n > g for g, n in worst.values()), worst
