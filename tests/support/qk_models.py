@@ -160,8 +160,9 @@ class DeclaredNet(nn.Module):
 
 
 def declared_wide() -> DeclaredNet:
-    """DeclaredNet at dim 256, 3 layers, vocab 2100: at W = 2 both its Muon and its AdamW sub-group exceed the
-    NVMe swapper's 1 MiB minimum (262144 fp32 elements per rank), so both are swapped."""
+    """DeclaredNet at dim 256, 3 layers, vocab 2100: at W = 2 both its Muon and its decayed AdamW sub-group exceed
+    the NVMe swapper's 1 MiB minimum (262144 fp32 elements per rank), so both are swapped; the AdamW one holds the
+    query biases only with ``decay_norms_and_biases: true`` (else they are in the small no-decay sub-group)."""
     return DeclaredNet(dim=256, num_hidden_layers=3, vocab=2100)
 
 
