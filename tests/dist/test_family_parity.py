@@ -11,7 +11,8 @@ the rule's split independently (Muon or AdamW and why, the views' labels and blo
 holding those blocks), trains the oracle with the views removed (or, for GPT-OSS, gate/up as contiguous halves)
 and requires the engine far from it, and checks each parameter's weight decay in the engine's groups against
 Hugging Face Trainer's no-decay set (``Trainer.get_decay_parameter_names``), or none exempt under
-``decay_norms_and_biases: true``.
+``decay_norms_and_biases: true``. Last, a framework's own ``torch.optim.Muon`` passed to ``ds_muon.initialize`` is
+refused there (a ``ConfigError`` naming the class and the config to write), not at step 1.
 """
 from __future__ import annotations
 
@@ -149,8 +150,25 @@ def _run_case(rank: int, world_size: int, case: dict) -> dict | None:
     return result
 
 
-def family_worker(rank: int, world_size: int, cases: list[dict]) -> list[dict | None]:
-    return [_run_case(rank, world_size, case) for case in cases]
+def _client_muon(rank: int) -> str:
+    """``ds_muon.initialize`` with a framework's own ``torch.optim.Muon`` at ZeRO-3: refused at initialize (before
+    DeepSpeed builds its ZeRO optimizer, so no collective is left half-done); returns the message."""
+    import ds_muon
+    from ds_muon.errors import ConfigError
+    cfg = ds_config(gas=GAS, clip=CLIP)
+    del cfg["optimizer"]
+    torch.manual_seed(0)
+    model = families.encoder_lm()
+    muon = torch.optim.Muon([p for p in model.parameters() if p.ndim == 2], lr=0.01)
+    try:
+        ds_muon.initialize(model=model, optimizer=muon, config=cfg)
+    except ConfigError as exc:
+        return str(exc)
+    raise AssertionError("a client torch.optim.Muon under ZeRO-3 was accepted")
+
+
+def family_worker(rank: int, world_size: int, cases: list[dict]) -> tuple[list[dict | None], str]:
+    return [_run_case(rank, world_size, case) for case in cases], _client_muon(rank)
 
 
 def _gpt_oss_rule(res: dict) -> None:
@@ -234,7 +252,9 @@ CASES = [
 
 def test_model_families_match_oracle_and_follow_their_rules() -> None:
     cases = [{k: v for k, v in c.items() if k != "rule"} for c in CASES]
-    results = run_distributed(family_worker, W, cases)
+    results, refusals = zip(*run_distributed(family_worker, W, cases))
+    for msg in refusals:  # a framework's own Muon object (docs/migration.md, "Your own Muon object")
+        assert "torch.optim.Muon" in msg and '"type": "Muon"' in msg and "ZeRO stage 3" in msg, msg
     for k, case in enumerate(CASES):
         res, name = results[0][k], case["name"]
         print(f"--- {name}\n{res['summary']}")

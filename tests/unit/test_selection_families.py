@@ -166,6 +166,15 @@ def test_multihead_attention_in_proj_q_k_v_apart_per_head_and_biases():
     assert [g["weight_decay"] for g in groups if any(p is in_bias for p in g["params"])] == [0.0]
 
 
+def test_multihead_attention_bias_k_bias_v_are_biases():
+    """``add_bias_kv``: ``bias_k``/``bias_v`` (1, 1, E) are biases: AdamW, no weight decay (as Trainer: named *bias*)."""
+    mha = nn.MultiheadAttention(32, 4, add_bias_kv=True)
+    sel = select_muon_params(mha)
+    for n in ("bias_k", "bias_v"):
+        assert not sel.use_muon[n] and sel.reasons[n] == selection.BIAS, n
+    assert {"bias_k", "bias_v", "in_proj_bias", "out_proj.bias"} <= decay_exempt_names(mha)
+
+
 def test_multihead_attention_with_kdim_vdim_per_head():
     mha = nn.MultiheadAttention(32, 4, kdim=16, vdim=24)
     sel = select_muon_params(mha, SelectionRules.of(per_head_muon=True))
