@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from tests.support.spawn import run_distributed
-from tests.support.harness import (PARITY_RTOL, build_engine, compare, ds_config, gathered_params, swap_dir_for, train_engine,
-                           train_reference)
+from tests.support.harness import (PARITY_RTOL, build_engine, compare, ds_config, gathered_params, group_decay, swap_dir_for,
+                           train_engine, train_reference)
 
 transformers = pytest.importorskip("transformers")
 
@@ -78,17 +78,6 @@ def _layout(opt, rank: int) -> dict:
         present[i] = sorted({b for b, n in zip(bm.block_of_segment, bm.lengths) if b != PADDING and n})
         padding |= any(b == PADDING and n for b, n in zip(bm.block_of_segment, bm.lengths))
     return {"present": present, "padding": padding, "n_blocks": {i: bm.n_blocks for i, bm in opt.adam_mini_maps.items()}}
-
-
-def _group_decay(opt) -> dict[str, float]:
-    """Each parameter's weight decay as the ZeRO optimizer steps it: that of its param group (ZeRO-3: of its
-    sub-group's param group)."""
-    if type(opt).__name__ == "MuonZeroOptimizer":
-        groups = opt.optimizer.param_groups
-        pairs = [(p, groups[opt.sub_group_to_group_id[i]]) for i, params in enumerate(opt.fp16_groups) for p in params]
-    else:  # ZeRO-1/2: one flat partition per param group
-        pairs = [(p, opt.optimizer.param_groups[i]) for i, params in enumerate(opt.bit16_groups) for p in params]
-    return {opt.param_names[p]: group["weight_decay"] for p, group in pairs}
 
 
 def _zero(case: dict, mode: str = "") -> dict:
@@ -265,7 +254,7 @@ def _run_case(rank: int, world_size: int, case: dict) -> dict:
     layout = _layout(engine.optimizer, rank)
     out = {"norms": norms, "layout": layout, "probe": _swap_probe(engine) if nvme else None,
            "windows": sum(len(step._index[0]) for step in engine.optimizer.adam_mini_steps.values() if step._index),
-           "decay": _group_decay(engine.optimizer)}
+           "decay": group_decay(engine.optimizer)}
     engine.destroy()
     if case.get("chunk"):
         am.CHUNK_ELEMENTS = default_chunk

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.families import causal_lm as _lm
 from tests.support.spawn import run_distributed
 from tests.support.harness import (PARITY_RTOL, build_engine, clone_tags, compare, ds_config, gathered_params,
                            reference_model, train_engine, train_reference)
@@ -21,17 +22,6 @@ from tests.support.harness import (PARITY_RTOL, build_engine, clone_tags, compar
 transformers = pytest.importorskip("transformers")
 
 STEPS, GAS, CLIP = 3, 2, 0.5
-
-
-def _lm(base):
-    """``base`` (a transformers *ForCausalLM) with the harness's ``forward(tokens, targets, use_extra)``."""
-
-    class LM(base):
-        def forward(self, tokens, targets, use_extra=True):  # noqa: D401 - the harness's signature
-            return super().forward(input_ids=tokens, labels=targets).loss
-
-    LM.__name__ = LM.__qualname__ = base.__name__
-    return LM
 
 
 def _config(cls, **kw):

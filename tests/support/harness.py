@@ -177,6 +177,17 @@ def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], init: d
     return out
 
 
+def group_decay(opt) -> dict[str, float]:
+    """Each trainable parameter's weight decay as the ZeRO optimizer ``opt`` steps it, by name: that of its param
+    group (ZeRO-3: of its sub-group's param group; ZeRO-1/2: of its flat partition's)."""
+    if type(opt).__name__ == "MuonZeroOptimizer":
+        groups = opt.optimizer.param_groups
+        pairs = [(p, groups[opt.sub_group_to_group_id[i]]) for i, params in enumerate(opt.fp16_groups) for p in params]
+    else:  # ZeRO-1/2: one flat partition per param group
+        pairs = [(p, opt.optimizer.param_groups[i]) for i, params in enumerate(opt.bit16_groups) for p in params]
+    return {opt.param_names[p]: group["weight_decay"] for p, group in pairs}
+
+
 def clone_tags(model) -> dict[str, bool]:
     return {n: bool(getattr(p, "use_muon", False)) for n, p in model.named_parameters()}
 

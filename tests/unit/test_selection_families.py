@@ -18,50 +18,11 @@ from ds_muon.model import selection
 from ds_muon.model.adam_mini_blocks import PER_ELEMENT, adam_mini_param_groups, adam_mini_plan
 from ds_muon.model.selection import SelectionRules, select_muon_params
 from ds_muon.model.structure import decay_exempt_names
+from tests.support.families import encoder_lm, gpt_oss, qwen3_next, vit
 
 transformers = pytest.importorskip("transformers")
 stacked_experts = pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5,
                                      reason="stacked expert containers need transformers >= 5")
-
-
-def gpt_oss():
-    cfg = transformers.GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
-                                    num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"],
-                                    sliding_window=8, pad_token_id=0)
-    return transformers.GptOssForCausalLM(cfg)
-
-
-def qwen3_next():
-    cfg = transformers.Qwen3NextConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                                       linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
-                                       moe_intermediate_size=16, shared_expert_intermediate_size=16,
-                                       layer_types=["linear_attention", "full_attention"], pad_token_id=0)
-    return transformers.Qwen3NextForCausalLM(cfg)
-
-
-def vit():
-    cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
-                                 image_size=8, patch_size=4, num_channels=3, num_labels=5)
-    return transformers.ViTForImageClassification(cfg)
-
-
-def encoder_lm(kdim=None):
-    """A token LM on ``nn.TransformerEncoder`` (2 ``nn.TransformerEncoderLayer``: E 32, 4 heads)."""
-
-    class EncoderLM(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed = nn.Embedding(64, 32)
-            self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 48, dropout=0.0, batch_first=True), 2)
-            self.head = nn.Linear(32, 64)
-
-        def forward(self, tokens):
-            return self.head(self.encoder(self.embed(tokens)))
-
-    return EncoderLM()
 
 
 def llama():
@@ -203,6 +164,15 @@ def test_multihead_attention_in_proj_q_k_v_apart_per_head_and_biases():
     groups = adam_mini_param_groups(model, dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1))
     in_bias = model.encoder.layers[0].self_attn.in_proj_bias
     assert [g["weight_decay"] for g in groups if any(p is in_bias for p in g["params"])] == [0.0]
+
+
+def test_multihead_attention_bias_k_bias_v_are_biases():
+    """``add_bias_kv``: ``bias_k``/``bias_v`` (1, 1, E) are biases: AdamW, no weight decay (as Trainer: named *bias*)."""
+    mha = nn.MultiheadAttention(32, 4, add_bias_kv=True)
+    sel = select_muon_params(mha)
+    for n in ("bias_k", "bias_v"):
+        assert not sel.use_muon[n] and sel.reasons[n] == selection.BIAS, n
+    assert {"bias_k", "bias_v", "in_proj_bias", "out_proj.bias"} <= decay_exempt_names(mha)
 
 
 def test_multihead_attention_with_kdim_vdim_per_head():
