@@ -47,7 +47,7 @@ def brute_max_logits(query: torch.Tensor, key: torch.Tensor, scaling: float,
 
 def _measure(module, query, key, attention_mask, scaling):
     value = brute_max_logits(query, key, scaling if scaling is not None else query.shape[-1] ** -0.5, attention_mask)
-    MEASURED[module] = value
+    MEASURED[module] = value.detach()
     record_max_logits(module, value)
 
 
@@ -184,6 +184,19 @@ def gpt_oss(**kw):
     return _hf("GptOssForCausalLM", "GptOssConfig", **dict(
         dict(attn_implementation=TEST_EAGER, num_local_experts=4, num_experts_per_tok=2, intermediate_size=16,
              sliding_window=4, layer_types=["sliding_attention", "full_attention"]), **kw))
+
+
+#: The families with their own QK-clip rule: model name in MODELS -> (the start of the rule its attention targets
+#: carry, ds_muon.model.attention.ClipTarget.rule; the leaf modules whose parameters the clip scales).
+FAMILIES = {
+    "deepseek_v3": ("MLA", {"q_proj", "kv_b_proj"}),
+    "deepseek_v3_q_lora": ("MLA", {"q_b_proj", "kv_b_proj"}),
+    "qwen3": ("q/k-norm gains, one gamma per layer", {"q_norm", "k_norm"}),
+    "gemma3": ("q/k-norm gains, one gamma per layer", {"q_norm", "k_norm"}),
+    "olmo2": ("q/k-norm gains, per head", {"q_norm", "k_norm"}),
+    "gpt_neox": ("per head [q; k; v]", {"query_key_value"}),
+    "gpt_oss": ("W_q/W_k rows per head", {"q_proj", "k_proj"}),
+}
 
 
 def _gathered(params):

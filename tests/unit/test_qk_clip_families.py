@@ -1,6 +1,6 @@
 """QK-clip on the model families with their own rule (issue 26): MLA, q/k-norm gains, GPT-NeoX's interleaved fused
 QKV, eager-only attention with sinks; the refusals (Falcon, Bloom, a non-recording attn_implementation); the
-``until_step`` window. One process, the oracle ``ds_muon.MuonAdamW``; ZeRO parity is tests/dist/test_qk_clip.py.
+``until_step`` window. One process, the oracle ``ds_muon.MuonAdamW``; ZeRO parity is tests/dist/test_qk_clip_families.py.
 
 Every model is a real transformers class from a tiny config (tests/support/qk_models.py). The logits are measured
 by the test's own brute force on the query and key the model hands to its attention function (after q/k norm and
@@ -27,7 +27,7 @@ from tests.support.models import batch
 
 transformers = pytest.importorskip("transformers")
 
-from tests.support.qk_models import MEASURED, MODELS, deepseek_v3, gpt_oss, mla_softmax_scale  # noqa: E402
+from tests.support.qk_models import FAMILIES, MEASURED, MODELS, deepseek_v3, gpt_oss, mla_softmax_scale  # noqa: E402
 
 ALPHA = 0.5
 
@@ -59,18 +59,6 @@ def _expected(target, s: torch.Tensor, tau: float, alpha: float):
     else:
         scale = [q[h] * k[h // group] for h in range(nh)]
     return q, k, full, scale
-
-
-FAMILIES = {
-    # name: (expected rule, expected scaled parameters (leaf module names))
-    "deepseek_v3": ("MLA", {"q_proj", "kv_b_proj"}),
-    "deepseek_v3_q_lora": ("MLA", {"q_b_proj", "kv_b_proj"}),
-    "qwen3": ("q/k-norm gains, one gamma per layer", {"q_norm", "k_norm"}),
-    "gemma3": ("q/k-norm gains, one gamma per layer", {"q_norm", "k_norm"}),
-    "olmo2": ("q/k-norm gains, per head", {"q_norm", "k_norm"}),
-    "gpt_neox": ("per head [q; k; v]", {"query_key_value"}),
-    "gpt_oss": ("W_q/W_k rows per head", {"q_proj", "k_proj"}),
-}
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
