@@ -9,11 +9,12 @@ under ZeRO are tests/dist/test_qk_clip.py. Here, W = 2 on CPU/gloo, one process 
   OLMo 2 (q/k-norm gains per head); GPT-NeoX (interleaved fused ``query_key_value``, per head ``[q; k; v]``, with
   biases); GPT-OSS (eager-only, attention sinks, q/k biases, MoE experts) through ``ds_muon_eager``.
 * ZeRO-2: DeepSeek-V3 MLA with ``q_lora_rank`` (its strided per-head rows cut by the flat partitions' boundaries).
+* ZeRO-3 GPT-NeoX with ``until_step: 2``: steps 1 and 2 clip, step 3 neither clips nor reports figures.
 * The refusal of a non-recording ``attn_implementation`` (GPT-OSS with ``"eager"``) at ``ds_muon.initialize``.
 
 Each case trains 3 optimizer steps of 2 micro-batches per rank, gradient clipping 0.5 (active), fp32, with a
-threshold ``tau`` per model between its heads' max logits, so the clip fires (heads clipped > 0 on every step,
-the same count as the oracle's) but not on every head. Every parameter must match the oracle trained on all ranks'
+threshold ``tau`` per model between its heads' max logits, so the clip fires (in some step, on some heads and not
+all; per step the same number of heads as the oracle's). Every parameter must match the oracle trained on all ranks'
 micro-batches to 1e-5 relative to the parameter and 1e-3 relative to its update (as tests/dist/test_qk_clip.py);
 the per-head max logits to 1e-5. The oracles of the cases are split over the ranks (rank ``k % W`` trains case
 ``k``'s), so the group's time is the engines' plus half the oracles'.
@@ -42,16 +43,19 @@ RTOL_UPDATE = 1e-3
 INTERLEAVED_BIAS = "attention.query_key_value.bias"
 KEY_BIAS_RTOL_UPDATE = 0.05
 
-#: name -> (model in tests.support.qk_models.MODELS, its keyword arguments, tau, extra zero_optimization keys)
+#: name -> (model in tests.support.qk_models.MODELS, its keyword arguments, tau, extra zero_optimization keys,
+#: extra qk_clip keys)
 CASES = {
-    "z3-deepseek-v3-mla": ("deepseek_v3", {}, 5.5, {}),
-    "z3-deepseek-v3-mla-q-lora-ds_muon_sdpa": ("deepseek_v3_q_lora", {"attn_implementation": "ds_muon_sdpa"}, 3.5, {}),
-    "z3-qwen3-qk-norm-per-layer": ("qwen3", {}, 7.5, {}),
-    "z3-gemma3-qk-norm-plus-one": ("gemma3", {}, 5.5, {}),
-    "z3-olmo2-qk-norm-per-head": ("olmo2", {}, 10.0, {}),
-    "z3-gpt-neox-interleaved-qkv": ("gpt_neox", {}, 6.0, {}),
-    "z3-gpt-oss-sinks-ds_muon_eager": ("gpt_oss", {"attn_implementation": "ds_muon_eager"}, 11.0, {}),
-    "z2-deepseek-v3-mla-q-lora": ("deepseek_v3_q_lora", {}, 3.5, {"stage": 2}),
+    "z3-deepseek-v3-mla": ("deepseek_v3", {}, 5.5, {}, {}),
+    "z3-deepseek-v3-mla-q-lora-ds_muon_sdpa": ("deepseek_v3_q_lora", {"attn_implementation": "ds_muon_sdpa"}, 3.5, {}, {}),
+    "z3-qwen3-qk-norm-per-layer": ("qwen3", {}, 7.5, {}, {}),
+    "z3-gemma3-qk-norm-plus-one": ("gemma3", {}, 5.5, {}, {}),
+    "z3-olmo2-qk-norm-per-head": ("olmo2", {}, 10.0, {}, {}),
+    "z3-gpt-neox-interleaved-qkv": ("gpt_neox", {}, 6.0, {}, {}),
+    "z3-gpt-oss-sinks-ds_muon_eager": ("gpt_oss", {"attn_implementation": "ds_muon_eager"}, 11.0, {}, {}),
+    "z2-deepseek-v3-mla-q-lora": ("deepseek_v3_q_lora", {}, 3.5, {"stage": 2}, {}),
+    # the until_step window: steps 1 and 2 clip, step 3 neither clips nor reports figures (as the oracle)
+    "z3-gpt-neox-until-step-2": ("gpt_neox", {}, 6.0, {}, {"until_step": 2}),
 }
 
 
@@ -60,16 +64,25 @@ def _model_fn(model: str, kwargs: dict):
     return lambda: MODELS[model](**kwargs)
 
 
-def _params(tau: float) -> dict:
+def _params(tau: float, extra: dict | None = None) -> dict:
     cfg = ds_config()
-    return dict(cfg["optimizer"]["params"], qk_clip={"enabled": True, "threshold": tau, "alpha": 0.5})
+    return dict(cfg["optimizer"]["params"], qk_clip={"enabled": True, "threshold": tau, "alpha": 0.5, **(extra or {})})
+
+
+def _clipped(stats: list) -> list:
+    """Heads clipped per step; None for a step past the until_step window (no figures)."""
+    return [None if s is None else s["heads_clipped"] for s in stats]
+
+
+def _per_head(stats: list) -> list:
+    return [None if s is None else s["max_logit_per_head"] for s in stats]
 
 
 def _engine_run(rank: int, name: str) -> dict:
     """Train case ``name`` under ZeRO on this rank; every rank returns the same gathered figures."""
-    model, kwargs, tau, zero = CASES[name]
+    model, kwargs, tau, zero, extra = CASES[name]
     cfg = ds_config(gas=GAS, clip=CLIP, **zero)
-    cfg["optimizer"]["params"] = _params(tau)
+    cfg["optimizer"]["params"] = _params(tau, extra)
     engine, module = build_engine(cfg, model_fn=_model_fn(model, kwargs))
     init, tags = gathered_params(module), clone_tags(module)
     opt = engine.optimizer
@@ -84,7 +97,7 @@ def _engine_run(rank: int, name: str) -> dict:
     out = {"type": type(opt).__name__, "rules": sorted({t.rule for t in targets}),
            "leaves": sorted({hr.name.split(".")[-2] for t in targets for hr in t.rows}),
            "qk_params": sorted({hr.name for t in targets for hr in t.rows}),
-           "clipped": [s["heads_clipped"] for s in stats], "per_head": [s["max_logit_per_head"] for s in stats],
+           "clipped": _clipped(stats), "per_head": _per_head(stats),
            "heads": sum(t.num_heads for t in targets), "init": init, "tags": tags, "got": gathered_params(module)}
     engine.destroy()
     return out
@@ -93,9 +106,9 @@ def _engine_run(rank: int, name: str) -> dict:
 def _oracle(name: str, run: dict) -> dict:
     """The single-device oracle of case ``name`` from the engine's initial weights; its errors against ``run``."""
     import ds_muon
-    model, kwargs, tau, _ = CASES[name]
+    model, kwargs, tau, _, extra = CASES[name]
     ref = reference_model(run["init"], run["tags"], _model_fn(model, kwargs))
-    opt = ds_muon.MuonAdamW(ref, **_params(tau))
+    opt = ds_muon.MuonAdamW(ref, **_params(tau, extra))
     stats = []
     train_reference(ref, opt, STEPS, WORLD, GAS, CLIP, after_step=lambda: stats.append(opt.qk_clip_stats))
     want = {n: p.detach().clone() for n, p in ref.named_parameters()}
@@ -108,7 +121,7 @@ def _oracle(name: str, run: dict) -> dict:
         for d in (want, got, init):
             del d[pname]
     return {"errors": compare(got, want, init),
-            "ref_clipped": [s["heads_clipped"] for s in stats], "ref_per_head": [s["max_logit_per_head"] for s in stats]}
+            "ref_clipped": _clipped(stats), "ref_per_head": _per_head(stats)}
 
 
 def _refusal(rank: int) -> str:
@@ -141,7 +154,7 @@ def families_worker(rank: int, world_size: int, names: list[str]) -> dict:
 
 def _check(name: str, res: dict, oracle: dict, per_rank: list[dict]) -> list[str]:
     """What is wrong with case ``name`` (empty: nothing): ``res`` rank 0's figures, ``oracle`` its oracle's."""
-    model, _, tau, zero = CASES[name]
+    model, _, tau, zero, extra = CASES[name]
     rule, leaves = FAMILIES[model]
     want_type = "MuonZeroOptimizer" if zero.get("stage", 3) == 3 else "MuonZero12Optimizer"
     problems = []
@@ -153,12 +166,19 @@ def _check(name: str, res: dict, oracle: dict, per_rank: list[dict]) -> list[str
     if not all(r[name]["clipped"] == res["clipped"] and r[name]["per_head"] == res["per_head"] for r in per_rank):
         problems.append("the ranks' QK-clip figures differ")
     # the clip fired, on some heads and not all in a step, and exactly as in the oracle
-    if not any(0 < c < res["heads"] for c in res["clipped"]):
+    until = extra.get("until_step")
+    if until is not None and (None in res["clipped"][:until] or res["clipped"][until:] != [None] * (STEPS - until)):
+        problems.append(f"until_step {until}: figures per step {res['clipped']}, not {until} steps then none")
+    if not any(c is not None and 0 < c < res["heads"] for c in res["clipped"]):
         problems.append(f"heads clipped per step {res['clipped']} of {res['heads']} at tau {tau}: no step clipped "
                         "some heads and not all")
     if res["clipped"] != oracle["ref_clipped"]:
         problems.append(f"heads clipped per step {res['clipped']}, the oracle's {oracle['ref_clipped']}")
     for step, (got, want) in enumerate(zip(res["per_head"], oracle["ref_per_head"])):
+        if got is None or want is None:
+            if got is not want:
+                problems.append(f"step {step}: max logits {got}, the oracle's {want}")
+            continue
         if list(got) != list(want):
             problems.append(f"step {step}: max logits of {list(got)}, the oracle's of {list(want)}")
             continue
