@@ -32,6 +32,7 @@ _LAZY = {
     "orthogonalize": "ds_muon.core.newton_schulz",
     "record_max_logits": "ds_muon.model.max_logits",
     "max_logits_per_head": "ds_muon.model.max_logits",
+    "wants_max_logits": "ds_muon.model.max_logits",
     "register_attention": "ds_muon.model.hf_attention",
 }
 

@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ds_muon.model.max_logits import max_logits_per_head, record_max_logits
+from ds_muon.model.max_logits import max_logits_per_head, record_max_logits, wants_max_logits
 
 
 @dataclass
@@ -152,7 +152,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)   # (B, Hkv, T, hd)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)   # (B, Hkv, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.record_max_logits and self.training and torch.is_grad_enabled():
+        if self.record_max_logits and self.training and wants_max_logits(self):  # autograd on, window open
             record_max_logits(self, max_logits_per_head(q, k, self.head_dim ** -0.5, is_causal=True))
         if self.n_kv_heads != self.n_heads:                       # GQA: share each kv head across a group
             rep = self.n_heads // self.n_kv_heads

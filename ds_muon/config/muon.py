@@ -152,6 +152,12 @@ class QKClipParams(BaseModel):
                      "(Train/ds_muon/qk_clip/max_logit/<module>/head_<h>: layers x heads events per step, besides the "
                      "per-layer and whole-model maxima and the clipped-head count, which are always written). Turn "
                      "off for models with thousands of heads. Source: ds_muon."))
+    until_step: Optional[int] = Field(
+        None, ge=1,
+        description=("The last optimizer step that clips (a warm-up window: steps 1..until_step clip, counted in "
+                     "applied steps, an fp16 overflow step does not count); after it QK-clip stops, and so does the "
+                     "max-logit recording of ds_muon_sdpa/ds_muon_eager (no cost). null: every step. Source: ds_muon "
+                     "(trainers that clip only early in training)."))
 
 
 class MuonOptimizerParams(BaseModel):
@@ -372,11 +378,12 @@ class MuonOptimizerParams(BaseModel):
     qk_clip: QKClipParams = Field(
         default_factory=QKClipParams,
         description=("MuonClip's QK-clip: {\"enabled\": bool, \"threshold\": tau > 0, \"alpha\": in [0, 1], "
-                     "\"monitor_per_head\": bool}. After the "
+                     "\"monitor_per_head\": bool, \"until_step\": null or N}. After the "
                      "optimizer step, for each attention head h whose max logit S_h of the step (all micro-batches, "
                      "all data-parallel ranks) exceeds tau: gamma = tau/S_h, the head's W_q rows (and q bias) *= "
                      "gamma^alpha, its key head's W_k rows (and k bias) *= gamma_kv^(1-alpha), gamma_kv from the "
-                     "largest S over the query heads sharing that key head (GQA). Source: Kimi K2 (arXiv 2507.20534, "
+                     "largest S over the query heads sharing that key head (GQA); MLA, q/k-norm gains and fused QKV "
+                     "by their own rules (docs/qk_clip.md). Source: Kimi K2 (arXiv 2507.20534, "
                      "section 2.1); see docs/qk_clip.md."))
 
     # ---- validators --------------------------------------------------------------------------

@@ -10,6 +10,10 @@ query head ``h`` (all micro-batches, all data-parallel ranks; recorded by the at
     gamma_g   = tau / max_{h in g} S_h if that max > tau else 1
     W_k[g]   *= gamma_g ** (1 - alpha)                     (the rows of key head g, shared by the query heads h in g: GQA)
 
+Two variants (:mod:`ds_muon.model.attention` says which layer takes which): MLA (Kimi K2's own rule) also
+scales each head's rotary query rows by the whole ``gamma_h`` (its rotary key is shared by all heads and
+left alone); q/k-norm gains shared by all heads of a layer take one ``gamma = tau / max_h S_h`` for the layer.
+
 Query head ``h`` uses key head ``h // (num_heads / num_kv_heads)`` (transformers' ``repeat_kv``,
 ``repeat_interleave`` over heads). Since ``gamma_g <= gamma_h``, the logit of every clipped head,
 recomputed with the scaled weights on the same inputs, is at most ``tau`` (exactly ``tau`` without
@@ -62,13 +66,14 @@ def factor_vector(targets: Sequence[Any], max_logits: torch.Tensor, threshold: f
     """All targets' factors concatenated (per target: query heads, then key heads) and the step's figures.
 
     Args:
-        targets: the attention layers in order, each with ``name``, ``num_heads`` and ``num_kv_heads``
-            (:class:`ds_muon.model.attention.ClipTarget`).
+        targets: the attention layers in order, each with ``name``, ``num_heads`` and ``num_kv_heads``, and
+            optionally ``per_layer`` (one gamma for all heads: ``tau / max_h S_h``) and ``query_full`` (non-empty:
+            ``num_heads`` more factors ``gamma_h``, MLA's rotary query rows) (:class:`ds_muon.model.attention.ClipTarget`).
         max_logits: ``(sum of num_heads,)`` from :func:`take_max_logits` (all_reduced MAX over the
             data-parallel group under ZeRO-3).
 
     Returns:
-        ``(factors, stats)``: fp32 ``(sum of num_heads + num_kv_heads,)``; ``stats`` =
+        ``(factors, stats)``: fp32 ``(sum of num_heads + num_kv_heads [+ num_heads],)``; ``stats`` =
         ``{"heads_clipped": query heads with S > tau (count), "max_logit": max S (float),
         "max_logit_per_layer": {target name: max S}, "max_logit_per_head": {target name: [S_h per query head]}}``
         (``-inf`` where nothing was recorded).
@@ -77,8 +82,12 @@ def factor_vector(targets: Sequence[Any], max_logits: torch.Tensor, threshold: f
     for t in targets:
         s = max_logits[pos:pos + t.num_heads]
         pos += t.num_heads
-        q, k = clip_factors(s, t.num_kv_heads, threshold, alpha)
+        # a layer-wide lever (q/k-norm gains shared by all heads): every head takes the layer's largest logit
+        lever = s.max().expand(t.num_heads) if getattr(t, "per_layer", False) else s
+        q, k = clip_factors(lever, t.num_kv_heads, threshold, alpha)
         out += [q, k]
+        if getattr(t, "query_full", ()):  # MLA's rotary query rows: the whole gamma (their shared key is not scaled)
+            out.append(clip_factors(lever, t.num_kv_heads, threshold, 1.0)[0])
         clipped += int((torch.isfinite(s) & (s > threshold)).sum())
         per_layer[t.name] = float(s.max())
         per_head[t.name] = s.tolist()

@@ -312,6 +312,20 @@ def _register_attention() -> None:
                       stacklevel=2)
 
 
+def _guard_falcon() -> None:
+    """:func:`ds_muon.model.hf_attention.guard_falcon`, right after Falcon's modeling file is imported (a clear
+    error for attn_implementation='ds_muon_sdpa' there); never raises (it runs inside the user's import)."""
+    try:
+        from ..model.hf_attention import guard_falcon
+        guard_falcon()
+    except Exception as err:  # noqa: BLE001 - never break the user's import
+        ds_logger.info(f"ds_muon: Falcon's attention-class table not guarded ({type(err).__name__}: {err})")
+
+
+#: Falcon's modeling file (:func:`_guard_falcon` runs right after its import).
+FALCON_MODULE = "transformers.models.falcon.modeling_falcon"
+
+
 def enable() -> None:
     """From now on, ``deepspeed.initialize`` with optimizer ``"Muon"`` (or ``"AdamMini"``) at ZeRO stage 1, 2 or 3
     uses ds_muon.
@@ -325,6 +339,7 @@ def enable() -> None:
     """
     global _depth
     after_import("transformers.modeling_utils", _register_attention)
+    after_import(FALCON_MODULE, _guard_falcon)
     with _lock:
         if _depth == 0:
             _originals["set_optimizer_flags"] = deepspeed.set_optimizer_flags

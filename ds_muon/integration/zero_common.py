@@ -24,7 +24,7 @@ from ..core.dtypes import resolve_exchange_dtype, resolve_ns_dtype
 from ..core.ns_compile import AUTOTUNE_PROGRESS, COMPILE_GRAPH_LIMIT
 from ..core.qk_clip import factor_vector
 from ..errors import ConfigError
-from ..model.attention import check_recorded, take_max_logits
+from ..model.attention import check_recorded, stop_recording, take_max_logits
 from ..names import ADAM_MINI, BLOCK_STATE_KEY, MOMENTUM_KEY, MUON
 from ..sharded.blocks import build_block_map
 from ..sharded.collectives import named_collective
@@ -167,15 +167,18 @@ class DsMuonZeroSteps:
         """The step's QK-clip factors, before DeepSpeed's step runs: the recorded per-head max logits of every
         attention module, reduced over the data-parallel ``group`` by one all_reduce(MAX) of all heads concatenated
         (an overflow-skipped step never reaches the update, so it clips nothing). Returns the step's figures, or
-        None."""
+        None (no QK-clip, or past its ``until_step`` window: no all_reduce then, and the recording is stopped)."""
         if not self.qk_clip_targets:
+            return None
+        clip = self.optimizer.config.qk_clip
+        if clip.until_step is not None and self.step_count >= clip.until_step:
+            stop_recording(self.qk_clip_targets)  # the window is over (also right after a resume past it)
             return None
         s = take_max_logits(self.qk_clip_targets, self._device)
         with named_collective("the QK-clip max-logit all_reduce"):
             dist.all_reduce(s, op=dist.ReduceOp.MAX, group=group)
         s = s.cpu()
         check_recorded(s)
-        clip = self.optimizer.config.qk_clip
         factors, stats = factor_vector(self.qk_clip_targets, s, clip.threshold, clip.alpha)
         self._qk_factors = factors.tolist()
         return stats
@@ -189,6 +192,9 @@ class DsMuonZeroSteps:
         if not overflow:
             self.qk_clip_stats = stats
             self.step_count += 1
+            until = self.optimizer.config.qk_clip.until_step if self.qk_clip_targets else None
+            if until is not None and self.step_count == until:
+                stop_recording(self.qk_clip_targets)  # the window's last step: the next forwards need not record
             self.skips.applied()
             if self.monitor_reporter is not None:
                 self.monitor_reporter.applied(self)

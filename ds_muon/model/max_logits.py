@@ -43,6 +43,18 @@ class MaxLogitRecorder:
 
     def __init__(self) -> None:
         self._max: "weakref.WeakKeyDictionary[nn.Module, torch.Tensor]" = weakref.WeakKeyDictionary()
+        self._stopped: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+    def wants(self, module: nn.Module) -> bool:
+        """Whether a training forward of ``module`` should compute its max logits now: autograd on and the
+        recording not stopped for it (:meth:`stop`; QK-clip's ``until_step`` window has passed)."""
+        return torch.is_grad_enabled() and module not in self._stopped
+
+    def stop(self, module: nn.Module) -> None:
+        """Stop recording for ``module`` (its records are dropped; later :meth:`record` calls are ignored and
+        :meth:`wants` is False). QK-clip calls it when its ``until_step`` window ends."""
+        self._stopped.add(module)
+        self._max.pop(module, None)
 
     def record(self, module: nn.Module, max_logits: torch.Tensor) -> None:
         """Fold ``max_logits`` ``(num_query_heads,)`` into ``module``'s running max (ignored with autograd off).
@@ -50,7 +62,7 @@ class MaxLogitRecorder:
         Raises:
             ValueError: ``max_logits`` is not 1-D, or its length differs from an earlier record of ``module``.
         """
-        if not torch.is_grad_enabled():
+        if not self.wants(module):
             return
         if max_logits.dim() != 1:
             raise ValueError(f"record_max_logits expects one value per query head, shape (num_heads,); "
@@ -74,8 +86,9 @@ class MaxLogitRecorder:
         return self._max.get(module)
 
     def clear(self) -> None:
-        """Forget every record."""
+        """Forget every record (and every :meth:`stop`)."""
         self._max.clear()
+        self._stopped.clear()
 
 
 RECORDER = MaxLogitRecorder()
@@ -87,6 +100,12 @@ def record_max_logits(module: nn.Module, max_logits: torch.Tensor) -> None:
     See the module docstring for the semantics; :data:`RECORDER` holds the values.
     """
     RECORDER.record(module, max_logits)
+
+
+def wants_max_logits(module: nn.Module) -> bool:
+    """Public API for custom attention: whether to compute this forward's max logits at all (autograd on, and
+    QK-clip's ``until_step`` window not over for ``module``); skip :func:`max_logits_per_head` when False."""
+    return RECORDER.wants(module)
 
 
 #: Default chunk budget of :func:`max_logits_per_head`: at most this many score elements

@@ -18,7 +18,8 @@ from ..core.matrix import matrix_view, orthogonalize_blocks_
 from ..core.muon_update import apply_update_, momentum_update_, scaled_orthogonalizer, set_aside
 from ..core.qk_clip import factor_vector
 from ..errors import ConfigError
-from ..model.attention import check_recorded, factor_spans, find_clip_targets, scale_spans_, take_max_logits
+from ..model.attention import (check_recorded, factor_spans, find_clip_targets, scale_spans_, stop_recording,
+                               take_max_logits)
 from ..model.param_groups import split_param_groups
 from ..model.selection import SelectionRules
 from ..model.structure import param_shape
@@ -103,6 +104,7 @@ class MuonAdamW(torch.optim.Optimizer):
         self.config = cfg
         self.qk_clip_targets = []
         self._qk_spans: list = []
+        self._qk_clip_steps = 0  # steps that reached the clip (the until_step window counts them)
         self.qk_clip_stats: Optional[dict] = None
         if cfg.qk_clip.enabled:
             if model is None:
@@ -111,7 +113,7 @@ class MuonAdamW(torch.optim.Optimizer):
             self.qk_clip_targets = find_clip_targets(model)
             mine = {id(p) for g in self.param_groups for p in g["params"]}
             for t in self.qk_clip_targets:
-                for hr in t.query + t.key:
+                for hr in t.rows:
                     if id(hr.param) not in mine:
                         raise ConfigError(f"MuonAdamW.qk_clip: {hr.name!r} ({t.name}) is not trained by this optimizer "
                                           "(frozen, or left out of params); QK-clip scales the query and key weights "
@@ -153,13 +155,21 @@ class MuonAdamW(torch.optim.Optimizer):
         return loss
 
     def _qk_clip(self) -> None:
-        """QK-clip after the update (see the class docstring and :mod:`ds_muon.qk_clip`)."""
+        """QK-clip after the update (see the class docstring and :mod:`ds_muon.qk_clip`); after the
+        ``until_step`` window it clips nothing and stops the recording (:func:`stop_recording`)."""
         targets = self.qk_clip_targets
+        clip = self.config.qk_clip
+        self._qk_clip_steps += 1
+        if clip.until_step is not None and self._qk_clip_steps > clip.until_step:
+            stop_recording(targets)
+            self.qk_clip_stats = None
+            return
         s = take_max_logits(targets, torch.device("cpu"))
         check_recorded(s)
-        clip = self.config.qk_clip
         factors, self.qk_clip_stats = factor_vector(targets, s, clip.threshold, clip.alpha)
         scale_spans_(self._qk_spans, factors)
+        if clip.until_step is not None and self._qk_clip_steps == clip.until_step:
+            stop_recording(targets)  # the next forwards need not record
 
     def _muon(self, p: torch.Tensor, group: dict) -> None:
         state = self.state[p]

@@ -30,23 +30,23 @@ def local_span(lo: int, hi: int, piece: Piece) -> Optional[tuple[int, int]]:
     return (piece.shard_offset + a - piece.start, b - a) if a < b else None
 
 
-def shard_ranges(spans: Sequence[tuple[Any, int, int, int]], names: dict[int, str],
-                 locate: Locate) -> dict[Any, list[tuple[int, int, int]]]:
+def shard_ranges(spans: Sequence[tuple[Any, int, int, int, bool]], names: dict[int, str],
+                 locate: Locate) -> dict[Any, list[tuple[int, int, int, bool]]]:
     """Per partition (a ZeRO sub-group), the flat ranges of its local shard to scale and their factor index.
 
     Args:
-        spans: ``[(param, lo, hi, k)]`` from :func:`ds_muon.model.attention.factor_spans`.
+        spans: ``[(param, lo, hi, k, plus_one)]`` from :func:`ds_muon.model.attention.factor_spans`.
         names: ``{id(param): name}`` for messages.
         locate: where each parameter's chunk lies (see :data:`Locate`).
 
     Returns:
-        ``{key: [(offset in the local shard, length, index into the factor vector)]}``.
+        ``{key: [(offset in the local shard, length, index into the factor vector, plus_one)]}``.
 
     Raises:
         ConfigError: a query/key parameter is not trainable (``locate`` returned None).
     """
-    out: dict[Any, list[tuple[int, int, int]]] = {}
-    for param, lo, hi, k in spans:
+    out: dict[Any, list[tuple[int, int, int, bool]]] = {}
+    for param, lo, hi, k, plus_one in spans:
         where = locate(param)
         if where is None:
             raise ConfigError(f"optimizer.params.qk_clip: {names.get(id(param), '?')!r} is not trained by this "
@@ -55,13 +55,16 @@ def shard_ranges(spans: Sequence[tuple[Any, int, int, int]], names: dict[int, st
         key, piece = where
         part = local_span(lo, hi, piece)
         if part is not None:
-            out.setdefault(key, []).append((part[0], part[1], k))
+            out.setdefault(key, []).append((part[0], part[1], k, plus_one))
     return out
 
 
-def scale_shard_(flat: torch.Tensor, ranges: Sequence[tuple[int, int, int]], factors: Sequence[float]) -> None:
+def scale_shard_(flat: torch.Tensor, ranges: Sequence[tuple[int, int, int, bool]], factors: Sequence[float]) -> None:
     """In place on a local partition ``(n,)``: every range times its factor (``factors`` as Python floats;
-    ranges whose factor is 1 are not touched)."""
-    for offset, n, k in ranges:
+    ranges whose factor is 1 are not touched; a ``plus_one`` gain ``w``, applied as ``1 + w``, becomes
+    ``f * w + (f - 1)``)."""
+    for offset, n, k, plus_one in ranges:
         if factors[k] != 1.0:
-            flat.narrow(0, offset, n).mul_(factors[k])
+            part = flat.narrow(0, offset, n).mul_(factors[k])
+            if plus_one:
+                part.add_(factors[k] - 1.0)

@@ -7,6 +7,8 @@ arise, so a threshold in that range clips some heads and not others.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,8 +20,16 @@ TEST_ATTENTION = "qk_test_recording_sdpa"
 QK_GAIN = 12.0  # q/k weights are scaled by this at init (logits grow ~ its square)
 
 
-def brute_max_logits(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
-    """``(H,)`` max over batch and causal (i, j <= i) positions of ``q_i . k_j * scaling``.
+TEST_EAGER = "qk_test_recording_eager"  # the model's own eager attention function (GPT-OSS: sinks), brute-force record
+#: The last brute-force max logits of every attention module (any forward, training or not): what the tests
+#: read to measure logits independently of ds_muon's recorder.
+MEASURED: "weakref.WeakKeyDictionary[nn.Module, torch.Tensor]" = weakref.WeakKeyDictionary()
+
+
+def brute_max_logits(query: torch.Tensor, key: torch.Tensor, scaling: float,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``(H,)`` max over batch and allowed positions of ``q_i . k_j * scaling``: causal (j <= i) without a mask,
+    else where the mask allows (bool True, or an additive float mask's entries > -1e4; broadcast over heads).
 
     query ``(B, H, T, d)``, key ``(B, Hkv, T, d)`` (GQA: key head ``h // (H / Hkv)``), any float dtype;
     computed in fp32."""
@@ -27,19 +37,40 @@ def brute_max_logits(query: torch.Tensor, key: torch.Tensor, scaling: float) -> 
     k = key.repeat_interleave(group, dim=1)
     scores = query.float() @ k.float().transpose(-1, -2) * scaling
     t, s = scores.shape[-2:]
-    causal = torch.ones(t, s, dtype=torch.bool, device=scores.device).tril(s - t)
-    return scores.masked_fill(~causal, float("-inf")).amax(dim=(0, 2, 3))
+    if mask is None:
+        allowed = torch.ones(t, s, dtype=torch.bool, device=scores.device).tril(s - t)
+    else:
+        allowed = mask if mask.dtype == torch.bool else mask > -1e4
+        allowed = allowed[..., :t, :s]
+    return scores.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3))
+
+
+def _measure(module, query, key, attention_mask, scaling):
+    value = brute_max_logits(query, key, scaling if scaling is not None else query.shape[-1] ** -0.5, attention_mask)
+    MEASURED[module] = value.detach()
+    record_max_logits(module, value)
 
 
 def _recording_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    record_max_logits(module, brute_max_logits(query, key, scaling if scaling is not None else query.shape[-1] ** -0.5))
+    _measure(module, query, key, attention_mask, scaling)
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
+def _recording_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    import sys
+    _measure(module, query, key, attention_mask, scaling)
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    return eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
 def register_test_attention() -> None:
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
     AttentionInterface.register(TEST_ATTENTION, _recording_attention)
+    AttentionMaskInterface.register(TEST_ATTENTION, sdpa_mask)
+    AttentionInterface.register(TEST_EAGER, _recording_eager)
+    AttentionMaskInterface.register(TEST_EAGER, eager_mask)
 
 
 def _lm(base):
@@ -63,11 +94,22 @@ def _hf(cls_name: str, cfg_name: str, **kw):
     return model
 
 
+#: Projections whose weights the test models scale by QK_GAIN (MLA's too: q_b_proj, kv_b_proj, and the rotary key's
+#: kv_a_proj_with_mqa; GPT-NeoX's query_key_value).
+BOOSTED = ("q_proj", "k_proj", "qkv_proj", "q_b_proj", "kv_b_proj", "kv_a_proj_with_mqa", "query_key_value")
+NORM_GAIN = 1.8  # q/k-norm gains of the qk-norm models (logits grow ~ its square)
+
+
 def _boost_qk(model: nn.Module) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if any(k in name for k in ("q_proj", "k_proj", "qkv_proj")):
+            if any(f".{k}." in name for k in BOOSTED):
                 p.mul_(QK_GAIN)
+            elif any(f".{k}.weight" in name for k in ("q_norm", "k_norm")):  # heads of different strengths
+                spread = torch.linspace(0.7, 1.3, p.numel())
+                plus_one = "Gemma" in type(model).__name__  # Gemma's RMSNorm applies 1 + w
+                gain = NORM_GAIN * spread
+                p.copy_(gain - 1 if plus_one else gain)
 
 
 def llama_gqa(**kw):
@@ -91,6 +133,70 @@ def llama_ds_muon_sdpa(**kw):
 def phi3_fused(**kw):
     """Phi-3: fused qkv_proj [Q; K; V], GQA 4/2."""
     return _hf("Phi3ForCausalLM", "Phi3Config", **kw)
+
+
+def deepseek_v3(q_lora_rank=None, **kw):
+    """DeepSeek-V3 MLA, 4 heads (nope 8, rope 4, v 8), kv_lora_rank 16, YaRN rope with mscale_all_dim (so the softmax
+    scale is qk_head_dim^-0.5 * mscale^2, not qk_head_dim^-0.5), dense MLPs; ``q_lora_rank`` None (q_proj) or set
+    (q_a_proj, q_a_layernorm, q_b_proj)."""
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0}
+    return _hf("DeepseekV3ForCausalLM", "DeepseekV3Config", **dict(
+        dict(num_key_value_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+             v_head_dim=8, head_dim=4, first_k_dense_replace=2, n_routed_experts=4, moe_intermediate_size=16,
+             max_position_embeddings=64, rope_parameters=rope), **kw))
+
+
+def mla_softmax_scale(model) -> float:
+    """The softmax scale MLA must use, from the config (transformers' yarn_get_mscale formula written out):
+    ``(nope + rope)^-0.5 * (0.1 * mscale_all_dim * ln(factor) + 1)^2``."""
+    import math
+    c = model.config
+    m = 0.1 * c.rope_parameters["mscale_all_dim"] * math.log(c.rope_parameters["factor"]) + 1.0
+    return (c.qk_nope_head_dim + c.qk_rope_head_dim) ** -0.5 * m * m
+
+
+def qwen3_qk_norm(**kw):
+    """Qwen3: q_norm/k_norm over head_dim, one gain shared by all heads; GQA 4/2."""
+    return _hf("Qwen3ForCausalLM", "Qwen3Config", **kw)
+
+
+def olmo2_qk_norm(**kw):
+    """OLMo 2: q_norm/k_norm over the whole projection (heads x head_dim gains: one slice per head); GQA 4/2."""
+    return _hf("Olmo2ForCausalLM", "Olmo2Config", **kw)
+
+
+def gemma3_qk_norm(**kw):
+    """Gemma 3 (text): q_norm/k_norm over head_dim, gain applied as 1 + w, shared by all heads; a sliding layer
+    (window 4) and a full one; softmax scale query_pre_attn_scalar^-0.5; GQA 4/2."""
+    return _hf("Gemma3ForCausalLM", "Gemma3TextConfig", **dict(
+        dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16), **kw))
+
+
+def gpt_neox(**kw):
+    """GPT-NeoX: interleaved query_key_value (per head [q; k; v]) with biases, partial rotary, 4 heads."""
+    return _hf("GPTNeoXForCausalLM", "GPTNeoXConfig", **dict(dict(num_key_value_heads=4, head_dim=None), **kw))
+
+
+def gpt_oss(**kw):
+    """GPT-OSS: eager-only attention with sinks (the model's own eager function), q/k biases, a sliding layer
+    (window 4) and a full one, 4 experts; GQA 4/2."""
+    return _hf("GptOssForCausalLM", "GptOssConfig", **dict(
+        dict(attn_implementation=TEST_EAGER, num_local_experts=4, num_experts_per_tok=2, intermediate_size=16,
+             sliding_window=4, layer_types=["sliding_attention", "full_attention"]), **kw))
+
+
+#: The families with their own QK-clip rule: model name in MODELS -> (the start of the rule its attention targets
+#: carry, ds_muon.model.attention.ClipTarget.rule; the leaf modules whose parameters the clip scales).
+FAMILIES = {
+    "deepseek_v3": ("MLA", {"q_proj", "kv_b_proj"}),
+    "deepseek_v3_q_lora": ("MLA", {"q_b_proj", "kv_b_proj"}),
+    "qwen3": ("q/k-norm gains, one gamma per layer", {"q_norm", "k_norm"}),
+    "gemma3": ("q/k-norm gains, one gamma per layer", {"q_norm", "k_norm"}),
+    "olmo2": ("q/k-norm gains, per head", {"q_norm", "k_norm"}),
+    "gpt_neox": ("per head [q; k; v]", {"query_key_value"}),
+    "gpt_oss": ("W_q/W_k rows per head", {"q_proj", "k_proj"}),
+}
 
 
 def _gathered(params):
@@ -167,4 +273,6 @@ def declared_wide() -> DeclaredNet:
 
 
 MODELS = {"llama": llama_gqa, "llama_ds_muon_sdpa": llama_ds_muon_sdpa, "qwen2": qwen2_bias, "phi3": phi3_fused, "declared": DeclaredNet,
-          "declared_wide": declared_wide}
+          "declared_wide": declared_wide, "deepseek_v3": deepseek_v3,
+          "deepseek_v3_q_lora": lambda **kw: deepseek_v3(q_lora_rank=12, **kw), "qwen3": qwen3_qk_norm,
+          "olmo2": olmo2_qk_norm, "gemma3": gemma3_qk_norm, "gpt_neox": gpt_neox, "gpt_oss": gpt_oss}

@@ -1,0 +1,244 @@
+"""QK-clip on the model families with their own rule (issue 26): MLA, q/k-norm gains, GPT-NeoX's interleaved fused
+QKV, eager-only attention with sinks; the refusals (Falcon, Bloom, a non-recording attn_implementation); the
+``until_step`` window. One process, the oracle ``ds_muon.MuonAdamW``; ZeRO parity is tests/dist/test_qk_clip_families.py.
+
+Every model is a real transformers class from a tiny config (tests/support/qk_models.py). The logits are measured
+by the test's own brute force on the query and key the model hands to its attention function (after q/k norm and
+RoPE, at the model's softmax scale, under the model's mask), not by ds_muon's recorder.
+
+* The clip alone (lr 1e-9, one layer, tau between the heads' max logits): every scaled block changed by exactly its
+  factor (MLA: q_C gamma^alpha, k_C gamma^(1-alpha), q_R gamma; q/k-norm gains shared by the heads: one gamma for
+  the layer, Gemma's 1 + w included; OLMo 2: per head), and recomputed on the same batch every head's max logit is
+  the old one times the rule's scale, so clipped heads end at <= tau (MLA and per-layer: exactly min(S, tau) and
+  S * gamma_layer).
+* ds_muon's own recording (``ds_muon_sdpa`` on DeepSeek-V3 with YaRN mscale, ``ds_muon_eager`` on GPT-OSS with
+  sinks and a sliding window) equals the brute force at the scale computed here from the config; ``ds_muon_eager``
+  returns exactly what ``"eager"`` returns.
+* A high learning rate on Qwen3 (q/k norm): the measured max logit with QK-clip stays far below the run without.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.support.models import batch
+
+transformers = pytest.importorskip("transformers")
+
+from tests.support.qk_models import FAMILIES, MEASURED, MODELS, deepseek_v3, gpt_oss, mla_softmax_scale  # noqa: E402
+
+ALPHA = 0.5
+
+
+def _one_layer(name: str):
+    torch.manual_seed(0)
+    return MODELS[name](num_hidden_layers=1, **({"layer_types": ["full_attention"]} if name in ("gemma3", "gpt_oss")
+                                               else {}))
+
+
+def _expected(target, s: torch.Tensor, tau: float, alpha: float):
+    """Per block of rows: the factor of each head; and the scale of each query head's logits. Written from the
+    rules in docs/qk_clip.md, not from ds_muon's code."""
+    def gamma(x):
+        return tau / x if x > tau else 1.0
+    nh, nkv = target.num_heads, target.num_kv_heads
+    vals = s.tolist()
+    if target.per_layer:
+        g = gamma(max(vals))
+        q, k, full = [g ** alpha] * nh, [g ** (1 - alpha)] * nkv, [g] * nh
+    else:
+        group = nh // nkv
+        q = [gamma(x) ** alpha for x in vals]
+        k = [gamma(max(vals[i * group:(i + 1) * group])) ** (1 - alpha) for i in range(nkv)]
+        full = [gamma(x) for x in vals]
+    group = nh // nkv
+    if target.query_full:  # MLA: q_C k_C by gamma^alpha gamma^(1-alpha), q_R k_R by gamma: gamma in all
+        scale = [gamma(x) for x in vals]
+    else:
+        scale = [q[h] * k[h // group] for h in range(nh)]
+    return q, k, full, scale
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_clip_alone_scales_each_family_by_its_rule(name):
+    from ds_muon import MuonAdamW
+    from ds_muon.model.attention import find_clip_targets
+    from ds_muon.model.max_logits import RECORDER
+    model = _one_layer(name)
+    tokens, targets = batch(0, 0, 0)
+    (target,) = find_clip_targets(model)
+    rule, leaves = FAMILIES[name]
+    assert target.rule.startswith(rule), target.rule
+    assert {hr.name.split(".")[-2] for hr in target.rows} == leaves, [hr.name for hr in target.rows]
+    RECORDER.clear()
+    model(tokens, targets)
+    ordered = MEASURED[target.module].sort().values
+    tau = float(ordered[1] + ordered[2]) / 2  # two heads above tau, two below
+    opt = MuonAdamW(model, lr=1e-9, adam_lr=1e-9, weight_decay=0.0,
+                    qk_clip={"enabled": True, "threshold": tau, "alpha": ALPHA})
+    model(tokens, targets).backward()
+    s = MEASURED[target.module].clone()
+    before = {id(hr): hr.param.detach().clone() for hr in target.rows}
+    opt.step()
+    assert opt.qk_clip_stats["heads_clipped"] == 2, (s, tau, opt.qk_clip_stats)
+    want_q, want_k, want_full, scale = _expected(target, s, tau, ALPHA)
+    for rows, want in ((target.query, want_q), (target.key, want_k), (target.query_full, want_full)):
+        for hr in rows:
+            old, new = before[id(hr)].view(-1), hr.param.detach().view(-1)
+            for h in range(hr.num_heads):
+                lo, hi = hr.head_span(h)
+                f = want[h]
+                expect = (old[lo:hi] + 1) * f - 1 if hr.plus_one else old[lo:hi] * f  # Gemma: the gain is 1 + w
+                torch.testing.assert_close(new[lo:hi], expect, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        model(tokens, targets)
+    s_new = MEASURED[target.module]
+    torch.testing.assert_close(s_new, s * torch.tensor(scale), rtol=1e-4, atol=1e-5)
+    assert (s_new <= tau * (1 + 1e-4))[s > tau].all(), (s, s_new)
+    if target.query_full or target.num_kv_heads == target.num_heads and not target.per_layer:
+        torch.testing.assert_close(s_new, torch.minimum(s, torch.tensor(tau)), rtol=1e-4, atol=1e-5)
+
+
+def test_ds_muon_sdpa_records_mla_at_the_models_softmax_scale():
+    """DeepSeek-V3 with YaRN (mscale_all_dim 1, factor 4): the recorded max logits equal the brute force at
+    (nope + rope)^-0.5 * mscale^2, computed here from the config, with and without q_lora_rank."""
+    import ds_muon
+    from ds_muon.model.max_logits import RECORDER
+    ds_muon.register_attention()
+    for q_lora in (None, 12):
+        torch.manual_seed(0)
+        model = deepseek_v3(q_lora_rank=q_lora, attn_implementation="ds_muon_sdpa")
+        brute = deepseek_v3(q_lora_rank=q_lora)  # the test's brute force, the same weights
+        brute.load_state_dict(model.state_dict())
+        scale = mla_softmax_scale(model)
+        assert scale != pytest.approx(12 ** -0.5) and model.model.layers[0].self_attn.scaling == pytest.approx(scale)
+        RECORDER.clear()
+        tokens, targets = batch(0, 0, 0)
+        model(tokens, targets)
+        brute(tokens, targets)
+        for layer, ref in zip(model.model.layers, brute.model.layers):
+            torch.testing.assert_close(RECORDER.take(layer.self_attn), MEASURED[ref.self_attn], rtol=1e-5, atol=1e-6)
+
+
+def test_ds_muon_eager_is_the_models_eager_and_records_sinks_model():
+    """GPT-OSS (no SDPA support; sinks; a sliding-window layer): ds_muon_eager returns the same loss and gradients
+    as "eager" bit for bit, and records the brute-force max over the positions the model's mask allows."""
+    import ds_muon
+    from ds_muon.model.max_logits import RECORDER
+    ds_muon.register_attention()
+    torch.manual_seed(0)
+    ref = gpt_oss(attn_implementation="eager")
+    mine = gpt_oss(attn_implementation="ds_muon_eager")
+    mine.load_state_dict(ref.state_dict())
+    tokens, targets = batch(0, 0, 0)
+    RECORDER.clear()
+    a, b = ref(tokens, targets), mine(tokens, targets)
+    a.backward(), b.backward()
+    assert torch.equal(a, b)
+    for (n, p), q in zip(ref.named_parameters(), mine.parameters()):
+        assert torch.equal(p.grad, q.grad), n
+    brute = gpt_oss()  # the test's brute force (under the mask the model built), the same weights
+    brute.load_state_dict(ref.state_dict())
+    brute(tokens, targets)
+    for layer, other in zip(mine.model.layers, brute.model.layers):
+        torch.testing.assert_close(RECORDER.take(layer.self_attn), MEASURED[other.self_attn], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="does not support an attention implementation through"):
+        gpt_oss(attn_implementation="ds_muon_sdpa")  # transformers refuses it: hence ds_muon_eager
+
+
+def test_refusals_name_the_fix():
+    import ds_muon
+    from ds_muon import MuonAdamW
+    from ds_muon.config import ConfigError
+    ds_muon.enable()
+    try:
+        clip = {"qk_clip": {"enabled": True, "threshold": 5.0}}
+        tiny = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4)
+        falcon = transformers.FalconForCausalLM(transformers.FalconConfig(**tiny))
+        with pytest.raises(ConfigError, match=r"FalconAttention.*computes its attention inline.*enabled to false"):
+            MuonAdamW(falcon, **clip)
+        with pytest.raises(ValueError, match=r"'ds_muon_sdpa' does not work with Falcon.*inline"):
+            transformers.FalconForCausalLM(transformers.FalconConfig(**tiny, attn_implementation="ds_muon_sdpa"))
+        bloom = transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=4))
+        with pytest.raises(ConfigError, match=r"BloomAttention.*alibi"):
+            MuonAdamW(bloom, **clip)
+        plain = gpt_oss(attn_implementation="eager")
+        with pytest.raises(ConfigError, match=r"runs attn_implementation='eager'.*ds_muon_eager"):
+            MuonAdamW(plain, **clip)
+    finally:
+        ds_muon.disable()
+
+
+def test_until_step_window_stops_clip_and_recording():
+    """until_step 2: steps 1 and 2 clip; from step 3 on nothing is scaled, no figures, and ds_muon_sdpa computes
+    nothing (the recorder is never fed)."""
+    import ds_muon
+    from ds_muon import MuonAdamW
+    from ds_muon.model import hf_attention
+    ds_muon.register_attention()
+    torch.manual_seed(0)
+    model = MODELS["llama_ds_muon_sdpa"](num_hidden_layers=1)
+    calls = []
+    real = hf_attention.max_logits_per_head
+    hf_attention.max_logits_per_head = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        opt = MuonAdamW(model, lr=1e-9, adam_lr=1e-9, weight_decay=0.0,
+                        qk_clip={"enabled": True, "threshold": 1.0, "until_step": 2})
+        clipped = []
+        for step in range(4):
+            calls.clear()
+            tokens, targets = batch(step, 0, 0)
+            model(tokens, targets).backward()
+            w = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
+            opt.step()
+            opt.zero_grad()
+            changed = not torch.allclose(w, model.model.layers[0].self_attn.q_proj.weight, rtol=1e-5, atol=1e-6)
+            clipped.append((len(calls), changed, opt.qk_clip_stats is not None))
+    finally:
+        hf_attention.max_logits_per_head = real
+    assert clipped == [(1, True, True), (1, True, True), (0, False, False), (0, False, False)], clipped
+
+
+def _max_logit_run(clip: bool, steps: int, lr: float) -> list[float]:
+    """Tiny Qwen3 (q/k norm, ds_muon_sdpa records for the clip) trained by the oracle at a high learning rate; per
+    step, the largest logit of the step's forward measured by the test's brute force (not ds_muon's recorder)."""
+    import ds_muon
+    from ds_muon import MuonAdamW
+    from ds_muon.model import hf_attention
+    ds_muon.register_attention()
+    torch.manual_seed(0)
+    model = MODELS["qwen3"](attn_implementation="ds_muon_sdpa")
+    orig = hf_attention.sdpa_attention_forward
+
+    def measuring(module, query, key, value, mask, **kw):  # measure what the model hands to its attention
+        from tests.support.qk_models import brute_max_logits
+        MEASURED[module] = brute_max_logits(query, key, kw.get("scaling") or query.shape[-1] ** -0.5, mask)
+        return orig(module, query, key, value, mask, **kw)
+    hf_attention.sdpa_attention_forward = measuring
+    try:
+        opt = MuonAdamW(model, lr=lr, adam_lr=lr, weight_decay=0.0,
+                        qk_clip={"enabled": clip, "threshold": 10.0})
+        out = []
+        for step in range(steps):
+            tokens, targets = batch(step % 4, 0, 0)
+            model(tokens, targets).backward()
+            out.append(max(float(MEASURED[layer.self_attn].max()) for layer in model.model.layers))
+            opt.step()
+            opt.zero_grad()
+    finally:
+        hf_attention.sdpa_attention_forward = orig
+    return out
+
+
+def test_qwen3_high_lr_max_logit_held_by_the_gain_clip():
+    """Qwen3 at Muon lr 0.3 and AdamW lr 0.3 (the q/k-norm gains are AdamW's: with the norms, only they can raise the
+    logits), 40 steps, tau 10: without the clip the max logit grows past 40 (measured 53-55 over the last 10 steps);
+    with it the max logit of the last 10 steps stays below half of that (measured at most 12.5)."""
+    free, held = _max_logit_run(False, 40, 0.3), _max_logit_run(True, 40, 0.3)
+    print("no clip", [round(x, 1) for x in free])
+    print("clip   ", [round(x, 1) for x in held])
+    assert max(free[-10:]) > 4 * 10.0, free
+    assert max(held[-10:]) < 0.5 * max(free[-10:]), (held, free)
+    assert math.isfinite(max(held))
