@@ -183,6 +183,10 @@ def param_problems(saved: dict[str, dict], current: dict[str, dict]) -> list[str
                          "model; pass the same param groups as the saved run")
     lines += [f"parameter '{name}' (shape {tuple(old['shape'])}) is in the checkpoint but is not a trainable "
               "parameter of the model" for name, old in saved.items() if name not in current]
+    if any(" param group " in line for line in lines):
+        lines.append("if the moved parameters are norm weights and biases: the saved run put them in a different "
+                     "weight-decay group; set optimizer.params.decay_norms_and_biases to the saved run's value "
+                     "(true for Muon checkpoints written by ds_muon before 2026-12-02, when they decayed with the rest)")
     return lines
 
 

@@ -184,6 +184,8 @@ def _compiled(method: str, steps: int, dtype: torch.dtype | None, backend: str, 
         with torch._dynamo.config.patch(**{limit: COMPILE_GRAPH_LIMIT}):
             return compiled(x)
 
+    if dynamic is False and not static_autotune:
+        return _static_then_dynamic(call, lambda: _compiled(method, steps, dtype, backend, mode, True, form))
     if not static_autotune:
         return call
 
@@ -192,6 +194,32 @@ def _compiled(method: str, steps: int, dtype: torch.dtype | None, backend: str, 
                                       lambda: call(x))
 
     return fn
+
+
+def _static_then_dynamic(static, dynamic):
+    """``fn(x)``: ``static(x)`` for the first ``STATIC_GRAPH_CAP`` distinct ``(shape, stride, dtype)`` inputs (one
+    static graph each, what torch.compile guards on), ``dynamic()(x)`` (built on first need: a handful of
+    graphs for any number of shapes) for every later one, so a model with very many Newton–Schulz call shapes
+    never reaches ``COMPILE_GRAPH_LIMIT``, past which torch.compile would silently run eagerly."""
+    seen: set = set()
+    fallback: list = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        key = (tuple(x.shape), x.stride(), x.dtype)
+        if key in seen or len(seen) < STATIC_GRAPH_CAP:
+            seen.add(key)
+            return static(x)
+        if not fallback:
+            fallback.append(dynamic())
+        return fallback[0](x)
+
+    return fn
+
+
+#: Distinct input shapes one statically compiled Newton–Schulz serves before it hands new shapes to its
+#: dynamic-shape twin (:func:`_static_then_dynamic`); half of ``COMPILE_GRAPH_LIMIT``, which counts every graph
+#: of ``orthogonalize``'s code object, so the dynamic graphs and other methods or dtypes still fit.
+STATIC_GRAPH_CAP = COMPILE_GRAPH_LIMIT // 2
 
 
 compiled_orthogonalize.cache_clear = _compiled.cache_clear  # type: ignore[attr-defined]

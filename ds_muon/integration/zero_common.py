@@ -21,7 +21,7 @@ from deepspeed.utils import logger
 
 from ..checkpoint.metadata import raise_on_every_rank, zero_state_dict_problems
 from ..core.dtypes import resolve_exchange_dtype, resolve_ns_dtype
-from ..core.ns_compile import AUTOTUNE_PROGRESS, COMPILE_GRAPH_LIMIT
+from ..core.ns_compile import AUTOTUNE_PROGRESS, COMPILE_GRAPH_LIMIT, persistent_inductor_cache
 from ..core.qk_clip import factor_vector
 from ..errors import ConfigError
 from ..model.attention import check_recorded, stop_recording, take_max_logits
@@ -152,6 +152,9 @@ class DsMuonZeroSteps:
         cfg = self.optimizer.config
         if not (self.muon_plans and cfg.ns_autotune and cfg.ns_compile and self._device.type == "cuda"):
             return
+        # before anything in this process compiles with inductor (the compiled momentum step runs first at each
+        # step), which would fix TORCHINDUCTOR_CACHE_DIR at inductor's /tmp default
+        persistent_inductor_cache()
         plans = list(self.muon_plans.values())
         worst = max(len(set().union(*(p.ns_call_shapes(r) for p in plans)))
                     for r in range(max(p.world_size for p in plans)))

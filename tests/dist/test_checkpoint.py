@@ -403,9 +403,22 @@ def _legacy_worker(rank: int, world_size: int, tmp: str) -> dict:
     from tests.support import make_legacy_checkpoint as legacy
     out = {}
     for optimizer in ("muon", "adam_mini"):
+        config = legacy.config(optimizer)
+        if optimizer == "muon":
+            # before 2026-12-02 Muon's AdamW half decayed norms and biases (one AdamW group); today's default
+            # (decay_norms_and_biases false) puts them in a sub-group of their own: the load must say so
+            torch.manual_seed(0)
+            model = ParityNet()
+            engine, _, _, _ = ds_muon.initialize(model=model, model_parameters=model.parameters(), config=config)
+            try:
+                engine.load_checkpoint(os.path.join(LEGACY, optimizer), tag="legacy")
+                out["default_layout_load"] = "loaded"
+            except Exception as exc:  # noqa: BLE001 - the message is what the test checks
+                out["default_layout_load"] = f"{type(exc).__name__}: {exc}"
+            engine.destroy()
+            config["optimizer"]["params"]["decay_norms_and_biases"] = True  # the layout it was saved with
         torch.manual_seed(0)
         model = ParityNet()
-        config = legacy.config(optimizer)
         engine, _, _, _ = ds_muon.initialize(model=model, model_parameters=model.parameters(), config=config)
         engine.load_checkpoint(os.path.join(LEGACY, optimizer), tag="legacy")
         loaded = {"steps": engine.optimizer.step_count, "muon_steps": engine.optimizer.muon_step_count,
@@ -433,6 +446,9 @@ def test_checkpoint_of_2026_12_01_loads_and_continues(tmp_path) -> None:
     ``algorithm``, metadata without ``step_count``) load at W=2 and the 3rd step lands where the old code's 3rd step
     did (bit for bit on the CPU that wrote them; within ``LEGACY_ATOL`` elsewhere); converted to universal they load at W=2 with the saved weights."""
     results = run_distributed(_legacy_worker, 2, str(tmp_path))
+    refused = results[0]["default_layout_load"]
+    assert refused.startswith("CheckpointError") and "'norm1.weight': param group 1" in refused, refused
+    assert "optimizer.params.decay_norms_and_biases" in refused and "before 2026-12-02" in refused, refused
     for optimizer, algorithms in (("muon", ["muon", "adamw"]), ("adam_mini", ["adam_mini", "adam_mini", "adamw", "adamw"])):
         want = torch.load(os.path.join(LEGACY, optimizer, "after_step3.pt"))
         got = results[0][optimizer]

@@ -46,10 +46,10 @@ def _iteration_records(engine, rank: int) -> list[tuple[str, int, int]]:
 
 
 def _split_groups(model) -> list[dict]:
-    from ds_muon.model.selection import select_muon_params
-    sel = select_muon_params(model)
-    named = list(model.named_parameters())
-    return [{"params": [p for n, p in named if sel.use_muon[n]]}, {"params": [p for n, p in named if not sel.use_muon[n]]}]
+    """The param groups ds_muon makes of ``model`` (Muon, AdamW, AdamW's no-decay norms and biases), as plain
+    groups, so an AdamW engine given them has the same ZeRO sub-groups."""
+    from ds_muon.model.param_groups import split_param_groups
+    return [{"params": g["params"]} for g in split_param_groups(model, {"weight_decay": 0.1}, {"weight_decay": 0.1})]
 
 
 def comm_worker(rank: int, world_size: int) -> dict:
@@ -66,7 +66,7 @@ def comm_worker(rank: int, world_size: int) -> dict:
         "adamw_allreduce": ds_config(reduce_scatter=False, optimizer={"type": "AdamW", "params": {"lr": 3e-3}}),
     }
     for label, cfg in configs.items():
-        # AdamW gets the same two param groups ds_muon makes (DeepSpeed all-reduces one norm
+        # AdamW gets the same param groups ds_muon makes (DeepSpeed all-reduces one norm
         # scalar per sub-group), so the two runs differ only in the optimizer.
         engine, model = build_engine(cfg, model_parameters=None if label.startswith("ds_muon") else _split_groups)
         out[label] = _iteration_records(engine, rank)
@@ -151,7 +151,8 @@ def test_exchange_bytes(world_size: int, capsys) -> None:
         flags = sorted(n for op, n, b in ours if op == "all_reduce" and b == n)
         assert flags == res["block_counts"], f"rank {rank}: no-gradient flags {flags} != {res['block_counts']}"
         rest = Counter((op, n) for op, n, b in ours if op != "all_to_all_single" and not (op == "all_reduce" and b == n))
-        assert rest == Counter((op, n) for op, n, _ in res["adamw"]), f"rank {rank}: traffic beyond the exchange"
+        want = Counter((op, n) for op, n, _ in res["adamw"])
+        assert rest == want, f"rank {rank}: traffic beyond the exchange: extra {rest - want}, missing {want - rest}"
         # (3) the exchange is the plan's: two all_to_all per exchange bucket, fp32 (4 bytes) here ...
         assert len(a2a) == 2 * res["n_buckets"]
         assert sum(n for _, n, _ in a2a) == res["plan_sent"]
@@ -282,7 +283,8 @@ def test_stage2_exchange_bytes(world_size: int, capsys) -> None:
         flags = sorted(n for op, n, b in ours if op == "all_reduce" and b == n)
         assert flags == res["block_counts"], f"rank {rank}: no-gradient flags {flags} != {res['block_counts']}"
         rest = Counter((op, n) for op, n, b in ours if op != "all_to_all_single" and not (op == "all_reduce" and b == n))
-        assert rest == Counter((op, n) for op, n, _ in res["adamw"]), f"rank {rank}: traffic beyond the exchange"
+        want = Counter((op, n) for op, n, _ in res["adamw"])
+        assert rest == want, f"rank {rank}: traffic beyond the exchange: extra {rest - want}, missing {want - rest}"
         assert len(a2a) == 2 * res["n_buckets"]
         assert sum(b for _, _, b in a2a) == 4 * res["plan_sent"] == res["exchange_bytes"]
         sent.append(res["plan_sent"])

@@ -162,3 +162,32 @@ def test_ns_autotune_refuses_more_static_graphs_than_the_limit(monkeypatch):
     monkeypatch.setattr(zero_common.AUTOTUNE_PROGRESS, "expected", None)
     check(fake(cuda, ns_autotune=True))
     assert zero_common.AUTOTUNE_PROGRESS.expected == shapes  # the progress lines' total (this rank's shapes)
+
+
+def test_static_default_hands_shapes_past_its_cap_to_dynamic_shapes(monkeypatch):
+    """The static default compiles one graph per distinct input; past ``STATIC_GRAPH_CAP`` distinct inputs new
+    ones go to a dynamic-shape twin (a few graphs for all of them), so a model with very many call shapes never
+    reaches the recompile limit (past it torch.compile would silently run eagerly). Broken by hand (the cap
+    removed): 40 graphs for 40 shapes."""
+    from ds_muon.core import ns_compile
+    from ds_muon.core.newton_schulz import orthogonalize
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(tuple(t.shape for t in example_inputs if isinstance(t, torch.Tensor)))
+        return gm.forward
+
+    monkeypatch.setattr(ns_compile, "STATIC_GRAPH_CAP", 4)
+    ns_compile.compiled_orthogonalize.cache_clear()
+    torch._dynamo.reset()
+    try:
+        fn = ns_compile.compiled_orthogonalize("standard", 5, torch.float32, backend=counting_backend)
+        shapes = [(2, 8, 8 + k) for k in range(12)]
+        for shape in shapes + shapes[:3]:  # repeats reuse their graphs
+            x = torch.randn(*shape, generator=torch.Generator().manual_seed(len(graphs)))
+            torch.testing.assert_close(fn(x), orthogonalize(x, "standard", 5, torch.float32), rtol=1e-5, atol=1e-6)
+        static, dynamic = len(graphs[:4]), len(graphs) - 4
+        assert static == 4 and 1 <= dynamic <= 3, graphs  # 4 static graphs, then dynamic ones for 8 more shapes
+    finally:
+        ns_compile.compiled_orthogonalize.cache_clear()
+        torch._dynamo.reset()
