@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["clip_factors", "factor_vector"]
+__all__ = ["clip_factors", "factor_vector", "scale_rows_"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -93,3 +93,13 @@ def factor_vector(targets: Sequence[Any], max_logits: torch.Tensor, threshold: f
         per_head[t.name] = s.tolist()
     return torch.cat(out), {"heads_clipped": clipped, "max_logit": float(max_logits.max()),
                             "max_logit_per_layer": per_layer, "max_logit_per_head": per_head}
+
+
+def scale_rows_(part: torch.Tensor, factor: float, plus_one: bool) -> None:
+    """In place: ``part`` (a head's rows, flat) times ``factor``; a ``plus_one`` gain ``w``, applied as ``1 + w``
+    (Gemma's RMSNorm), becomes ``factor * w + (factor - 1)`` so that ``1 + w`` is scaled by ``factor``. The one
+    arithmetic of the oracle's clip (:func:`ds_muon.model.attention.scale_spans_`) and the ZeRO partitions'
+    (:func:`ds_muon.sharded.qk_clip.scale_shard_`)."""
+    part.mul_(factor)
+    if plus_one:
+        part.add_(factor - 1.0)

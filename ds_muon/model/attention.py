@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
+from ..core.qk_clip import scale_rows_
 from ..errors import ConfigError
 from .max_logits import RECORDER
 from .structure import head_geometry, param_shape, positive_int, text_config
@@ -450,6 +451,4 @@ def scale_spans_(spans: Sequence[tuple[nn.Parameter, int, int, int, bool]], fact
     values = factors.tolist()
     for param, lo, hi, k, plus_one in spans:
         if values[k] != 1.0:
-            part = param.data.view(-1)[lo:hi].mul_(values[k])
-            if plus_one:
-                part.add_(values[k] - 1.0)
+            scale_rows_(param.data.view(-1)[lo:hi], values[k], plus_one)

@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from ..core.qk_clip import scale_rows_
 from ..errors import ConfigError
 from ..partitions import Piece
 
@@ -65,6 +66,4 @@ def scale_shard_(flat: torch.Tensor, ranges: Sequence[tuple[int, int, int, bool]
     ``f * w + (f - 1)``)."""
     for offset, n, k, plus_one in ranges:
         if factors[k] != 1.0:
-            part = flat.narrow(0, offset, n).mul_(factors[k])
-            if plus_one:
-                part.add_(factors[k] - 1.0)
+            scale_rows_(flat.narrow(0, offset, n), factors[k], plus_one)
