@@ -56,6 +56,7 @@ from ..config.sections import deepspeed_version
 from ..errors import ConfigError
 from ..import_hooks import after_import
 from ..model.adam_mini_blocks import adam_mini_param_groups, adam_mini_plan, adam_mini_summary
+from ..model.attention import FALCON_MODULE
 from ..model.param_groups import check_zero3_parameters, split_param_groups
 from ..model.selection import NO_MUON_WARNING, SelectionRules, tag_model
 from .checkpoint_hooks import install_load_checks
@@ -320,10 +321,6 @@ def _guard_falcon() -> None:
         guard_falcon()
     except Exception as err:  # noqa: BLE001 - never break the user's import
         ds_logger.info(f"ds_muon: Falcon's attention-class table not guarded ({type(err).__name__}: {err})")
-
-
-#: Falcon's modeling file (:func:`_guard_falcon` runs right after its import).
-FALCON_MODULE = "transformers.models.falcon.modeling_falcon"
 
 
 def enable() -> None:

@@ -173,6 +173,9 @@ INLINE_ATTENTION = {
     "BloomAttention": "Bloom computes its attention inline (alibi.baddbmm of q.k plus a position bias), not "
                       "through transformers' attention functions",
 }
+#: Falcon's modeling file; its decoder layer picks the attention class from a dict keyed by attn_implementation
+#: (:func:`ds_muon.model.hf_attention.guard_falcon` wraps that dict, right after this module's import).
+FALCON_MODULE = "transformers.models.falcon.modeling_falcon"
 #: Interleaved fused QKV whose layout ds_muon knows: GPT-NeoX's query_key_value is viewed as (heads, 3*head_dim)
 #: and chunked into q, k, v (modeling_gpt_neox.GPTNeoXAttention.forward).
 PER_HEAD_QKV = ("GPTNeoXAttention",)

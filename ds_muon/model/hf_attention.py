@@ -34,12 +34,11 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
+from .attention import FALCON_MODULE
 from .max_logits import RECORDER, max_logits_per_head, record_max_logits
 
 NAME = "ds_muon_sdpa"
 EAGER_NAME = "ds_muon_eager"
-#: Falcon's modeling file; its decoder layer picks the attention class from a dict keyed by attn_implementation.
-FALCON_MODULE = "transformers.models.falcon.modeling_falcon"
 
 
 def _recording(module: torch.nn.Module) -> bool:

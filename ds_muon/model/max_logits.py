@@ -217,7 +217,7 @@ def _future_keys(rows: int, cols: int, device: torch.device) -> torch.Tensor:
     """:func:`_strict_upper`, cached in eager mode; built in the graph under ``torch.compile`` (no cached tensors
     captured as constants)."""
     if torch.compiler.is_compiling():
-        return torch.ones(rows, cols, dtype=torch.bool, device=device).triu_(1)
+        return _strict_upper.__wrapped__(rows, cols, device)
     return _strict_upper(rows, cols, device)
 
 
