@@ -245,9 +245,10 @@ class MuonOptimizerParams(BaseModel):
         False,
         description=("With ns_compile on CUDA, compile Newton-Schulz as heavyball does: torch.compile mode "
                      "'max-autotune-no-cudagraphs' with static shapes (one graph per (batch, rows, cols) of the owner "
-                     "plan, 4-9 s of Triton autotuning each on the first step). Measured on one H200, bf16, 5 steps: "
-                     "83-85% of the matmul rate against 77-80% without (docs/benchmarks.md). Pays on long runs; "
-                     "off by default for the start-up time. Prints a progress line per graph on rank 0 and keeps "
+                     "plan, Triton autotuning of each on the first step: 19.9 s cold for 16x2048x2048 on one H200). "
+                     "Measured on one H200, bf16, 5 steps (docs/benchmarks.md, 2026-12-02): 86% of the matmul rate "
+                     "on 16x2048x2048, against 87% with the static-shape default and 79% with dynamic shapes; it "
+                     "no longer beats the default there. Off by default for the start-up time. Prints a progress line per graph on rank 0 and keeps "
                      "inductor's caches in $XDG_CACHE_HOME/ds_muon/torchinductor (~/.cache/...) unless "
                      "TORCHINDUCTOR_CACHE_DIR is set, so a second start with the same shapes skips the tuning. "
                      "Source: ds_muon, benchmarks/step_time.py --ns-micro."))

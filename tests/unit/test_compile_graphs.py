@@ -168,7 +168,7 @@ def test_static_default_hands_shapes_past_its_cap_to_dynamic_shapes(monkeypatch)
     """The static default compiles one graph per distinct input; past ``STATIC_GRAPH_CAP`` distinct inputs new
     ones go to a dynamic-shape twin (a few graphs for all of them), so a model with very many call shapes never
     reaches the recompile limit (past it torch.compile would silently run eagerly). Broken by hand (the cap
-    removed): 40 graphs for 40 shapes."""
+    removed): 12 graphs for the 12 shapes."""
     from ds_muon.core import ns_compile
     from ds_muon.core.newton_schulz import orthogonalize
     graphs = []
