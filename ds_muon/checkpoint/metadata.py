@@ -165,6 +165,7 @@ def _kind(use_muon: bool) -> str:
 def param_problems(saved: dict[str, dict], current: dict[str, dict]) -> list[str]:
     """One line per parameter whose name, shape, Muon/AdamW flag or param group does not match."""
     lines = []
+    group_moved = False
     for name, cur in current.items():
         old = saved.get(name)
         if old is None:
@@ -179,11 +180,12 @@ def param_problems(saved: dict[str, dict], current: dict[str, dict]) -> list[str
                          "'exp_avg'/'exp_avg_sq', so its optimizer state does not carry over. Select it as in the "
                          "saved run (param.use_muon, optimizer.params.muon_params / adamw_params)")
         elif old["group"] != cur["group"]:
+            group_moved = True
             lines.append(f"parameter '{name}': param group {old['group']} in the checkpoint, {cur['group']} in the "
                          "model; pass the same param groups as the saved run")
     lines += [f"parameter '{name}' (shape {tuple(old['shape'])}) is in the checkpoint but is not a trainable "
               "parameter of the model" for name, old in saved.items() if name not in current]
-    if any(" param group " in line for line in lines):
+    if group_moved:
         lines.append("if the moved parameters are norm weights and biases: the saved run put them in a different "
                      "weight-decay group; set optimizer.params.decay_norms_and_biases to the saved run's value "
                      "(true for Muon checkpoints written by ds_muon before 2026-12-02, when they decayed with the rest)")
