@@ -423,6 +423,57 @@ def _device_allocs(device) -> int:
     return int(torch.cuda.memory_stats(device).get("num_device_alloc", 0))
 
 
+def training_loop_seconds(engine, vocab: int, args, g, device) -> float:
+    """Seconds per step of ``args.loop_steps`` steps run as a training loop runs them: forward, backward and
+    ``engine.step()`` back to back with no device sync between the phases or the steps (the batches are made on
+    the device first), timed from one sync to the next. What the optimizer enqueues on the GPU can then overlap
+    the host's work for the next forward (ZeRO-3's hooks), which the per-phase columns, synced around each
+    phase, cannot show."""
+    import torch
+    batches = [torch.randint(0, vocab, (args.micro_batch, args.seq_len + 1), generator=g).to(device)
+               for _ in range(args.loop_steps)]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for x in batches:
+        loss = engine(x[:, :-1], x[:, 1:])
+        engine.backward(loss)
+        engine.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / args.loop_steps
+
+
+def sync_points(fn) -> dict:
+    """Run ``fn()`` with CUDA's sync debug mode on (``torch.cuda.set_sync_debug_mode("warn")``) and return
+    ``{"file:line": count}`` of the lines that made the host wait for the device (an ``.item()``, a
+    ``bool(tensor)``, a copy to the CPU ...): for each such warning, the innermost frame of its stack in ds_muon,
+    DeepSpeed, examples/ or benchmarks/ (else the innermost frame)."""
+    import traceback
+    import warnings
+    import torch
+    found: dict = {}
+    mine = ("/ds_muon/", "/deepspeed/", "/examples/", "/benchmarks/")
+    depth = len(traceback.extract_stack())  # the frames down to this one; fn's are the ones below
+
+    def hook(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        stack = [f for f in traceback.extract_stack()[depth:-1] if not f.filename.endswith("warnings.py")]
+        frame = next((f for f in reversed(stack) if any(m in f.filename for m in mine)), stack[-1])
+        name = frame.filename.split("/site-packages/")[-1].replace(REPO + "/", "")
+        where = f"{name}:{frame.lineno}"
+        found[where] = found.get(where, 0) + 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = hook
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return found
+
+
 def worker(args) -> None:
     import deepspeed
     import torch
@@ -491,12 +542,20 @@ def worker(args) -> None:
                                ("step_s_events", fwd_bwd + opt), ("fwd_bwd_s_events", fwd_bwd),
                                ("opt_step_s_events", opt), *diagnostics.items()):
                 samples[key].append(value)
+    if args.loop_steps:
+        samples["loop_step_s"] = [training_loop_seconds(engine, vocab, args, g, device)]
+    syncs = None
+    if args.sync_debug:  # one more step, the lines that make the host wait for the GPU, per phase
+        x = torch.randint(0, vocab, (args.micro_batch, args.seq_len + 1), generator=g).to(device)
+        torch.cuda.synchronize()
+        syncs = {"fwd_bwd": sync_points(lambda: engine.backward(engine(x[:, :-1], x[:, 1:]))),
+                 "step": sync_points(engine.step)}
     profile = None
     if args.profile and kind in ("ds_muon", "adamw"):  # AdamW's profile is the fwd+bwd baseline
         profile = profile_steps(engine, vocab, args, g, device)
     result = dict(optimizer=args.optimizer, samples=samples, **{k: statistics.median(v) for k, v in samples.items()},
                   peak_gib=max(peak_fwd_bwd, peak_step) / 2**30, peak_fwd_bwd_gib=peak_fwd_bwd / 2**30,
-                  peak_step_gib=peak_step / 2**30, profile=profile, comm_bytes=comm, comm_total=sum(comm.values()), params=n_params,
+                  peak_step_gib=peak_step / 2**30, profile=profile, sync_points=syncs, comm_bytes=comm, comm_total=sum(comm.values()), params=n_params,
                   first_loss=losses[0], last_loss=losses[-1], world=dist.get_world_size(),
                   opt_state_gib=_optimizer_state_bytes(engine) / 2**30)
     if kind.startswith("ds_muon"):
@@ -539,7 +598,13 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--loop-steps", type=int, default=0,
+                    help="after the timed steps, this many more run as a training loop does (no sync between the "
+                         "phases): the 'loop s/step' column")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="after the timed steps, list the lines where fwd+bwd and the optimizer step make the host "
+                         "wait for the GPU (torch.cuda.set_sync_debug_mode)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile 3 ds_muon and 3 AdamW steps with torch.profiler and print the summary tables")
     ap.add_argument("--ns-micro", action=argparse.BooleanOptionalAction, default=True,
@@ -582,7 +647,8 @@ def main() -> None:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), __file__,
                    "--worker", "--optimizer", arm, "--model", args.model, "--micro-batch", str(args.micro_batch),
                    "--seq-len", str(args.seq_len), "--warmup", str(args.warmup), "--steps", str(args.steps),
-                   "--stage", str(args.stage),
+                   "--stage", str(args.stage), "--loop-steps", str(args.loop_steps),
+                   *(["--sync-debug"] if args.sync_debug and rnd == 0 else []),
                    "--out", out] + (["--profile"] if args.profile and rnd == 0 else [])
             print(f">> round {rnd + 1}/{args.rounds}:", " ".join(cmd), flush=True)
             proc = subprocess.run(cmd)
@@ -615,6 +681,10 @@ def main() -> None:
                     with open(args.out, "w") as f:
                         json.dump(results, f, indent=2)
     print_table({k: v for k, v in results.items() if k != "ns_micro"})
+    for arm, v in results.items():
+        for phase, lines in (v.get("sync_points") or {}).items():
+            print(f"\n{arm}, {phase}: {sum(lines.values())} host-device syncs: " +
+                  ", ".join(f"{k} x{n}" for k, n in sorted(lines.items(), key=lambda kv: -kv[1])))
     for arm in ("adamw", "ds_muon"):
         if results.get(arm, {}).get("profile"):
             print(f"\ntorch.profiler, 3 {arm} steps, rank 0:\n" + results[arm]["profile"])
@@ -622,7 +692,8 @@ def main() -> None:
         print_ns_table(results["ns_micro"])
 
 
-TIMINGS = ("step_s", "fwd_bwd_s", "opt_step_s", "step_s_events", "fwd_bwd_s_events", "opt_step_s_events")
+TIMINGS = ("step_s", "fwd_bwd_s", "opt_step_s", "step_s_events", "fwd_bwd_s_events", "opt_step_s_events",
+           "loop_step_s")
 #: Per-step diagnostics of fwd+bwd, aggregated like TIMINGS: the process's CPU seconds (all threads: autograd runs
 #: backward on its own thread), the seconds of Python's garbage collector, cudaMalloc calls.
 DIAGNOSTICS = ("fwd_bwd_cpu_s", "fwd_bwd_gc_s", "fwd_bwd_device_allocs")
@@ -745,12 +816,13 @@ def print_table(results: dict) -> None:
           "each), in parentheses the min-max of the per-round medians (one round: the steps' quartiles); wall clock "
           "with a device sync around each phase, and CUDA events of the same phases.")
     print("| arm | settings | step s | fwd+bwd s | optimizer step s | CUDA events: step / fwd+bwd / optimizer step s | "
-          "peak GiB (fwd+bwd / step) | optimizer state GiB (rank 0) | bytes/step (rank 0) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "loop s/step | peak GiB (fwd+bwd / step) | optimizer state GiB (rank 0) | bytes/step (rank 0) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for k, v in ok.items():
         events = " / ".join(timing_cell(v, f"{t}_events") for t in ("step_s", "fwd_bwd_s", "opt_step_s"))
         print(f"| {k} | {v.get('settings', '')} | {timing_cell(v, 'step_s')} | {timing_cell(v, 'fwd_bwd_s')} | "
-              f"{timing_cell(v, 'opt_step_s')} | {events if 'step_s_events' in v else ''} | {v['peak_gib']:.1f} "
+              f"{timing_cell(v, 'opt_step_s')} | {events if 'step_s_events' in v else ''} | "
+              f"{timing_cell(v, 'loop_step_s')} | {v['peak_gib']:.1f} "
               f"({v['peak_fwd_bwd_gib']:.1f} / {v['peak_step_gib']:.1f}) | {v.get('opt_state_gib', 0):.2f} | "
               f"{v['comm_total'] / 2**20:.0f} MiB |")
         if "fwd_bwd_cpu_s" in v:
@@ -760,7 +832,7 @@ def print_table(results: dict) -> None:
             print(f"| {k} | {len(v['round_errors'])} of {v['rounds']} rounds failed: {'; '.join(v['round_errors'])} |")
     for k, v in results.items():
         if "error" in v:
-            print(f"| {k} | {v.get('settings', '')} | failed: {v['error']} | | | | | | |")
+            print(f"| {k} | {v.get('settings', '')} | failed: {v['error']} | | | | | | | |")
     named: dict = {}
     for k, v in ok.items():  # the ratios below compare the first arm of each optimizer
         named.setdefault(parse_arm(k)[0], v)
@@ -796,6 +868,9 @@ def print_table(results: dict) -> None:
             print(f"ds_muon/built-in: step {d['step_s'] / b['step_s']:.2f}x, optimizer step "
                   f"{d['opt_step_s'] / b['opt_step_s']:.2f}x, peak {d['peak_gib'] / b['peak_gib']:.2f}x, "
                   f"bytes/step {d['comm_total'] / b['comm_total']:.2f}x")
+            if "loop_step_s" in d and "loop_step_s" in b:
+                print(f"ds_muon/built-in in a training loop (no sync between phases): "
+                      f"{d['loop_step_s'] / b['loop_step_s']:.2f}x")
 
 
 if __name__ == "__main__":

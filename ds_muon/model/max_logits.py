@@ -109,8 +109,10 @@ def wants_max_logits(module: nn.Module) -> bool:
 
 
 #: Default chunk budget of :func:`max_logits_per_head`: at most this many score elements
-#: (``B * H * chunk * Sk``) exist at once, i.e. 32 MiB in bf16.
-CHUNK_ELEMENTS = 1 << 24
+#: (``B * H * chunk * Sk``) exist at once, i.e. 128 MiB in bf16 (256 MiB in fp32). A forward whose whole score
+#: matrix fits (the 934M benchmark's 4 x 16 heads x 1024 x 1024) takes one chunk: about six kernels per layer,
+#: so the recording adds little host time to a host-bound ZeRO-3 forward (docs/benchmarks.md, issue 27 item 5).
+CHUNK_ELEMENTS = 1 << 26
 
 #: A float (additive) mask entry at or below this value marks a masked position: HF's masks use the
 #: dtype's most negative value or ``-inf``, older code ``-10000`` or ``-1e9``; no positional bias is
@@ -133,12 +135,14 @@ def max_logits_per_head(query: torch.Tensor, key: torch.Tensor, scaling: float,
     bias) are not added.
 
     Computed under ``torch.no_grad`` over chunks of query positions, so the extra memory is
-    ``O(B * H * chunk * Sk)`` elements, never a full ``(Sq, Sk)`` matrix per head. With
-    ``is_causal`` the keys after a chunk's last query are skipped altogether (about half the work).
-    Per chunk: one matmul, one in-place mask (causal: of the diagonal block only, a cached triangle) and
-    one contiguous last-dim max into a ``(B, H, Sq)`` row-max buffer, reduced to ``(H,)`` once at the end
-    (the form before 2026-12-02, two matmuls and ~10 kernels per chunk with a reduction over
-    non-contiguous dims, is ``benchmarks/max_logit_cost.py``'s ``previous_max_logits_per_head``).
+    ``O(B * H * chunk * Sk)`` elements (at most :data:`CHUNK_ELEMENTS` by default). Per chunk: one matmul
+    (the ``G`` query heads of a kv head stacked against its keys: one bmm over ``B * Hkv``), one in-place mask
+    (causal: of the diagonal block only, a cached triangle) and one contiguous last-dim max, reduced to
+    ``(H,)`` once at the end. A forward whose whole score matrix fits the budget is one chunk (about six
+    kernels: the cost in a host-bound training forward is the number of kernels, not their FLOPs); past it,
+    a causal chunk skips the keys after its last query. The form before 2026-12-02 (two matmuls and ~10 kernels
+    per chunk of at most ``2**24`` scores, a reduction over non-contiguous dims) is
+    ``benchmarks/max_logit_cost.py``'s ``previous_max_logits_per_head``.
 
     Args:
         query: ``(B, H, Sq, D)``, floating point.
@@ -150,7 +154,7 @@ def max_logits_per_head(query: torch.Tensor, key: torch.Tensor, scaling: float,
         is_causal: SDPA's ``is_causal`` (no mask then): query ``i`` sees keys ``j <= i``, aligned to
             the upper left as SDPA does when ``Sq != Sk``.
         chunk_size: query positions per chunk; default: as many as keep ``B * H * chunk * Sk``
-            within :data:`CHUNK_ELEMENTS`, and with ``is_causal`` at most ``max(64, ceil(Sq / 4))``.
+            within :data:`CHUNK_ELEMENTS` (all ``Sq`` when the whole score matrix fits).
 
     Returns:
         ``(H,)`` fp32 on the query's device; ``-inf`` for a head that saw no allowed position.
@@ -174,8 +178,6 @@ def max_logits_per_head(query: torch.Tensor, key: torch.Tensor, scaling: float,
     G = H // Hkv
     if chunk_size is None:
         chunk_size = max(1, CHUNK_ELEMENTS // max(1, B * H * Sk))
-        if is_causal:  # a few chunks at least, so that most of the skipped upper triangle is not computed
-            chunk_size = min(chunk_size, max(64, -(-Sq // 4)))
     if chunk_size < 1:
         raise ValueError(f"max_logits_per_head: chunk_size must be >= 1, got {chunk_size}")
     mask = None if attention_mask is None else _grouped_mask(attention_mask, B, H, Hkv, Sq, Sk)
@@ -183,26 +185,31 @@ def max_logits_per_head(query: torch.Tensor, key: torch.Tensor, scaling: float,
         return torch.full((H,), float("-inf"), dtype=torch.float32, device=query.device)
     with torch.no_grad():
         q = query.detach().reshape(B, Hkv, G, Sq, D)                # query head h = kv head h // G, member h % G
-        kt = key.detach().transpose(-1, -2).unsqueeze(2)             # (Bk, Hkv, 1, D, Sk)
+        kt = key.detach().transpose(-1, -2)                          # (Bk, Hkv, D, Sk): a view, read transposed
+        if Bk != B:
+            kt = kt.expand(B, Hkv, D, Sk)
         blocked = None if mask is None else ~mask
-        # per query row, the max over its allowed keys; one reduction over (B, Sq) at the end. Per chunk: one
-        # matmul, (causal: one masked_fill of the diagonal block), one contiguous last-dim amax.
-        rowmax = torch.empty((B, Hkv, G, Sq), dtype=query.dtype, device=query.device)
+        # Per chunk of query rows: one matmul of the G query heads of each kv head against its keys (one bmm over
+        # B * Hkv, no broadcast copy), one in-place mask (causal: of the diagonal block only), one last-dim amax;
+        # then one reduction over (B, Sq). With one chunk (the whole score matrix within CHUNK_ELEMENTS) that is
+        # about six kernels; with several, a causal chunk never computes the keys after its last query.
+        rowmax = None if chunk_size >= Sq else torch.empty((B, Hkv, G, Sq), dtype=query.dtype, device=query.device)
         for i0 in range(0, Sq, chunk_size):
             i1 = min(i0 + chunk_size, Sq)
-            qc = q[:, :, :, i0:i1]                                   # (B, Hkv, G, c, D)
+            c, end = i1 - i0, (min(i1, Sk) if is_causal else Sk)
+            scores = torch.matmul(q[:, :, :, i0:i1].reshape(B, Hkv, G * c, D), kt[..., :end])
+            scores = scores.view(B, Hkv, G, c, end)                  # (B, Hkv, G, c, end)
             if is_causal:
-                # query i sees keys j <= i: the chunk needs keys [0, min(i1, Sk)); in the block of keys
-                # [i0, i1) only the lower triangle is allowed (keys after the chunk's last query: never computed)
-                end = min(i1, Sk)
-                scores = torch.matmul(qc, kt[..., :end])             # (B, Hkv, G, c, end)
+                # query i sees keys j <= i (upper-left aligned): in the block of keys [i0, i1) only the lower
+                # triangle is allowed; keys at or after i1 were not computed
                 if i0 < end:
-                    scores[..., i0:end].masked_fill_(_future_keys(i1 - i0, end - i0, query.device), float("-inf"))
+                    scores[..., i0:end].masked_fill_(_future_keys(c, end - i0, query.device), float("-inf"))
+            elif blocked is not None:
+                scores.masked_fill_(blocked[:, :, :, i0:i1] if blocked.size(3) == Sq else blocked, float("-inf"))
+            if rowmax is None:
+                rowmax = scores.amax(dim=-1)                         # (B, Hkv, G, Sq)
             else:
-                scores = torch.matmul(qc, kt)                        # (B, Hkv, G, c, Sk)
-                if blocked is not None:
-                    scores.masked_fill_(blocked[:, :, :, i0:i1] if blocked.size(3) == Sq else blocked, float("-inf"))
-            torch.amax(scores, dim=-1, out=rowmax[..., i0:i1])
+                torch.amax(scores, dim=-1, out=rowmax[..., i0:i1])
         return rowmax.amax(dim=(0, 3)).reshape(H).float() * scaling
 
 

@@ -84,14 +84,18 @@ def test_rounds_alternate_and_out_is_written_after_every_arm(tmp_path, monkeypat
             failed.returncode = 1
             return failed
         k = len(calls)
+        result = _result(arm, [0.3 + 0.01 * k, 0.31 + 0.01 * k], [0.2, 0.21])
+        assert cmd[cmd.index("--loop-steps") + 1] == "3"
+        result["samples"]["loop_step_s"] = [0.25 + 0.01 * k]  # one value per round (training_loop_seconds)
+        result["loop_step_s"] = 0.25 + 0.01 * k
         with open(path, "w") as f:
-            json.dump(_result(arm, [0.3 + 0.01 * k, 0.31 + 0.01 * k], [0.2, 0.21]), f)
+            json.dump(result, f)
         return Done()
 
     monkeypatch.setattr(step_time.subprocess, "run", fake_run)
     arms = "adamw,builtin_muon,ds_muon:reduce_scatter=false"
     monkeypatch.setattr(sys, "argv", ["step_time.py", "--nproc", "1", "--optimizers", arms, "--rounds", "2",
-                                      "--no-ns-micro", "--out", str(out)])
+                                      "--no-ns-micro", "--loop-steps", "3", "--out", str(out)])
     step_time.main()
     assert calls == arms.split(",") * 2
     # before each worker group, --out holds every arm that finished before it
@@ -103,6 +107,31 @@ def test_rounds_alternate_and_out_is_written_after_every_arm(tmp_path, monkeypat
     assert ds["settings"].startswith("ZeRO 3, overlap_comm=true, reduce_scatter=false")
     assert ds["spread"]["step_s"]["round_medians"] == pytest.approx([0.335, 0.365])  # calls 3 and 6
     assert len(ds["round_results"]) == 2
+    assert ds["loop_step_s"] == pytest.approx(0.295) and ds["spread"]["loop_step_s"]["round_medians"] == \
+        pytest.approx([0.28, 0.31])  # the median of the rounds' loop times
     table = capsys.readouterr().out
     assert "| ds_muon:reduce_scatter=false | ZeRO 3, overlap_comm=true, reduce_scatter=false" in table
     assert "1 of 2 rounds failed: exit 1" in table and "median over all timed steps of 2 round(s)" in table
+    assert "| loop s/step |" in table and "| 0.295 (0.280-0.310) |" in table
+    assert "ds_muon/built-in in a training loop (no sync between phases): " in table
+
+
+def test_sync_points_name_the_lines_that_wait(monkeypatch) -> None:
+    """``--sync-debug``'s collector: each "synchronizing" warning counted at the line that raised it (on a GPU
+    torch raises them in sync debug mode; here a stand-in warns, since the CPU build has no such mode); other
+    warnings are not counted, and the mode is set back to "default" after."""
+    import warnings
+
+    import torch
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def step():
+        for _ in range(2):
+            warnings.warn("called a synchronizing CUDA operation")  # the line reported
+        warnings.warn("something else")
+
+    found = step_time.sync_points(step)
+    line = step.__code__.co_firstlineno + 2
+    assert found == {f"tests/unit/test_step_time_rounds.py:{line}": 2}, found
+    assert modes == ["warn", "default"]
