@@ -76,6 +76,35 @@ def previous_max_logits_per_head(query, key, scaling: float, attention_mask=None
         return best.reshape(H).float() * scaling
 
 
+class RecordingClock:
+    """Stands in for ``max_logits_per_head`` in examples/model.py's namespace and times every call inside the
+    training step: host seconds (``perf_counter`` around the call: what a host-bound forward pays for it) and, on
+    CUDA, device seconds (CUDA events around it, read after the step's sync). :meth:`take` returns and resets
+    ``(host_s, gpu_s or None)`` summed over the calls since the last take."""
+
+    def __init__(self, fn, device) -> None:
+        self.fn, self.cuda = fn, device.type == "cuda"
+        self.host, self.events = 0.0, []
+
+    def __call__(self, *args, **kwargs):
+        import torch
+        if self.cuda:
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t = time.perf_counter()
+        out = self.fn(*args, **kwargs)
+        self.host += time.perf_counter() - t
+        if self.cuda:
+            stop.record()
+            self.events.append((start, stop))
+        return out
+
+    def take(self):
+        gpu = sum(a.elapsed_time(b) for a, b in self.events) / 1e3 if self.cuda else None
+        host, self.host, self.events = self.host, 0.0, []
+        return host, gpu
+
+
 def micro_cost(cfg, micro_batch: int, seq_len: int, device, dtype, reps: int = 10, fn=None) -> dict:
     """``fn`` (default ``max_logits_per_head``) on one layer's causal query/key shapes, measured alone, times the
     layer count: ``{"wall_s", "gpu_s"}`` per step (``gpu_s``: CUDA events around the same calls, None on CPU)."""
@@ -161,6 +190,7 @@ def main() -> None:
     sys.path.insert(0, REPO)
     import ds_muon
     from ds_muon.model.max_logits import RECORDER
+    import model as model_module
     from model import CausalLM, ModelConfig
 
     deepspeed.init_distributed()
@@ -182,7 +212,9 @@ def main() -> None:
     g = torch.Generator(device="cpu").manual_seed(rank)
     times = {False: [], True: []}
     fwd_bwd = {False: [], True: []}
-    cpu = {False: [], True: []}  # the process's CPU seconds in fwd+bwd: the host cost, which a host-bound step pays
+    clock = RecordingClock(model_module.max_logits_per_head, device)
+    model_module.max_logits_per_head = clock  # what the attention calls (examples/model.py imports it by name)
+    inside = {"host_s": [], "gpu_s": []}  # per step with recording: time inside the recording calls
     peak = {False: 0, True: 0}
     blocks = [False] * (args.warmup > 0) + [c for _ in range(args.rounds) for c in (False, True)]
     for b, record in enumerate(blocks):
@@ -194,25 +226,29 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             sync(device)
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0 = time.perf_counter()
             loss = engine(x[:, :-1], x[:, 1:])
             engine.backward(loss)
             sync(device)
-            t1, c1 = time.perf_counter(), time.process_time()
+            t1 = time.perf_counter()
             engine.step()
             if record:
                 taken = [RECORDER.take(a) for a in attns]
                 assert all(t is not None for t in taken), "an attention layer recorded nothing"
             sync(device)
             t2 = time.perf_counter()
+            host, gpu = clock.take()
+            if record and (b > 0 or not args.warmup):
+                inside["host_s"].append(host)
+                inside["gpu_s"].append(gpu)
             if b > 0 or not args.warmup:
                 times[record].append(t2 - t0)
                 fwd_bwd[record].append(t1 - t0)
-                cpu[record].append(c1 - c0)
                 if device.type == "cuda":
                     peak[record] = max(peak[record], torch.cuda.max_memory_allocated(device))
     res = {k: dict(step_s=statistics.median(times[k]), fwd_bwd_s=statistics.median(fwd_bwd[k]),
-                   fwd_bwd_cpu_s=statistics.median(cpu[k]), peak_gib=peak[k] / 2**30) for k in (False, True)}
+                   peak_gib=peak[k] / 2**30) for k in (False, True)}
+    res[True].update({f"recording_{k}": statistics.median(v) for k, v in inside.items() if None not in v})
     dtype = torch.bfloat16 if config.get("bf16", {}).get("enabled") else torch.float32
     micro = micro_cost(cfg, args.micro_batch, args.seq_len, device, dtype) if args.micro else None
     micro_prev = (micro_cost(cfg, args.micro_batch, args.seq_len, device, dtype, fn=previous_max_logits_per_head)
@@ -222,12 +258,16 @@ def main() -> None:
         print(f"\nmodel {args.model} ({sum(p.ds_numel for p in model.parameters()) / 1e6:.0f}M params), "
               f"micro-batch {args.micro_batch} x {args.seq_len}, world {dist.get_world_size()}, {device}, "
               f"{args.rounds} x {args.steps} steps per condition (medians)")
-        print("| recording | step s | fwd+bwd s | fwd+bwd CPU s | peak GiB |")
-        print("|---|---|---|---|---|")
+        print("| recording | step s | fwd+bwd s | peak GiB |")
+        print("|---|---|---|---|")
         for name, r in (("off", off), ("on", on)):
-            print(f"| {name} | {r['step_s']:.4f} | {r['fwd_bwd_s']:.4f} | {r['fwd_bwd_cpu_s']:.4f} | {r['peak_gib']:.2f} |")
+            print(f"| {name} | {r['step_s']:.4f} | {r['fwd_bwd_s']:.4f} | {r['peak_gib']:.2f} |")
         print(f"step on/off {on['step_s'] / off['step_s']:.4f}x ({on['step_s'] / off['step_s'] - 1:+.2%}); "
               f"fwd+bwd on/off {on['fwd_bwd_s'] / off['fwd_bwd_s']:.4f}x")
+        gpu = on.get("recording_gpu_s")
+        print(f"inside the training step: the recording calls take {on['recording_host_s'] * 1e3:.2f} ms of host time "
+              f"per step ({on['recording_host_s'] / off['step_s']:.2%} of the step without recording)" +
+              ("" if gpu is None else f", {gpu * 1e3:.2f} ms of GPU time ({gpu / off['step_s']:.2%})"))
         if micro is not None:
             for name, m in (("max_logits_per_head", micro), ("previous_max_logits_per_head", micro_prev)):
                 gpu = "" if m["gpu_s"] is None else f", GPU {m['gpu_s'] * 1e3:.2f} ms"

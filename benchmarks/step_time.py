@@ -423,6 +423,13 @@ def _device_allocs(device) -> int:
     return int(torch.cuda.memory_stats(device).get("num_device_alloc", 0))
 
 
+def step_medians(samples: dict) -> tuple[dict, dict]:
+    """A worker's ``{timing: [seconds per step]}`` without the timings it did not take (``loop_step_s`` without
+    ``--loop-steps``), and ``{timing: median}`` of the rest."""
+    taken = {k: v for k, v in samples.items() if v}
+    return taken, {k: statistics.median(v) for k, v in taken.items()}
+
+
 def training_loop_seconds(engine, vocab: int, args, g, device) -> float:
     """Seconds per step of ``args.loop_steps`` steps run as a training loop runs them: forward, backward and
     ``engine.step()`` back to back with no device sync between the phases or the steps (the batches are made on
@@ -553,7 +560,8 @@ def worker(args) -> None:
     profile = None
     if args.profile and kind in ("ds_muon", "adamw"):  # AdamW's profile is the fwd+bwd baseline
         profile = profile_steps(engine, vocab, args, g, device)
-    result = dict(optimizer=args.optimizer, samples=samples, **{k: statistics.median(v) for k, v in samples.items()},
+    samples, medians = step_medians(samples)
+    result = dict(optimizer=args.optimizer, samples=samples, **medians,
                   peak_gib=max(peak_fwd_bwd, peak_step) / 2**30, peak_fwd_bwd_gib=peak_fwd_bwd / 2**30,
                   peak_step_gib=peak_step / 2**30, profile=profile, sync_points=syncs, comm_bytes=comm, comm_total=sum(comm.values()), params=n_params,
                   first_loss=losses[0], last_loss=losses[-1], world=dist.get_world_size(),

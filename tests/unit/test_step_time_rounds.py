@@ -135,3 +135,13 @@ def test_sync_points_name_the_lines_that_wait(monkeypatch) -> None:
     line = step.__code__.co_firstlineno + 2
     assert found == {f"tests/unit/test_step_time_rounds.py:{line}": 2}, found
     assert modes == ["warn", "default"]
+
+
+def test_step_medians_leave_out_timings_not_taken() -> None:
+    """A worker run without ``--loop-steps`` has no ``loop_step_s`` samples: the result leaves the key out (its
+    median of nothing failed every such worker on the GPU, 2026-12-03) and keeps the medians of the rest."""
+    samples = {k: [0.3, 0.1, 0.2] for k in step_time.TIMINGS if k != "loop_step_s"}
+    samples["loop_step_s"] = []
+    kept, medians = step_time.step_medians(samples)
+    assert "loop_step_s" not in kept and "loop_step_s" not in medians
+    assert medians["step_s"] == 0.2 and set(medians) == set(step_time.TIMINGS) - {"loop_step_s"}
