@@ -201,6 +201,90 @@ def test_until_step_window_stops_clip_and_recording():
     assert clipped == [(1, True, True), (1, True, True), (0, False, False), (0, False, False)], clipped
 
 
+UNTIL, RESUME_STEPS = 3, 6
+
+
+def _until_run(model, opt, start: int, calls: list, stop: int = RESUME_STEPS) -> list:
+    """Optimizer steps ``start..stop-1`` (one micro-batch each); per step: the ds_muon_sdpa max-logit
+    computations of its forward, the heads clipped (None: no figures), and every parameter after it."""
+    out = []
+    for step in range(start, stop):
+        calls.clear()
+        tokens, targets = batch(step, 0, 0)
+        model(tokens, targets).backward()
+        opt.step()
+        opt.zero_grad()
+        stats = opt.qk_clip_stats
+        out.append((len(calls), None if stats is None else stats["heads_clipped"],
+                    {n: p.detach().clone() for n, p in model.named_parameters()}))
+    return out
+
+
+def test_until_step_counter_survives_the_oracles_state_dict():
+    """until_step 3, 6 steps, lr 0.02, tau 1 (every step clips in the window). The oracle's state dict saved after
+    step 1 (inside the window) and after step 3 (the window over), loaded into a fresh model and oracle, continues
+    exactly as the uninterrupted oracle: per step the same clipped heads (none from step 4), the same parameters
+    bit for bit, and no max-logit computation in any forward past the window (the stopped recording comes back
+    with the load). A state dict without the counter (saved by ds_muon of 2026-12-02 and before) takes it from
+    the AdamW ``step``; an earlier state dict loaded into the oracle that ran past the window records again."""
+    import copy
+
+    import ds_muon
+    from ds_muon import MuonAdamW
+    from ds_muon.model import hf_attention
+    from ds_muon.names import QK_CLIP_STEPS_KEY
+    ds_muon.register_attention()
+    calls = []
+    real = hf_attention.max_logits_per_head
+    hf_attention.max_logits_per_head = lambda *a, **k: calls.append(1) or real(*a, **k)
+    params = dict(lr=0.02, adam_lr=3e-3, weight_decay=0.0, qk_clip={"enabled": True, "threshold": 1.0,
+                                                                      "until_step": UNTIL})
+
+    def fresh(weights: dict):
+        model = MODELS["llama_ds_muon_sdpa"](num_hidden_layers=1)
+        model.load_state_dict(weights)
+        return model, MuonAdamW(model, **params)
+
+    try:
+        torch.manual_seed(0)
+        model = MODELS["llama_ds_muon_sdpa"](num_hidden_layers=1)
+        opt = MuonAdamW(model, **params)
+        saved, once = {}, []
+        for step in range(RESUME_STEPS):
+            if step in (1, UNTIL):
+                saved[step] = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+            once += _until_run(model, opt, step, calls, stop=step + 1)
+        figures = [(c, h) for c, h, _ in once]
+        assert all(c == 1 and h > 0 for c, h in figures[:UNTIL]), figures  # the window clips
+        assert figures[UNTIL:] == [(0, None)] * (RESUME_STEPS - UNTIL), figures
+        assert saved[1][1][QK_CLIP_STEPS_KEY] == 1 and saved[UNTIL][1][QK_CLIP_STEPS_KEY] == UNTIL
+
+        def same(start: int, got: list) -> None:
+            want = once[start:]
+            assert [(c, h) for c, h, _ in got] == [(c, h) for c, h, _ in want], (
+                f"resumed at {start}: (max-logit computations, heads clipped) per step {[(c, h) for c, h, _ in got]}, "
+                f"uninterrupted {[(c, h) for c, h, _ in want]}")
+            for k, ((_, _, g), (_, _, w)) in enumerate(zip(got, want)):
+                assert all(torch.equal(g[n], w[n]) for n in w), f"resumed at {start}: step {start + k} differs"
+
+        for start, (weights, state) in saved.items():
+            resumed, ropt = fresh(weights)
+            ropt.load_state_dict(copy.deepcopy(state))
+            same(start, _until_run(resumed, ropt, start, calls))
+        weights, state = saved[1]
+        old = copy.deepcopy(state)
+        del old[QK_CLIP_STEPS_KEY]
+        resumed, ropt = fresh(weights)
+        ropt.load_state_dict(old)
+        assert ropt._qk_clip_steps == 1
+        same(1, _until_run(resumed, ropt, 1, calls))
+        model.load_state_dict(weights)  # back into the oracle whose recording the window's end stopped
+        opt.load_state_dict(copy.deepcopy(state))
+        same(1, _until_run(model, opt, 1, calls))
+    finally:
+        hf_attention.max_logits_per_head = real
+
+
 def _max_logit_run(clip: bool, steps: int, lr: float) -> list[float]:
     """Tiny Qwen3 (q/k norm, ds_muon_sdpa records for the clip) trained by the oracle at a high learning rate; per
     step, the largest logit of the step's forward measured by the test's brute force (not ds_muon's recorder)."""
