@@ -13,6 +13,9 @@ from typing import Any, Mapping
 MOMENTUM_KEY = "momentum_buffer"
 #: Adam-mini's per-block second moments: one fp32 per block, ``(n_blocks,)``.
 BLOCK_STATE_KEY = "block_exp_avg_sq"
+#: The oracle's (``MuonAdamW``) state-dict key for QK-clip's step count, which the ``until_step`` window counts
+#: (ZeRO's is the ``step_count`` of ds_muon's checkpoint metadata).
+QK_CLIP_STEPS_KEY = "ds_muon_qk_clip_steps"
 
 # ---- parameter attributes ----------------------------------------------------------------------
 #: DeepSpeed's contract: ``param.use_muon`` True/False (set by the user, or by selection).

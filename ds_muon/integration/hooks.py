@@ -17,12 +17,17 @@ DeepSpeed hooks used (checked against deepspeed 0.19.8; docs/design.md, "Where D
   the inner optimizer is ds_muon's, that name is replaced by :class:`~ds_muon.integration.zero3.MuonZeroOptimizer`
   or :class:`~ds_muon.integration.zero12.MuonZero12Optimizer`. The engine it builds gets per-instance
   ``load_checkpoint``/``save_checkpoint`` wrappers (:mod:`ds_muon.integration.checkpoint_hooks`).
+* ``DeepSpeedEngine._do_optimizer_sanity_check`` decides, for the basic optimizer, which wrapper DeepSpeed builds
+  and asserts ``zero_allow_untested_optimizer`` for an unlisted type under ZeRO. Before it, a framework's own Muon
+  object passed as ``optimizer=`` (:func:`~ds_muon.integration.validation.client_muon_problem`) is refused with a
+  :class:`~ds_muon.errors.ConfigError` naming the config to write, with or without that key.
 * ``DeepSpeedEngine._scheduler_from_config`` builds the config's ``scheduler``. On a ds_muon
   optimizer, a scheduler that writes one lr into every param group is wrapped in
   :class:`~ds_muon.integration.schedulers.GroupRatioScheduler` (its value is the Muon lr; each group keeps its
   ratio to it).
 
-Non-Muon configs pass through all four untouched. Importing ds_muon patches nothing.
+Non-Muon configs pass through all five untouched (but for the refusal of a client Muon object). Importing ds_muon
+patches nothing.
 
 The zero-code hand-over: with ds_muon activated only by the start-up hook (installed, ``DS_MUON`` unset; no
 ``ds_muon.initialize``/``enable()`` in the script), a ``"Muon"`` config in a mode ds_muon does not serve
@@ -243,11 +248,18 @@ def _configure_basic_optimizer(self: DeepSpeedEngine, model_parameters):
     return inner(groups, adamw_factory, cfg.params)
 
 
+def _do_optimizer_sanity_check(self: DeepSpeedEngine, basic_optimizer):
+    # a framework's own Muon object under ZeRO: refused here, before DeepSpeed's "untested ZeRO Optimizer" assertion
+    # (so with or without zero_allow_untested_optimizer) and before any partitioning, not at step 1
+    if self.zero_optimization():
+        problem = client_muon_problem(basic_optimizer, self.zero_optimization_stage())
+        if problem is not None:
+            raise ConfigError(problem)
+    return _originals["_do_optimizer_sanity_check"](self, basic_optimizer)
+
+
 def _configure_zero_optimizer(self: DeepSpeedEngine, optimizer):
     if not isinstance(optimizer, DsMuonInner):
-        problem = client_muon_problem(optimizer, self.zero_optimization_stage())
-        if problem is not None:  # a framework's own Muon object: refuse now, not at step 1
-            raise ConfigError(problem)
         return _originals["_configure_zero_optimizer"](self, optimizer)
     stage = self.zero_optimization_stage()
     if stage not in (1, 2, 3):  # the config checks keep stage 0 away; DeepSpeed calls this for ZeRO only
@@ -343,10 +355,12 @@ def enable() -> None:
             _originals["_configure_basic_optimizer"] = DeepSpeedEngine._configure_basic_optimizer
             _originals["_configure_zero_optimizer"] = DeepSpeedEngine._configure_zero_optimizer
             _originals["_scheduler_from_config"] = DeepSpeedEngine._scheduler_from_config
+            _originals["_do_optimizer_sanity_check"] = DeepSpeedEngine._do_optimizer_sanity_check
             deepspeed.set_optimizer_flags = _set_optimizer_flags
             DeepSpeedEngine._configure_basic_optimizer = _configure_basic_optimizer
             DeepSpeedEngine._configure_zero_optimizer = _configure_zero_optimizer
             DeepSpeedEngine._scheduler_from_config = _scheduler_from_config
+            DeepSpeedEngine._do_optimizer_sanity_check = _do_optimizer_sanity_check
             # DeepSpeed asks for zero_allow_untested_optimizer unless the inner optimizer's type is listed.
             for inner in INNER_TYPES:
                 if inner not in ds_zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
@@ -369,6 +383,7 @@ def disable() -> None:
             DeepSpeedEngine._configure_basic_optimizer = _originals.pop("_configure_basic_optimizer")
             DeepSpeedEngine._configure_zero_optimizer = _originals.pop("_configure_zero_optimizer")
             DeepSpeedEngine._scheduler_from_config = _originals.pop("_scheduler_from_config")
+            DeepSpeedEngine._do_optimizer_sanity_check = _originals.pop("_do_optimizer_sanity_check")
             for inner in INNER_TYPES:
                 if inner in ds_zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
                     ds_zero_utils.ZERO_SUPPORTED_OPTIMIZERS.remove(inner)

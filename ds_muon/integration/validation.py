@@ -12,11 +12,16 @@ import contextlib
 import threading
 from typing import Any, Iterator, Optional
 
+import torch
+
 from ..config import DsMuonConfig, optimizer_kind, parse_ds_config
 from ..errors import ConfigError
+from ..names import USE_MUON_ATTR
+from .inner import DsMuonInner
 from .probes import host_problems
 
-__all__ = ["validate", "validated_once", "parsed_config", "hand_over", "is_parsed", "client_muon_problem"]
+__all__ = ["validate", "validated_once", "parsed_config", "hand_over", "is_parsed", "client_muon_problem",
+           "is_client_muon"]
 
 _ATTR = "_ds_muon_config"  # on DeepSpeed's DeepSpeedConfig object: the validated DsMuonConfig (or None)
 _pending = threading.local()
@@ -89,16 +94,48 @@ def is_parsed(config_class: Any) -> bool:
     return hasattr(config_class, _ATTR)
 
 
+#: Param-group keys of Muon classes (Keller Jordan's ``Muon``: ``momentum``; Moonlight's ``Muon`` and
+#: ``torch.optim.Muon``: both): with "Muon" in the class name, what makes a client optimizer one.
+MUON_GROUP_KEYS = frozenset({"momentum", "ns_steps"})
+
+
+def is_client_muon(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is a Muon of its own (not DeepSpeed's built-in Muon, not ds_muon's inner optimizers).
+
+    The rule (docs/migration.md, "Your own Muon object"), first that holds:
+
+    * an instance of ``torch.optim.Muon`` (subclasses too, whatever their name);
+    * a param group with a ``use_muon`` key (the ``MuonWithAuxAdam`` convention of Keller Jordan's package, whatever
+      the class name; ds_muon's oracle ``MuonAdamW`` too);
+    * a class name containing "muon" (any case) and a param group with a Muon hyperparameter,
+      :data:`MUON_GROUP_KEYS` (Keller Jordan's and Moonlight's ``Muon``); a "Muon" class without one (a wrapper, a
+      logger) is not refused.
+
+    Never for a class from ``deepspeed`` (the built-in ``MuonWithAuxAdam`` ds_muon hands unserved configs to) or
+    ds_muon's inner optimizers (:class:`~ds_muon.integration.inner.DsMuonInner`).
+    """
+    cls = type(optimizer)
+    if (cls.__module__ or "").split(".")[0] == "deepspeed" or isinstance(optimizer, DsMuonInner):
+        return False
+    torch_muon = getattr(torch.optim, "Muon", None)  # torch >= 2.9
+    if torch_muon is not None and isinstance(optimizer, torch_muon):
+        return True
+    groups = [g for g in getattr(optimizer, "param_groups", None) or [] if isinstance(g, dict)]
+    if any(USE_MUON_ATTR in g for g in groups):
+        return True
+    return "muon" in cls.__name__.lower() and any(MUON_GROUP_KEYS & set(g) for g in groups)
+
+
 def client_muon_problem(optimizer: Any, stage: int) -> Optional[str]:
     """Why a client optimizer handed to ``deepspeed.initialize(optimizer=...)`` cannot run under ZeRO, or None.
 
-    A Muon of its own (``torch.optim.Muon``, Keller Jordan's ``Muon``/``MuonWithAuxAdam``, Moonlight's ``Muon``:
-    a class name with "Muon" in it, or param groups with a ``use_muon`` key) steps the parameters it is given,
-    and under ZeRO stages 1-3 DeepSpeed gives it flattened 1-D fp32 partitions: it fails at the first step
-    (``torch.optim.Muon``: ``ValueError: Param gradient must be a 2D matrix``) or orthogonalizes slices of
-    matrices. ds_muon's own inner optimizers and DeepSpeed's built-in Muon are not such optimizers. It is
-    refused, not wrapped: the classes differ in their update scaling, Nesterov and weight-decay rules, so a
-    wrapper would silently change the math (docs/migration.md, "Your own Muon object").
+    A Muon of its own (:func:`is_client_muon`: ``torch.optim.Muon``, Keller Jordan's ``Muon``/``MuonWithAuxAdam``,
+    Moonlight's ``Muon``) steps the parameters it is given, and under ZeRO stages 1-3 DeepSpeed gives it flattened
+    1-D fp32 partitions: it fails at the first step (``torch.optim.Muon``: ``ValueError: Param gradient must be a 2D
+    matrix``) or orthogonalizes slices of matrices. It is refused, not wrapped: the classes differ in their update
+    scaling, Nesterov and weight-decay rules, so a wrapper would silently change the math (docs/migration.md, "Your
+    own Muon object"). ds_muon's engine hook asks before DeepSpeed's own "untested ZeRO Optimizer" assertion, so
+    the answer does not depend on ``zero_allow_untested_optimizer``.
 
     Args:
         optimizer: the optimizer DeepSpeed is about to wrap in its ZeRO optimizer (any object).
@@ -107,14 +144,10 @@ def client_muon_problem(optimizer: Any, stage: int) -> Optional[str]:
     Returns:
         The message (what failed, why, and the config to write instead), or None.
     """
+    if not is_client_muon(optimizer):
+        return None
     cls = type(optimizer)
     module = cls.__module__ or ""
-    if module.split(".")[0] in ("deepspeed", "ds_muon"):
-        return None
-    groups = getattr(optimizer, "param_groups", None) or []
-    marked = any(isinstance(g, dict) and "use_muon" in g for g in groups)
-    if "muon" not in cls.__name__.lower() and not marked:
-        return None
     defaults = getattr(optimizer, "defaults", None) or {}
     carried = {k: defaults[k] for k in ("lr", "momentum", "weight_decay", "nesterov", "ns_steps")
                if isinstance(defaults.get(k), (bool, int, float))}

@@ -17,8 +17,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.metadata import (DS_MUON_KEY, SubGroupInfo, ZeroLayout, metadata, raise_on_every_rank,
-                                   saved_step_counts)
+from ..checkpoint.metadata import DS_MUON_KEY, SubGroupInfo, ZeroLayout, metadata, raise_on_every_rank
 from ..checkpoint.safe_load import safe_load
 from ..checkpoint.universal import universal_loader, universal_problems
 from ..names import ADAM_MINI, BLOCK_ATTR, LOSS_SCALER, MUON, PARAM, PARAM_GROUPS
@@ -31,7 +30,8 @@ class FlatCheckpointing:
     """Checkpoint overrides of a ds_muon ``DeepSpeedZeroOptimizer`` (ZeRO-1/2) subclass (put it first in the bases).
 
     The host provides ``pieces`` (per param group, ``[(param, its Piece on every rank)]``), ``_algorithms``,
-    ``_rank(i)``, ``_name(p)``, ``step_count``, ``muon_step_count``, ``relink_optimizer_states()``.
+    ``_rank(i)``, ``_name(p)``, ``step_count``, ``muon_step_count``, ``relink_optimizer_states()``,
+    ``_restore_step_counts(meta)``.
     """
 
     def checkpoint_layout(self) -> ZeroLayout:
@@ -71,9 +71,7 @@ class FlatCheckpointing:
         if load_optimizer_states:
             self.relink_optimizer_states()
         if state_dict is not None and load_optimizer_states:
-            counts = saved_step_counts(state_dict.get(DS_MUON_KEY))
-            if counts is not None:
-                self.step_count = counts[1]
+            self._restore_step_counts(state_dict.get(DS_MUON_KEY))
         if self.step_count == 0:  # saved before any applied step: no state to link yet; link after the first one
             self._states_linked = False
 
@@ -124,8 +122,6 @@ class FlatCheckpointing:
             self.loss_scaler = header.get(LOSS_SCALER, self.loss_scaler)
             self.dynamic_loss_scale = header.get("dynamic_loss_scale", self.dynamic_loss_scale)
             self.overflow = header.get("overflow", self.overflow)
-            counts = saved_step_counts(header[DS_MUON_KEY])
-            if counts is not None:
-                self.step_count = counts[1]
+            self._restore_step_counts(header[DS_MUON_KEY])
             self.relink_optimizer_states()
         self.update_lp_params()

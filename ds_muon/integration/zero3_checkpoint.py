@@ -15,13 +15,12 @@ the raw-file copy off (:mod:`ds_muon.integration.hooks`).
 from __future__ import annotations
 
 import os
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.metadata import (DS_MUON_KEY, SubGroupInfo, ZeroLayout, metadata, raise_on_every_rank,
-                                   saved_step_counts)
+from ..checkpoint.metadata import DS_MUON_KEY, SubGroupInfo, ZeroLayout, metadata, raise_on_every_rank
 from ..checkpoint.safe_load import safe_load
 from ..checkpoint.universal import universal_loader, universal_problems
 from ..errors import CheckpointError
@@ -58,11 +57,6 @@ class ZeroCheckpointing:
         fp32 partition to its param group in sub-group order (``_set_fp32_optimizer_param_groups``)."""
         order = sorted(range(len(self.fp16_groups)), key=lambda i: (self.sub_group_to_group_id[i], i))
         return {i: k for k, i in enumerate(order)}
-
-    def _restore_step_counts(self, meta: Optional[dict]) -> None:
-        counts = saved_step_counts(meta)
-        if counts is not None:
-            self.step_count = counts[1]
 
     def _rigid_state_dict(self) -> dict:
         """DeepSpeed's ZeRO-3 state dict, with the real fp32 partition and state tensors of swapped

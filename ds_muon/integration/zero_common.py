@@ -19,12 +19,12 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import logger
 
-from ..checkpoint.metadata import raise_on_every_rank, zero_state_dict_problems
+from ..checkpoint.metadata import raise_on_every_rank, saved_step_counts, zero_state_dict_problems
 from ..core.dtypes import resolve_exchange_dtype, resolve_ns_dtype
 from ..core.ns_compile import AUTOTUNE_PROGRESS, COMPILE_GRAPH_LIMIT, persistent_inductor_cache
 from ..core.qk_clip import factor_vector
 from ..errors import ConfigError
-from ..model.attention import check_recorded, stop_recording, take_max_logits
+from ..model.attention import check_recorded, stop_recording, sync_recording, take_max_logits
 from ..names import ADAM_MINI, BLOCK_STATE_KEY, MOMENTUM_KEY, MUON
 from ..sharded.blocks import build_block_map
 from ..sharded.collectives import named_collective
@@ -185,6 +185,18 @@ class DsMuonZeroSteps:
         factors, stats = factor_vector(self.qk_clip_targets, s, clip.threshold, clip.alpha)
         self._qk_factors = factors.tolist()
         return stats
+
+    def _restore_step_counts(self, meta: Optional[dict]) -> None:
+        """After a load with optimizer states: the step counts from the saved ds_muon metadata ``meta``
+        (:func:`~ds_muon.checkpoint.metadata.saved_step_counts`; unchanged without metadata), and QK-clip's
+        max-logit recording as the restored count says (:func:`~ds_muon.model.attention.sync_recording`: stopped
+        past the ``until_step`` window, so the first forward after the load computes nothing; on again inside
+        it, also when this process had stopped it, e.g. loading an earlier checkpoint into the same engine)."""
+        counts = saved_step_counts(meta)
+        if counts is not None:
+            self.step_count = counts[1]
+        if self.qk_clip_targets:
+            sync_recording(self.qk_clip_targets, self.step_count, self.optimizer.config.qk_clip.until_step)
 
     def _after_step(self, overflow: bool, stats: Optional[dict], rank0: bool) -> None:
         """Bookkeeping after DeepSpeed's step: count it (applied or skipped), keep its QK-clip figures, report.

@@ -23,7 +23,7 @@ from .structure import head_geometry, param_shape, positive_int, text_config
 
 #: The method a custom attention module defines to declare its query/key weights (see :func:`find_clip_targets`).
 DECLARE_METHOD = "muon_qk_clip"
-#: Children that normalize q/k after the projection (Qwen3, OLMo2, Gemma3, ...): QK-clip cannot act there.
+#: Children that normalize q/k after the projection (Qwen3, OLMo2, Gemma3, ...): QK-clip scales their gains, not W_q/W_k.
 QK_NORM_CHILDREN = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm", "key_layernorm")
 FIX_RECORDING = ("pass attn_implementation=\"ds_muon_sdpa\" to a Hugging Face model (after ds_muon.register_attention() "
                  "or ds_muon.enable()), or attn_implementation=\"ds_muon_eager\" where the model has no SDPA support "
@@ -113,7 +113,9 @@ def _rows(p: nn.Parameter, name: str, start: int, head_dim: int, heads: int, whe
     if len(shape) not in (1, 2) or shape[0] < hr.last_row:
         raise ConfigError(f"optimizer.params.qk_clip: {where}: parameter {name!r} of shape {shape} cannot hold "
                           f"{heads} heads of {head_dim} rows from row {start} every {stride or head_dim} rows "
-                          "(expected a (rows, in) weight or a (rows,) bias)")
+                          "(expected a (rows, in) weight or a (rows,) bias); correct the head geometry (num_heads, "
+                          f"num_kv_heads, head_dim in the model config, or what {DECLARE_METHOD}() returns), or set "
+                          "optimizer.params.qk_clip.enabled to false")
     return hr
 
 
@@ -141,7 +143,9 @@ def _target(module, name, nh, nkv, hd, query, key, names, where, query_full=(), 
     param, an absent bias, is skipped) or :class:`HeadRows` built already; ``extra``: ``per_layer``, ``rule``."""
     if nh < 1 or nkv < 1 or nh % nkv or hd < 1:
         raise ConfigError(f"optimizer.params.qk_clip: {where}: {nh} query heads, {nkv} key heads and head_dim {hd} "
-                          "do not fit (num_heads must be a multiple of num_kv_heads)")
+                          "do not fit (all >= 1, num_heads a multiple of num_kv_heads); correct them (in the model "
+                          f"config, or what {DECLARE_METHOD}() returns), or set optimizer.params.qk_clip.enabled to "
+                          "false")
     built = []
     for parts, heads in ((query, nh), (key, nkv), (query_full, nh)):
         rows = []
@@ -159,7 +163,8 @@ def _target(module, name, nh, nkv, hd, query, key, names, where, query_full=(), 
 
 def _name(p: nn.Parameter, names: dict[int, str], where: str) -> str:
     if id(p) not in names:
-        raise ConfigError(f"optimizer.params.qk_clip: {where}: a declared tensor is not a parameter of the model")
+        raise ConfigError(f"optimizer.params.qk_clip: {where}: a declared tensor is not a parameter of the model; "
+                          "return the module's own parameters (e.g. self.q_proj.weight), not a copy, slice or view")
     return names[id(p)]
 
 
@@ -206,7 +211,8 @@ def _mla_target(name: str, module: nn.Module, children: dict, names: dict[int, s
     if not (nope and rope and v and nh):
         raise ConfigError(f"optimizer.params.qk_clip: {where} looks like MLA (kv_a_proj_with_mqa, kv_b_proj) but "
                           "does not state qk_nope_head_dim, qk_rope_head_dim, v_head_dim and num_heads (all > 0); "
-                          f"declare it with a {DECLARE_METHOD}() method")
+                          "set them on the module as transformers' DeepseekV3Attention does (from its config), or set "
+                          "optimizer.params.qk_clip.enabled to false")
     q = _linear(children, "q_b_proj", "q_proj")
     kv_b = children["kv_b_proj"]
     query, full, key = [], [], []
@@ -230,8 +236,9 @@ def _gain(norm: nn.Module, where: str, which: str) -> tuple[list[nn.Parameter], 
     bias = getattr(norm, "bias", None)
     if not isinstance(weight, nn.Parameter) or len(param_shape(weight)) != 1:
         raise ConfigError(f"optimizer.params.qk_clip: {where}: {which} has no learnable 1-D gain, so nothing the clip "
-                          "can scale bounds its logits (the norm undoes any scaling of W_q/W_k); set "
-                          "optimizer.params.qk_clip.enabled to false for this model")
+                          "can scale bounds its logits (the norm undoes any scaling of W_q/W_k); give the norm a "
+                          "learnable gain (e.g. elementwise_affine=True), or set optimizer.params.qk_clip.enabled to "
+                          "false for this model")
     d = param_shape(weight)[0]
     try:
         probe = type(norm)(d)
@@ -244,9 +251,10 @@ def _gain(norm: nn.Module, where: str, which: str) -> tuple[list[nn.Parameter], 
                     probe.bias.zero_()
                 out.append(probe(x).float())
     except Exception as err:  # noqa: BLE001 - any failure means: not a norm this rule understands
-        raise ConfigError(f"optimizer.params.qk_clip: {where}: cannot probe {which} ({type(norm).__name__}({d}) "
-                          f"failed: {type(err).__name__}: {err}); declare the attention with a {DECLARE_METHOD}() "
-                          "method, or disable qk_clip") from err
+        raise ConfigError(f"optimizer.params.qk_clip: {where}: cannot probe {which}: ds_muon builds "
+                          f"{type(norm).__name__}({d}) to see how it applies its gain, which failed "
+                          f"({type(err).__name__}: {err}); give the norm class a constructor that takes the normalized "
+                          "size first (as torch.nn.RMSNorm), or set optimizer.params.qk_clip.enabled to false") from err
     zero, two = out
     if zero.abs().max() == 0 and two.abs().max() > 0:
         plus_one = False
@@ -254,8 +262,9 @@ def _gain(norm: nn.Module, where: str, which: str) -> tuple[list[nn.Parameter], 
         plus_one = True
     else:
         raise ConfigError(f"optimizer.params.qk_clip: {where}: {which} ({type(norm).__name__}) applies its gain as "
-                          "neither x_hat * w nor x_hat * (1 + w), so scaling the gain does not scale q/k; declare the "
-                          f"attention with a {DECLARE_METHOD}() method, or disable qk_clip")
+                          "neither x_hat * w nor x_hat * (1 + w), so scaling the gain does not scale q/k by a known "
+                          "factor; use a norm of either kind (torch.nn.RMSNorm, LayerNorm, Gemma's RMSNorm), or set "
+                          "optimizer.params.qk_clip.enabled to false")
     params = [weight] + ([bias] if isinstance(bias, nn.Parameter) else [])
     return params, plus_one
 
@@ -279,8 +288,8 @@ def _qk_norm_target(name, module, children, nh, nkv, hd, norms, names, where) ->
             count, per_layer = 1, True
         else:
             raise ConfigError(f"optimizer.params.qk_clip: {where}: {which} has {d} gains, neither head_dim {hd} "
-                              f"(shared by all heads) nor {heads} heads x {hd}; declare the attention with a "
-                              f"{DECLARE_METHOD}() method, or disable qk_clip")
+                              f"(shared by all heads) nor {heads} heads x {hd}, so they map to no head; normalize over "
+                              "head_dim or over the whole projection, or set optimizer.params.qk_clip.enabled to false")
         blocks[which] = [_rows(p, _name(p, names, where), 0, hd, count, where, plus_one=plus_one and p is params[0])
                          for p in params]
     rule = "q/k-norm gains, " + ("one gamma per layer (shared gains)" if per_layer else "per head")
@@ -316,8 +325,9 @@ def _hf_target(name: str, module: nn.Module, cfg: Any, names: dict[int, str]) ->
         if kind not in PER_HEAD_QKV or nkv != nh or param_shape(interleaved.weight)[0] != 3 * nh * hd:
             raise ConfigError(f"optimizer.params.qk_clip: {where}: query_key_value interleaves q, k and v in a layout "
                               f"ds_muon knows only for {', '.join(PER_HEAD_QKV)} (per head [q; k; v], {nh} heads x "
-                              f"3 x {hd} rows); declare this one with a {DECLARE_METHOD}() method "
-                              "(q_row_offset/k_row_offset for contiguous blocks), or disable qk_clip")
+                              f"3 x {hd} rows); if its q and k rows are contiguous blocks, declare them with a "
+                              f"{DECLARE_METHOD}() method (q_row_offset/k_row_offset), otherwise set "
+                              "optimizer.params.qk_clip.enabled to false")
         query, key = [], []
         for p in (interleaved.weight, interleaved.bias):
             if p is not None:
@@ -330,8 +340,9 @@ def _hf_target(name: str, module: nn.Module, cfg: Any, names: dict[int, str]) ->
                     None)
         if pair is None:
             raise ConfigError(f"optimizer.params.qk_clip: {where} normalizes only one of queries and keys "
-                              f"({', '.join(norms)}); declare the attention with a {DECLARE_METHOD}() method, or "
-                              "disable qk_clip")
+                              f"({', '.join(norms)}): the clip scales the q/k-norm gains when both are normalized and "
+                              "W_q/W_k when neither is, and a norm on one side undoes the scaling of that side's "
+                              "weight; normalize both or neither, or set optimizer.params.qk_clip.enabled to false")
         return _qk_norm_target(name, module, children, nh, nkv, hd, pair, names, where)
     if separate:
         q, k = children["q_proj"], children["k_proj"]
@@ -341,7 +352,8 @@ def _hf_target(name: str, module: nn.Module, cfg: Any, names: dict[int, str]) ->
     rows = param_shape(qkv.weight)[0]
     if rows != (nh + 2 * nkv) * hd:
         raise ConfigError(f"optimizer.params.qk_clip: {where}: qkv_proj has {rows} rows, not (heads {nh} + 2 x kv "
-                          f"heads {nkv}) x head_dim {hd}; declare the layout with a {DECLARE_METHOD}() method")
+                          f"heads {nkv}) x head_dim {hd}; declare the layout with a {DECLARE_METHOD}() method "
+                          "(q_row_offset/k_row_offset), or set optimizer.params.qk_clip.enabled to false")
     return _target(module, name, nh, nkv, hd, [(qkv.weight, 0), (qkv.bias, 0)],
                    [(qkv.weight, nh * hd), (qkv.bias, nh * hd)], names, where)
 
@@ -417,6 +429,18 @@ def stop_recording(targets: Sequence[ClipTarget]) -> None:
     :func:`ds_muon.model.max_logits.wants_max_logits`) compute nothing more for them."""
     for t in targets:
         RECORDER.stop(t.module)
+
+
+def sync_recording(targets: Sequence[ClipTarget], steps_done: int, until_step: Optional[int]) -> None:
+    """After a checkpoint load: the max-logit recording of every target's module as the restored step count
+    ``steps_done`` says. Stopped (:func:`stop_recording`) when QK-clip's window is over (``until_step`` set and
+    ``steps_done >= until_step``), so the next forwards compute nothing; otherwise on again, also for modules a
+    run past the window had stopped (loading an earlier checkpoint into the same model)."""
+    if until_step is not None and steps_done >= until_step:
+        stop_recording(targets)
+        return
+    for t in targets:
+        RECORDER.resume(t.module)
 
 
 def check_recorded(max_logits: torch.Tensor) -> None:

@@ -56,6 +56,11 @@ class MaxLogitRecorder:
         self._stopped.add(module)
         self._max.pop(module, None)
 
+    def resume(self, module: nn.Module) -> None:
+        """Undo :meth:`stop` for ``module`` (a checkpoint from inside QK-clip's ``until_step`` window was loaded
+        after the window had ended)."""
+        self._stopped.discard(module)
+
     def record(self, module: nn.Module, max_logits: torch.Tensor) -> None:
         """Fold ``max_logits`` ``(num_query_heads,)`` into ``module``'s running max (ignored with autograd off).
 

@@ -19,11 +19,11 @@ from ..core.muon_update import apply_update_, momentum_update_, scaled_orthogona
 from ..core.qk_clip import factor_vector
 from ..errors import ConfigError
 from ..model.attention import (check_recorded, factor_spans, find_clip_targets, scale_spans_, stop_recording,
-                               take_max_logits)
+                               sync_recording, take_max_logits)
 from ..model.param_groups import split_param_groups
 from ..model.selection import SelectionRules
 from ..model.structure import param_shape
-from ..names import MOMENTUM_KEY, MUON, SPLIT_ATTR, algorithm_of
+from ..names import MOMENTUM_KEY, MUON, QK_CLIP_STEPS_KEY, SPLIT_ATTR, algorithm_of
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -91,7 +91,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     State per Muon parameter: ``momentum_buffer`` (the parameter's shape, fp32 or bf16 by
     ``momentum_dtype``; see :func:`ds_muon.core.muon_update.momentum_update_` for where bf16 rounds). Per AdamW
-    parameter: ``step`` (int), ``exp_avg``, ``exp_avg_sq`` (fp32).
+    parameter: ``step`` (int), ``exp_avg``, ``exp_avg_sq`` (fp32). The state dict also holds QK-clip's step count
+    (:meth:`state_dict`).
     """
 
     def __init__(self, params: Any, model: Optional[nn.Module] = None, **hyperparameters: Any) -> None:
@@ -120,12 +121,29 @@ class MuonAdamW(torch.optim.Optimizer):
                                           "after each step, so they must be trainable (or disable qk_clip)")
             self._qk_spans = factor_spans(self.qk_clip_targets)
 
+    def state_dict(self) -> dict:
+        """``torch.optim.Optimizer.state_dict`` plus QK-clip's step counter under
+        :data:`ds_muon.names.QK_CLIP_STEPS_KEY` (an int: the optimizer steps taken, which the ``until_step`` window
+        counts; saved with QK-clip off too)."""
+        state_dict = super().state_dict()
+        state_dict[QK_CLIP_STEPS_KEY] = self._qk_clip_steps
+        return state_dict
+
     def load_state_dict(self, state_dict: dict) -> None:
-        """``torch.optim.Optimizer.load_state_dict``, keeping each state tensor's saved dtype.
+        """``torch.optim.Optimizer.load_state_dict``, keeping each state tensor's saved dtype, and QK-clip's step
+        counter.
 
         Torch casts floating-point state to each parameter's dtype; here Adam moments stay fp32 and
         momentum stays in its ``momentum_dtype`` whatever the model dtype (docs/design.md), so they are
         restored from ``state_dict`` without that cast.
+
+        QK-clip's counter comes from :data:`ds_muon.names.QK_CLIP_STEPS_KEY`. A state dict saved before the oracle
+        saved it (ds_muon of 2026-12-02 and earlier) has no such key: the counter is then the largest AdamW ``step`` in
+        it (every step advances the ``step`` of each AdamW parameter that has a gradient, so this is exact
+        whenever some AdamW parameter, an embedding or a norm, got a gradient at every step; else it is lower and
+        the window stays open for the difference), 0 with no AdamW state. The max-logit recording then follows
+        the counter (:func:`ds_muon.model.attention.sync_recording`): stopped when the ``until_step`` window is
+        over, on again otherwise (also after loading an earlier state dict into an oracle that had stopped it).
         """
         super().load_state_dict(state_dict)
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
@@ -134,6 +152,12 @@ class MuonAdamW(torch.optim.Optimizer):
             for key, value in state_dict["state"].get(saved_id, {}).items():
                 if torch.is_tensor(value) and value.is_floating_point():
                     self.state[p][key] = value.to(device=p.device, copy=True)
+        steps = state_dict.get(QK_CLIP_STEPS_KEY)
+        if steps is None:  # saved before the counter was
+            steps = max((int(st["step"]) for st in state_dict["state"].values() if "step" in st), default=0)
+        self._qk_clip_steps = int(steps)
+        if self.qk_clip_targets:
+            sync_recording(self.qk_clip_targets, self._qk_clip_steps, self.config.qk_clip.until_step)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -11,8 +11,10 @@ the rule's split independently (Muon or AdamW and why, the views' labels and blo
 holding those blocks), trains the oracle with the views removed (or, for GPT-OSS, gate/up as contiguous halves)
 and requires the engine far from it, and checks each parameter's weight decay in the engine's groups against
 Hugging Face Trainer's no-decay set (``Trainer.get_decay_parameter_names``), or none exempt under
-``decay_norms_and_biases: true``. Last, a framework's own ``torch.optim.Muon`` passed to ``ds_muon.initialize`` is
-refused there (a ``ConfigError`` naming the class and the config to write), not at step 1.
+``decay_norms_and_biases: true``. Last, a framework's own Muon object (``torch.optim.Muon``, a Keller-style ``Muon``
+class) passed as ``optimizer=`` is refused at initialize (a ``ConfigError`` naming the class and the config to
+write), not at step 1, through ``ds_muon.initialize`` and the zero-code hook on ``deepspeed.initialize``, with and
+without ``zero_allow_untested_optimizer`` (DeepSpeed's own assertion on that key must not come first).
 """
 from __future__ import annotations
 
@@ -150,27 +152,57 @@ def _run_case(rank: int, world_size: int, case: dict) -> dict | None:
     return result
 
 
-def _client_muon(rank: int) -> str:
-    """``ds_muon.initialize`` with a framework's own ``torch.optim.Muon`` at ZeRO-3: refused at initialize (before
-    DeepSpeed builds its ZeRO optimizer, so no collective is left half-done); returns the message."""
+class Muon(torch.optim.Optimizer):
+    """Keller Jordan's / Moonlight's Muon as far as ds_muon sees it: the class name and a ``momentum`` in its groups
+    (its step is never reached)."""
+
+    def __init__(self, params, lr=0.02, momentum=0.95, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
+
+
+#: The client Muon objects passed to deepspeed.initialize(optimizer=...): name -> (class, the name its message gives)
+CLIENT_MUONS = {"torch.optim.Muon": (torch.optim.Muon, "torch.optim.Muon"),
+                "Keller-style Muon": (Muon, f"{__name__}.Muon")}
+
+
+def _client_muon(rank: int) -> dict[str, str]:
+    """A framework's own Muon object at ZeRO-3, through ``ds_muon.initialize`` and through the zero-code hook on
+    ``deepspeed.initialize`` (``hooks.auto_enable()``, what the start-up hook does), with and without
+    ``zero_allow_untested_optimizer`` (HF Trainer and Accelerate set it for a client optimizer; without it DeepSpeed's
+    own "untested ZeRO Optimizer" assertion would come first): refused at initialize by ds_muon (before DeepSpeed
+    partitions anything, so no collective is left half-done). Returns ``{case: "<error type>: <message>"}``."""
+    import deepspeed
+
     import ds_muon
-    from ds_muon.errors import ConfigError
-    cfg = ds_config(gas=GAS, clip=CLIP)
-    del cfg["optimizer"]
-    # what HF Trainer and Accelerate set for a client optimizer (without it DeepSpeed's own "untested ZeRO
-    # Optimizer" assertion comes first)
-    cfg["zero_allow_untested_optimizer"] = True
-    torch.manual_seed(0)
-    model = families.encoder_lm()
-    muon = torch.optim.Muon([p for p in model.parameters() if p.ndim == 2], lr=0.01)
-    try:
-        ds_muon.initialize(model=model, optimizer=muon, config=cfg)
-    except ConfigError as exc:
-        return str(exc)
-    raise AssertionError("a client torch.optim.Muon under ZeRO-3 was accepted")
+    from ds_muon.integration import hooks
+    out = {}
+    for path in ("ds_muon.initialize", "zero-code deepspeed.initialize"):
+        for allow in (False, True):
+            for name, (cls, _) in CLIENT_MUONS.items():
+                cfg = ds_config(gas=GAS, clip=CLIP)
+                del cfg["optimizer"]
+                if allow:
+                    cfg["zero_allow_untested_optimizer"] = True
+                torch.manual_seed(0)
+                model = families.encoder_lm()
+                muon = cls([p for p in model.parameters() if p.ndim == 2], lr=0.01)
+                if path.startswith("zero-code"):
+                    hooks.auto_enable()
+                init = deepspeed.initialize if path.startswith("zero-code") else ds_muon.initialize
+                try:
+                    init(model=model, optimizer=muon, config=cfg)
+                    got = "accepted"
+                except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
+                    got = f"{type(exc).__name__}: {exc}"
+                finally:
+                    if path.startswith("zero-code"):
+                        hooks.disable()
+                        hooks._auto = False
+                out[f"{path}, {name}, zero_allow_untested_optimizer {allow}"] = got
+    return out
 
 
-def family_worker(rank: int, world_size: int, cases: list[dict]) -> tuple[list[dict | None], str]:
+def family_worker(rank: int, world_size: int, cases: list[dict]) -> tuple[list[dict | None], dict[str, str]]:
     return [_run_case(rank, world_size, case) for case in cases], _client_muon(rank)
 
 
@@ -256,8 +288,13 @@ CASES = [
 def test_model_families_match_oracle_and_follow_their_rules() -> None:
     cases = [{k: v for k, v in c.items() if k != "rule"} for c in CASES]
     results, refusals = zip(*run_distributed(family_worker, W, cases))
-    for msg in refusals:  # a framework's own Muon object (docs/migration.md, "Your own Muon object")
-        assert "torch.optim.Muon" in msg and '"type": "Muon"' in msg and "ZeRO stage 3" in msg, msg
+    for per_case in refusals:  # a framework's own Muon object (docs/migration.md, "Your own Muon object")
+        assert len(per_case) == 8, sorted(per_case)
+        for case, msg in per_case.items():
+            shown = CLIENT_MUONS[case.split(", ")[1]][1]
+            assert msg.startswith("ConfigError: deepspeed.initialize got a Muon optimizer object of its own "
+                                  f"({shown}) under ZeRO stage 3."), (case, msg)
+            assert '"optimizer": {"type": "Muon", "params": {"lr": 0.01' in msg and "Param gradient must be a 2D" in msg
     for k, case in enumerate(CASES):
         res, name = results[0][k], case["name"]
         print(f"--- {name}\n{res['summary']}")

@@ -262,10 +262,25 @@ def test_client_muon_objects_are_recognised():
         def __init__(self, ps):
             super().__init__([dict(params=ps, use_muon=True)], dict(lr=0.02))
 
+    class Orthogonal(torch.optim.Muon):  # torch's Muon under another name: by isinstance
+        pass
+
+    class MuonLogger(torch.optim.Optimizer):  # "Muon" in the name, no Muon hyperparameter in its groups
+        def __init__(self, ps):
+            super().__init__(ps, dict(lr=0.02, betas=(0.9, 0.95)))
+
     msg = client_muon_problem(torch.optim.Muon(params, lr=0.01), 3)
     assert "torch.optim.Muon" in msg and '"type": "Muon"' in msg and '"lr": 0.01' in msg and "2D matrix" in msg
     assert "ZeRO stage 2" in client_muon_problem(Muon(params), 2)
     assert client_muon_problem(AuxAdam(params), 1) is not None
+    assert "Orthogonal" in client_muon_problem(Orthogonal(params), 3)
+    import ds_muon
+    assert "MuonAdamW" in client_muon_problem(ds_muon.MuonAdamW(params), 3)  # the oracle: use_muon groups
+    assert client_muon_problem(MuonLogger(params), 3) is None
     assert client_muon_problem(torch.optim.AdamW(params), 3) is None
     from deepspeed.runtime.zero.muon.original_muon import MuonWithAuxAdam
     assert client_muon_problem(MuonWithAuxAdam([dict(params=params, use_muon=True)]), 3) is None
+    from ds_muon.config import parse_muon_params
+    from ds_muon.integration.inner import ZeroMuonInner
+    inner = ZeroMuonInner([dict(params=params, use_muon=True)], None, parse_muon_params({}))
+    assert client_muon_problem(inner, 3) is None  # ds_muon's own inner optimizer
