@@ -20,10 +20,10 @@ partition stays home, they are upper bounds):
   plan is the data-parallel one at ``W`` (docs/parallelism_tp.md);
 * AutoTP ``tp_mode: "shard"``: each TP rank's shards (every Muon matrix split ``T`` ways) in an exchange over
   its data-parallel group of ``D = W / T`` ranks;
-* expert parallelism (AutoEP layout, ``EP`` expert-parallel ranks, not served by ds_muon yet): the dense Muon
-  matrices over all ``W`` ranks, plus each rank's ``E / EP`` local experts over its expert-data-parallel group of
-  ``W / EP`` ranks; against the same MoE model with every expert partitioned over all ``W`` ranks (what ds_muon
-  serves now).
+* expert parallelism (DeepSpeed's AutoEP, ``EP`` expert-parallel ranks; served, docs/parallelism.md): the dense
+  Muon matrices over all ``W`` ranks, plus each rank's ``E / EP`` local experts over its expert-data-parallel group
+  of ``W / EP`` ranks; against the same MoE model with every expert partitioned over all ``W`` ranks
+  (``expert_parallel`` off).
 
 Tokens' all_to_all (EP) and activations' all_reduce (TP) are the model's traffic, the same for any optimizer, and
 not counted.
@@ -120,7 +120,7 @@ def parallel_rows(infos: list, moe_infos: list, world_size: int, tp: int, ep: in
             row(f"AutoTP T={tp}, tp_mode full", [(infos, world_size)]),
             row(f"AutoTP T={tp}, tp_mode shard", [(tp_shard_infos(infos, tp), world_size // tp)]),
             row("MoE, data parallel", [(moe_infos, world_size)]),
-            row(f"MoE, EP={ep} (not served)", [(dense, world_size), (local, world_size // ep)])]
+            row(f"MoE, EP={ep} (AutoEP)", [(dense, world_size), (local, world_size // ep)])]
 
 
 def main(argv=None) -> None:

@@ -69,3 +69,7 @@ PARAM = "param"
 PARAM_GROUPS = "param_groups"
 PARTITION_COUNT = "partition_count"
 LOSS_SCALER = "loss_scaler"
+# DeepSpeed's ZeRO-3 optimizer file, under AutoEP (expert parallelism) only: each sub-group's partition group (the
+# expert sub-groups' is the expert-data-parallel group). A literal in deepspeed/runtime/zero/stage3.py
+# (``_rigid_state_dict``), not in deepspeed.checkpoint.constants; pinned by tests/unit/test_layout.py.
+ZERO_PARTITION_GROUPS = "ds_zero_partition_groups"

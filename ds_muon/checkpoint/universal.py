@@ -43,7 +43,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..names import (BASE_OPTIMIZER_STATE, BLOCK_STATE_KEY, FP32_FLAT_GROUPS, MOMENTUM_KEY, OPTIMIZER_STATE_DICT, PARAM,
-                     PARAM_GROUPS, SINGLE_PARTITION_OF_FP32_GROUPS)
+                     PARAM_GROUPS, PARTITION_COUNT, SINGLE_PARTITION_OF_FP32_GROUPS, ZERO_PARTITION_GROUPS)
 from ..partitions import chunked_pieces, flat_pieces
 from .files import LATEST, LATEST_UNIVERSAL, UNIVERSAL_STATE_FILE, optim_files, read_tag
 from .safe_load import check_files, safe_load
@@ -70,6 +70,27 @@ def _source_keys(meta: dict) -> tuple[str, str]:
     if meta.get("layout") == "flat":  # ZeRO-1/2
         return SINGLE_PARTITION_OF_FP32_GROUPS, BASE_OPTIMIZER_STATE
     return FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT
+
+
+def _expert_parallel_problem(state_dict: dict, world: int) -> Optional[str]:
+    """Why rank 0's ZeRO optimizer state ``state_dict`` (its ``optimizer_state_dict``) cannot be converted: saved under
+    DeepSpeed's AutoEP (expert parallelism), whose expert parameters are partitioned over the expert-data-parallel
+    group, not the ``world`` ranks; None otherwise.
+
+    DeepSpeed marks it: at ZeRO-3 with each sub-group's partition group (:data:`ds_muon.names.ZERO_PARTITION_GROUPS`,
+    written only when a sub-group holds AutoEP experts), at ZeRO-1/2 with a ``partition_count`` below ``world`` for
+    the expert param groups. Each expert-parallel rank holds other experts under the same parameter names, and the
+    conversion joins a parameter's partitions by name over all ranks."""
+    groups = state_dict.get(ZERO_PARTITION_GROUPS) or []
+    counts = state_dict.get(PARTITION_COUNT)
+    counts = counts if isinstance(counts, list) else [g.get("partition_count", world) for g in groups]
+    if not any(int(c) != world for c in counts):
+        return None
+    return ("saved under DeepSpeed's AutoEP (expert parallelism): its expert parameters are partitioned over the "
+            f"expert-data-parallel group (partition counts {sorted(set(int(c) for c in counts))} of {world} ranks), and "
+            "each expert-parallel rank holds other experts under the same names (experts.w1, ...), which ds_muon's "
+            "universal conversion does not handle yet; resume at the world size and expert_parallel.autoep_size it "
+            "was saved with (loaded exactly), without load_universal")
 
 
 def _pieces(sg: dict, world: int, flat: bool) -> list[tuple]:
@@ -137,6 +158,9 @@ def convert_to_universal(ckpt_dir: str, out_dir: str, tag: Optional[str] = None)
                               "ds_muon version older than its checkpoint metadata; resume it at its world size and "
                               "save it again")
     world = meta["world_size"]
+    problem = _expert_parallel_problem(first, world)
+    if problem is not None:
+        raise CheckpointError(f"{src}: {problem}")
     flat = meta.get("layout") == "flat"
     fp32_key, inner_key = _source_keys(meta)
     if sorted(files) != list(range(world)):

@@ -160,6 +160,36 @@ def autotp_size(ds_config: dict) -> int:
     return int(size) if is_number(size) and size > 1 else 1
 
 
+def expert_parallel_enabled(ds_config: dict) -> bool:
+    """``expert_parallel.enabled`` of ``ds_config`` is true: DeepSpeed's AutoEP swaps the model's MoE blocks."""
+    ep = ds_config.get("expert_parallel")
+    return isinstance(ep, dict) and ep.get("enabled") is True
+
+
+def _expert_parallel_unserved(ds_config: dict, optimizer: str, served: str) -> list[str]:
+    """AutoEP combinations ds_muon does not serve (one line each; docs/parallelism.md, "AutoEP")."""
+    if not expert_parallel_enabled(ds_config):
+        return []
+    out = []
+    if optimizer != MUON:
+        out.append(f"expert_parallel: AutoEP is not served by {served}: Adam-mini's block rule gives each stacked "
+                   "expert tensor one block, and under AutoEP those are each expert-parallel rank's local experts with "
+                   "gate and up apart (w1, w3), not the model's own expert tensors; use optimizer \"Muon\" (which "
+                   "serves AutoEP) or set expert_parallel.enabled to false")
+    tp_size = autotp_size(ds_config)
+    if tp_size > 1:
+        out.append(f"expert_parallel: AutoEP with tensor_parallel.autotp_size {tp_size} is not served by {served}: "
+                   "DeepSpeed folds the experts over the tensor-parallel ranks there, which ds_muon has not "
+                   "parity-tested; use one of the two")
+    ckpt = ds_config.get("checkpoint")
+    if isinstance(ckpt, dict) and ckpt.get("load_universal") is True:
+        out.append(f"checkpoint.load_universal: true with AutoEP (expert_parallel) is not served by {served}: its "
+                   "universal conversion joins each parameter's partitions by name, and every expert-parallel rank "
+                   "holds other experts under the same names (experts.w1, ...); resume at the world size and "
+                   "autoep_size the checkpoint was saved with, without load_universal (loaded exactly)")
+    return out
+
+
 def _tensor_parallel_problems(ds_config: dict, params: Any) -> list[str]:
     """Muon options that do not fit AutoTP's split matrices (one line each, naming the key and the fix)."""
     size = autotp_size(ds_config)
@@ -204,6 +234,8 @@ def unserved_modes(ds_config: dict, optimizer: str = MUON, params: bool = True) 
     * ``offload_optimizer.device`` 'nvme' at stages 1/2 (DeepSpeed runs it as CPU offload; ds_muon's NVMe
       offload is ZeRO-3's), ``elastic_checkpoint`` true at stages 1/2, ``offload_param.device`` 'nvme', ``zenflow``,
       AutoTP (``autotp_size > 1``) at ZeRO stage 3 or with Adam-mini (ds_muon's Muon serves it at stages 1/2);
+      AutoEP (``expert_parallel.enabled``) with Adam-mini, with AutoTP or with ``checkpoint.load_universal``
+      (ds_muon's Muon serves AutoEP at stages 1-3);
     * with ``params``: the built-in's ``optimizer.params`` modes ds_muon does not implement (``adam_w_mode`` or
       ``fp32_optimizer_states`` false; :func:`ds_muon.config.parse_muon_params` reports them otherwise).
     """
@@ -254,6 +286,7 @@ def unserved_modes(ds_config: dict, optimizer: str = MUON, params: bool = True) 
                    "serves AutoTP at ZeRO stages 1 and 2 (the full-matrix owner exchange over the tensor-parallel x "
                    "data-parallel ranks, docs/parallelism_tp.md); set zero_optimization.stage to 1 or 2, or "
                    "autotp_size to 1")
+    out += _expert_parallel_unserved(ds_config, optimizer, served)
     opt_params = (ds_config.get("optimizer") or {}).get("params") if isinstance(ds_config.get("optimizer"), dict) \
         else None
     if params and optimizer == MUON and isinstance(opt_params, dict):

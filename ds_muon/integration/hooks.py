@@ -6,7 +6,10 @@ DeepSpeed hooks used (checked against deepspeed 0.19.8; docs/design.md, "Where D
   built, overwriting any user tag. Replaced (for the configs ds_muon serves only) by ds_muon's validation
   (:func:`ds_muon.integration.validation.validate`, once per ``initialize``; the result rides on DeepSpeed's
   config object) and :func:`ds_muon.model.selection.tag_model`, which respects explicit user tags. It runs
-  before the engine exists, so a bad config fails before any accelerator memory is allocated.
+  before the engine exists, so a bad config fails before any accelerator memory is allocated. Under AutoEP
+  DeepSpeed calls it again after swapping the MoE blocks (so the swapped parameters get ds_muon's tags); the first
+  call refuses AutoEP with a transformers DeepSpeed's AutoEP cannot use
+  (:func:`ds_muon.integration.autoep.transformers_problem`).
 * ``DeepSpeedEngine._configure_basic_optimizer`` builds the inner optimizer from the config.
   For ``"Muon"`` ds_muon builds :class:`~ds_muon.integration.inner.ZeroMuonInner` at stage 3 and
   :class:`~ds_muon.integration.inner.FlatPartitionInner` at stages 1/2 (not DeepSpeed's ``MuonWithAuxAdam``,
@@ -32,7 +35,7 @@ patches nothing.
 The zero-code hand-over: with ds_muon activated only by the start-up hook (installed, ``DS_MUON`` unset; no
 ``ds_muon.initialize``/``enable()`` in the script), a ``"Muon"`` config in a mode ds_muon does not serve
 (:func:`ds_muon.config.unserved_modes`: ZeRO stage 0, ...; or an engine with an ``mpu`` that brings tensor or
-pipeline parallelism, or DeepSpeed MoE layers) goes to DeepSpeed's built-in Muon exactly as ``DS_MUON=0`` would, with one rank-0 line
+pipeline parallelism, DeepSpeed's native MoE layers, or AutoEP with sequence parallelism) goes to DeepSpeed's built-in Muon exactly as ``DS_MUON=0`` would, with one rank-0 line
 (:data:`HANDOVER_NOTICE`). Through ``ds_muon.initialize`` or ``enable()`` the same modes are a
 :class:`~ds_muon.errors.ConfigError` naming the fix.
 """
@@ -64,6 +67,7 @@ from ..model.adam_mini_blocks import adam_mini_param_groups, adam_mini_plan, ada
 from ..model.attention import FALCON_MODULE
 from ..model.param_groups import check_zero3_parameters, split_param_groups
 from ..model.selection import NO_MUON_WARNING, SelectionRules, tag_model
+from .autoep import engine_problem, transformers_problem
 from .checkpoint_hooks import install_load_checks
 from .frameworks import ZERO_STAGE_FIX, detect_framework, for_framework
 from .inner import DsMuonInner, FlatPartitionInner, ZeroAdamMiniInner, ZeroMuonInner
@@ -130,6 +134,9 @@ def _set_optimizer_flags(config_class, model) -> None:
         raise
     if cfg is None:
         return _originals["set_optimizer_flags"](config_class, model)
+    autoep = transformers_problem(config_class, model)
+    if autoep is not None:  # DeepSpeed's AutoEP would fail inside initialize, whatever the optimizer: no hand-over
+        raise ConfigError(autoep)
     check_zero3_parameters(model)  # 0-D / empty parameters: a clear error before DeepSpeed's own
     if not cfg.is_muon:
         if _is_rank0():
@@ -185,11 +192,8 @@ def _engine_problem(engine: DeepSpeedEngine) -> tuple[Optional[str], bool]:
       (deepspeed 0.19.8, ``DeepSpeedEngine._validate_zero3_moe_compatibility``: "Native DeepSpeed MoE is not
       supported with ZeRO Stage 3. Use AutoEP or choose ZeRO stage 1/2."); at stages 1/2 their expert
       parameters are partitioned over the expert-data-parallel group, which ds_muon has not parity-tested;
-    * AutoEP layers (``expert_parallel``): DeepSpeed 0.19.8 swaps each MoE block for an ``AutoEPMoELayer`` whose
-      stacked experts (``w1``/``w3``/``w2``, ``[local experts, out, in]``) stay on their expert-parallel rank and are
-      partitioned over the expert-data-parallel group (ZeRO-3: ``ds_zero_partition_process_group``). ds_muon's
-      exchange runs there (one owner per expert within that group), but the router (``router.gate``) is tagged
-      Muon and nothing is parity-tested against the oracle yet: refused (docs/parallelism.md, "AutoEP").
+    * AutoEP layers (``expert_parallel``) are served (:mod:`ds_muon.integration.autoep`), except with sequence
+      parallelism (:func:`ds_muon.integration.autoep.engine_problem`: not parity-tested).
     """
     mpu = None if _autotp_mpu(engine) else mpu_problem(engine.mpu)
     if mpu is not None:
@@ -207,14 +211,8 @@ def _engine_problem(engine: DeepSpeedEngine) -> tuple[Optional[str], bool]:
         return (f"the model holds DeepSpeed's native MoE layers ({native[0]!r}{', ...' if len(native) > 1 else ''}), "
                 "whose expert-parallel partitions ds_muon does not serve yet (not parity-tested). "
                 f"{use_instead}", True)
-    return ("ds_muon does not support DeepSpeed's AutoEP MoE layers (\"expert_parallel\") yet: DeepSpeed "
-            f"{deepspeed_version()} replaces each MoE block with an AutoEPMoELayer whose experts live on their "
-            "expert-parallel ranks and are partitioned over the expert-data-parallel group, and ds_muon is not "
-            "parity-tested there yet (its owner exchange over that group, the router's AdamW selection; "
-            "docs/parallelism.md, \"AutoEP\"). "
-            f"{use_instead}, with expert_parallel off (ZeRO partitions every expert over all data-parallel ranks); "
-            "or keep expert_parallel with DeepSpeed's built-in Muon (DS_MUON=0; at ZeRO-3 with "
-            "zero_optimization.reduce_scatter false)", True)
+    autoep = engine_problem(sequence_parallel_size())
+    return (autoep, True) if autoep is not None else (None, False)
 
 
 def _configure_basic_optimizer(self: DeepSpeedEngine, model_parameters):

@@ -57,7 +57,11 @@ def mpu_problem(mpu: Any) -> Optional[str]:
 
 
 def sequence_parallel_size() -> int:
-    """DeepSpeed's sequence-parallel world size (``deepspeed.utils.groups``; 1 without an SP mpu)."""
+    """DeepSpeed's sequence-parallel world size (``deepspeed.utils.groups``; 1 without an SP mpu, or before
+    ``torch.distributed`` is initialized, where DeepSpeed's getter asserts)."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return 1
     from deepspeed.utils import groups
     return int(groups._get_sequence_parallel_world_size())
 

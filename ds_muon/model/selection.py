@@ -16,7 +16,8 @@ Order of precedence, first match wins:
    only possibly slower to train).
    MoE (:data:`MOE_RULE`): the 3-D parameters of an expert container (a module whose >=2-D
    parameters, biases aside, are all ``(E, ., .)`` with E the config's expert count or the module's
-   ``num_experts``) are Muon; a router/gate next to it (E or 1 output rows) is AdamW.
+   ``num_experts``) are Muon; a router/gate next to it (E or 1 output rows; also the one matrix of a router module
+   next to it, DeepSpeed AutoEP's ``router.gate``) is AdamW.
 
 Output heads are found by :func:`ds_muon.model.output_heads.find_output_heads`; the repeated layers,
 expert containers and routers by :mod:`ds_muon.model.structure`. Each Muon parameter also gets its
@@ -208,10 +209,11 @@ def select_muon_params(model: nn.Module, rules: SelectionRules = SelectionRules(
     embedding_ids = {id(p) for m in model.modules() if isinstance(m, EMBEDDING_MODULES) for p in m.parameters(False)}
     heads = find_output_heads(model)
     head_ids = heads.param_ids
-    containers = expert_containers(model, expert_counts(text_config(model)))
+    counts = expert_counts(text_config(model))
+    containers = expert_containers(model, counts)
     expert_ids = {id(p) for name in containers for p in dict(model.named_modules())[name].parameters(recurse=False)
                   if len(param_shape(p)) >= 2}
-    routers = router_ids(model, containers)
+    routers = router_ids(model, containers, counts)
     inputs = input_layer_ids(model)
 
     sel = Selection()

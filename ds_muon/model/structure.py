@@ -155,7 +155,9 @@ MOE_RULE = ("experts = a module whose >=2-D parameters (biases aside) are all 3-
             "model config's expert count (num_experts, num_local_experts, n_routed_experts, moe_num_experts) or the "
             "module's num_experts: Muon, one matrix per expert, a fused gate_up (E, 2I, H) as gate and up halves, "
             "(E, H, 2I) as gate and up interleaved (GPT-OSS); expert biases (E, n): AdamW\n"
-            "router/gate = a matrix next to the experts (same parent module) with E or 1 output rows: AdamW\n"
+            "router/gate = a matrix next to the experts (same parent module), or the one matrix of a router module "
+            "there (DeepSpeed AutoEP's router.gate), with E or 1 output rows (E: all experts, also under expert "
+            "parallelism): AdamW\n"
             "shared experts = ordinary hidden linear layers: Muon")
 
 
@@ -290,19 +292,39 @@ def expert_containers(model: nn.Module, counts: set[int]) -> dict[str, int]:
     return found
 
 
-def router_ids(model: nn.Module, containers: dict[str, int]) -> set[int]:
-    """Matrices next to an expert container (children of its parent) with E or 1 output rows."""
+def router_ids(model: nn.Module, containers: dict[str, int], counts: frozenset[int] | set[int] = frozenset()) -> set[int]:
+    """``id()`` of the router matrices of the expert containers (see :data:`MOE_RULE`).
+
+    A router is a 2-D matrix next to an expert container (in a child of the container's parent) with ``E`` or 1
+    output rows: the child's own weight (transformers' ``gate``, ``shared_expert_gate``), or, for a child holding no
+    matrix of its own, the only matrix in its subtree (a router module wrapping its gate: DeepSpeed AutoEP's
+    ``router.gate``, an ``nn.Linear`` inside its ``TokenChoiceTopKRouter``). ``E`` is the container's leading size,
+    an expert count the model config states (``counts``, :func:`expert_counts`) or one the parent module states
+    (``num_experts``, ``num_local_experts``, ...): under expert parallelism the container holds only this rank's
+    ``E / EP`` experts while the router still scores all ``E``.
+
+    Args:
+        model: the model (plain or under ``deepspeed.zero.Init``: shapes from :func:`param_shape`).
+        containers: ``{module name: leading size}`` from :func:`expert_containers`.
+        counts: the config's expert counts.
+    """
     modules = dict(model.named_modules())
     ids: set[int] = set()
     for name, e in containers.items():
         parent = modules[name.rpartition(".")[0]] if "." in name else model
-        for child_name, child in parent.named_children():
+        rows_ok = {e, 1} | set(counts) | int_attrs(parent, EXPERT_COUNT_KEYS)
+        for child in parent.children():
             if child is modules[name]:
                 continue
-            for p in child.parameters(recurse=False):
+            candidates = [(child, p) for p in child.parameters(recurse=False)]
+            if not any(len(param_shape(p)) >= 2 for _, p in candidates):  # a router module: its one matrix
+                inner = [(m, p) for m in child.modules() for p in m.parameters(recurse=False)
+                         if len(param_shape(p)) >= 2]
+                candidates = inner if len(inner) == 1 else []
+            for owner, p in candidates:
                 shape = param_shape(p)
-                rows = shape[1] if len(shape) == 2 and type(child).__name__ in MATRIX_CLASS_NAMES else shape[0]
-                if len(shape) == 2 and rows in (e, 1):
+                rows = shape[1] if len(shape) == 2 and type(owner).__name__ in MATRIX_CLASS_NAMES else shape[0]
+                if len(shape) == 2 and rows in rows_ok:
                     ids.add(id(p))
     return ids
 

@@ -43,7 +43,7 @@ import pytest
 import torch
 
 from tests.support.spawn import run_distributed
-from tests.support.harness import (resume_phase, train_steps, PARITY_RTOL, build_engine, clone_tags, compare, ds_config, gathered_params,
+from tests.support.harness import (assert_same_state, resume_phase, state_snapshot, train_steps, PARITY_RTOL, build_engine, clone_tags, compare, ds_config, gathered_params,
                            reference_model, swap_dir_for, train_reference)
 from tests.support.models import GLOBAL_BATCH, ParityNet, batch, shared_batch, use_extra, wide_parity_net
 from tests.support.tools import REPO as REPO_PATH
@@ -90,31 +90,7 @@ def _nvme_exercised(swapped: list[tuple[str, bool]]) -> bool:
             and any(s for alg, s in swapped if alg == "adamw"))
 
 
-def _snapshot(engine) -> dict:
-    """Full (gathered, padding-free) fp32 weights and optimizer state per parameter. Collective."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-    out = {}
-    for name, p in engine.module.named_parameters():
-        if not p.requires_grad:
-            continue
-        out[(name, "fp32")] = safe_get_full_fp32_param(p).clone()
-        for key in (("momentum_buffer",) if p.use_muon else ("exp_avg", "exp_avg_sq")):
-            out[(name, key)] = safe_get_full_optimizer_state(p, key).clone()
-    opt = engine.optimizer
-    index = opt._state_index()  # every AdamW sub-group's step counter, by sub-group
-    steps = {i: opt.optimizer.state[opt.fp32_partitioned_groups_flat[i]]["step"] for i in index
-             if "step" in opt.optimizer.state.get(opt.fp32_partitioned_groups_flat[i], {})}
-    return {"tensors": out, "steps": steps, "muon_steps": engine.optimizer.muon_step_count}
-
-
 _train_range = train_steps  # the steps a resumed run trains (tests/support/harness.py)
-
-
-def _assert_same(got: dict, want: dict, where: str) -> None:
-    assert got["steps"] == want["steps"] and got["muon_steps"] == want["muon_steps"], where
-    assert got["tensors"].keys() == want["tensors"].keys(), where
-    for k, x in want["tensors"].items():
-        assert torch.equal(got["tensors"][k], x), f"{where} {k}: differs"
 
 
 # ---- same world size ---------------------------------------------------------------------------
@@ -134,7 +110,7 @@ def resume_worker(rank: int, world_size: int, mode: str, root: str, runs: tuple 
         cfg = _same_w_config(offload, os.path.join(root, f"swap-{mode}-{run}"), exact_betas=run not in DRIFT)
         engine, _ = build_engine(cfg, model_fn=_model_fn(offload))
         ckpt = os.path.join(root, run)
-        out[run] = resume_phase(engine, rank, mode, ckpt, TAG, HALF, STEPS, 2, _snapshot)
+        out[run] = resume_phase(engine, rank, mode, ckpt, TAG, HALF, STEPS, 2, state_snapshot)
         out[f"{run}/swapped"] = _swapped(engine)
         engine.destroy()
     return out
@@ -155,18 +131,18 @@ def test_same_world_size_resume_is_bit_exact(tmp_path) -> None:
             loaded, final = resumed[rank][offload]
             assert saved[rank][offload]["steps"] and set(saved[rank][offload]["steps"].values()) == {HALF}
             assert saved[rank][offload]["muon_steps"] == HALF
-            _assert_same(loaded, saved[rank][offload], f"{where}, right after loading:")
+            assert_same_state(loaded, saved[rank][offload], f"{where}, right after loading:")
             want = continuous[rank][offload]
             assert want["steps"] and set(want["steps"].values()) == {STEPS} and want["muon_steps"] == STEPS
             assert any(key == "momentum_buffer" for _, key in want["tensors"]), "no Muon momentum in the state"
-            _assert_same(final, want, f"{where}, resumed vs. continuous:")
+            assert_same_state(final, want, f"{where}, resumed vs. continuous:")
             swapped = resumed[rank][f"{offload}/swapped"]
             assert _nvme_exercised(swapped) if offload.startswith("nvme") else not any(s for _, s in swapped), (where, swapped)
     for run in DRIFT:  # default betas: loading exact, continuing within DRIFT_RTOL, and the drift happens
         drifted = []
         for rank in range(W):
             loaded, final = resumed[rank][run]
-            _assert_same(loaded, saved[rank][run], f"rank {rank} {run}, right after loading:")
+            assert_same_state(loaded, saved[rank][run], f"rank {rank} {run}, right after loading:")
             want = continuous[rank][run]
             assert final["steps"] == want["steps"] and final["muon_steps"] == want["muon_steps"] == STEPS
             for key, x in want["tensors"].items():
@@ -199,7 +175,7 @@ def save_worker(rank: int, world_size: int, ckpt_dir: str, offload: str) -> dict
     init, tags = gathered_params(model), clone_tags(model)
     _train_range(engine, rank, 0, HALF, 1, shared_batch, GLOBAL_BATCH // world_size)
     engine.save_checkpoint(ckpt_dir, tag=TAG)
-    snap = _snapshot(engine)
+    snap = state_snapshot(engine)
     return {"init": init, "tags": tags, "saved": snap} if rank == 0 else None
 
 
@@ -211,7 +187,7 @@ def universal_resume_worker(rank: int, world_size: int, universal_dir: str, offl
     engine, model = build_engine(_cross_config(world_size, offload, universal=True, swap_dir=swap),
                                  model_fn=_model_fn(offload))
     engine.load_checkpoint(universal_dir)  # the tag from latest_universal
-    loaded = _snapshot(engine)
+    loaded = state_snapshot(engine)
     swapped = _swapped(engine)
     _train_range(engine, rank, HALF, STEPS, 1, shared_batch, GLOBAL_BATCH // world_size)
     final = gathered_params(model)
@@ -265,7 +241,7 @@ def test_resume_at_another_world_size(saved_runs, oracle, w_from, w_to: int, off
     W=3 with NVMe and the momentum in memory (the Muon sub-group swapped there)."""
     src = saved_runs[w_from]
     res = run_distributed(universal_resume_worker, w_to, src["universal"], offload, src["plain"])[0]
-    _assert_same(res["loaded"], src["saved"], f"W={w_from} -> {w_to}, right after loading:")
+    assert_same_state(res["loaded"], src["saved"], f"W={w_from} -> {w_to}, right after loading:")
     assert any(key == "momentum_buffer" for _, key in res["loaded"]["tensors"])
     want = oracle
     if offload.startswith("nvme"):

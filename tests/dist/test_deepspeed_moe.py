@@ -5,7 +5,7 @@ DeepSpeed 0.19.8 itself refuses native MoE layers with ZeRO stage 3
 and what to use instead. Both halves are asserted: if a future DeepSpeed accepts native MoE under ZeRO-3, the
 first check fails and says to revisit this. At stages 1/2 DeepSpeed runs them; ds_muon does not serve their
 expert-parallel partitions yet, so the zero-code path hands them to the built-in and ds_muon.initialize
-refuses them naming why.
+refuses them naming why. AutoEP (``expert_parallel``) is served; the combinations it is not are refused, naming why.
 """
 from __future__ import annotations
 
@@ -66,25 +66,60 @@ def test_native_moe_is_refused_by_deepspeed_and_by_ds_muon_with_the_reason():
     assert "stacked expert weights" in msg, msg
 
 
-def test_autoep_layers_are_refused_naming_the_key():
-    """AutoEP (DeepSpeed's ZeRO-3 expert parallelism) is not served until it is parity-tested: an error naming
-    the key through ds_muon.initialize, a hand-over to the built-in on the zero-code path (``builtin could``)."""
+def test_autoep_is_served_and_what_is_not_is_refused_naming_why():
+    """AutoEP (DeepSpeed's expert parallelism) is served (parity with the oracle: tests/dist/test_autoep.py). Refused,
+    each naming the key and why: AutoEP with sequence parallelism (an engine check; a hand-over to the built-in on the
+    zero-code path: ``builtin could``); with Adam-mini, AutoTP or ``load_universal`` (the config); and with a
+    transformers whose output-capture registry DeepSpeed 0.19.8's AutoEP cannot use (transformers >= 5.23, CI's 5.24:
+    a ``ConfigError`` before the engine, naming DeepSpeed's TypeError and the releases that work), but only for a
+    model DeepSpeed would fail on: not with the test-only shim, not for a preset that does not retarget the
+    router-logit recorders (DeepSeek-V3), not with AutoEP off."""
     from types import SimpleNamespace
 
     from torch import nn
 
+    from ds_muon.config import unserved_modes
+    from ds_muon.integration.autoep import engine_problem, transformers_problem
     from ds_muon.integration.hooks import _engine_problem
+    from tests.support.autoep import AUTOEP, qwen3_moe, registry_shim
+    from tests.support.qk_models import deepseek_v3
 
     def engine(moe: bool):
         return SimpleNamespace(mpu=None, has_moe_layers=moe, module=nn.Linear(2, 2), zero_optimization_stage=lambda: 3)
 
     assert _engine_problem(engine(False)) == (None, False)  # no MoE: served
-    problem, builtin_could = _engine_problem(engine(True))
-    assert builtin_could and problem is not None
-    assert "AutoEP MoE layers (\"expert_parallel\")" in problem and "not parity-tested" in problem, problem
-    # what DeepSpeed does with the experts, where the rest is written down, and what to use instead
-    assert "expert-data-parallel group" in problem and "docs/parallelism.md" in problem, problem
-    assert "stacked expert weights" in problem and "expert_parallel off" in problem, problem
+    assert _engine_problem(engine(True)) == (None, False)  # AutoEP layers (no native MoE, no SP): served
+    problem = engine_problem(2)
+    assert "AutoEP (expert_parallel) with sequence parallelism" in problem and "not parity-tested" in problem, problem
+    assert engine_problem(1) is None
+
+    def config(optimizer: str = "Muon", **extra) -> dict:
+        return {"optimizer": {"type": optimizer}, "zero_optimization": {"stage": 3}, "expert_parallel": dict(AUTOEP),
+                **extra}
+
+    assert unserved_modes(config()) == [] and unserved_modes(config(zero_optimization={"stage": 2})) == []
+    (adam_mini,) = unserved_modes(config("AdamMini"), "AdamMini")
+    assert adam_mini.startswith("expert_parallel: AutoEP is not served by ds_muon's AdamMini") and "w1, w3" in adam_mini
+    (tp,) = unserved_modes(config(zero_optimization={"stage": 2}, tensor_parallel={"autotp_size": 2}))
+    assert tp.startswith("expert_parallel: AutoEP with tensor_parallel.autotp_size 2"), tp
+    (universal,) = unserved_modes(config(checkpoint={"load_universal": True}))
+    assert universal.startswith("checkpoint.load_universal: true with AutoEP"), universal
+
+    def config_class(enabled: bool = True):
+        return SimpleNamespace(expert_parallel_config=SimpleNamespace(enabled=enabled, preset_model=None))
+
+    from transformers.utils import output_capturing
+    affected = type(output_capturing._CAN_RECORD_REGISTRY) is not dict  # transformers >= 5.23
+    msg = transformers_problem(config_class(), qwen3_moe())
+    if affected:
+        assert "_CanRecordRegistry.get() takes 2 positional arguments but 3 were given" in msg, msg
+        assert "'qwen3_moe' preset" in msg and "transformers>=5.2,<5.23" in msg and "expert_parallel" in msg, msg
+    else:
+        assert msg is None, msg
+    assert transformers_problem(config_class(enabled=False), qwen3_moe()) is None
+    assert transformers_problem(config_class(), deepseek_v3()) is None  # its preset keeps the recorders
+    with registry_shim():
+        assert transformers_problem(config_class(), qwen3_moe()) is None
 
 
 def _native_moe_at_stage_2(rank: int, world_size: int) -> dict:

@@ -24,7 +24,7 @@ import sys
 import pytest
 import torch
 
-from tests.support.harness import resume_phase, train_steps, PARITY_RTOL, build_engine, clone_tags, compare, ds_config, gathered_params, \
+from tests.support.harness import assert_same_state, resume_phase, state_snapshot, train_steps, PARITY_RTOL, build_engine, clone_tags, compare, ds_config, gathered_params, \
     reference_model, train_reference
 from tests.support.models import GLOBAL_BATCH, ParityNet, batch, shared_batch, use_extra
 from tests.support.spawn import run_distributed
@@ -38,34 +38,6 @@ SAME_W = {"stage1": {"stage": 1}, "stage2": {"stage": 2},
 
 
 _train_range = train_steps  # the steps a resumed run trains (tests/support/harness.py)
-
-
-def _snapshot(engine) -> dict:
-    """Full fp32 weights and optimizer state per trainable parameter, the Adam step counters (per param group:
-    the group's ``step`` or the state's), and the step count. Collective."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-    out = {}
-    for name, p in engine.module.named_parameters():
-        if not p.requires_grad:
-            continue
-        out[(name, "fp32")] = safe_get_full_fp32_param(p).clone()
-        for key in (("momentum_buffer",) if p.use_muon else ("exp_avg", "exp_avg_sq")):
-            out[(name, key)] = safe_get_full_optimizer_state(p, key).clone()
-    opt = engine.optimizer
-    steps = {}
-    for i, (group, algorithm) in enumerate(zip(opt.optimizer.param_groups, opt._algorithms)):
-        state = opt.optimizer.state.get(opt.single_partition_of_fp32_groups[i], {})
-        if algorithm == "adamw":
-            steps[i] = int(state.get("step", group.get("step", 0)))
-    return {"tensors": out, "steps": steps, "step_count": opt.step_count}
-
-
-def _same(got: dict, want: dict, where: str) -> None:
-    assert got["steps"] == want["steps"] and got["step_count"] == want["step_count"], (where, got["steps"],
-                                                                                         want["steps"])
-    assert got["tensors"].keys() == want["tensors"].keys(), where
-    for k, x in want["tensors"].items():
-        assert torch.equal(got["tensors"][k], x), f"{where} {k}: differs"
 
 
 def _config(zero: dict, gas: int = 2, micro_batch: int = 2, universal: bool = False) -> dict:
@@ -82,7 +54,7 @@ def resume_worker(rank: int, world_size: int, mode: str, root: str) -> dict:
         engine, _ = build_engine(_config(zero))
         assert type(engine.optimizer).__name__ == "MuonZero12Optimizer"
         ckpt = os.path.join(root, run)
-        out[run] = resume_phase(engine, rank, mode, ckpt, TAG, HALF, STEPS, 2, _snapshot)
+        out[run] = resume_phase(engine, rank, mode, ckpt, TAG, HALF, STEPS, 2, state_snapshot)
         engine.destroy()
     return out
 
@@ -96,10 +68,10 @@ def test_same_world_size_resume_is_bit_exact(tmp_path) -> None:
     for rank in range(W):
         for run in SAME_W:
             loaded, final = resumed[rank][run]
-            assert saved[rank][run]["step_count"] == HALF and set(saved[rank][run]["steps"].values()) == {HALF}
-            _same(loaded, saved[rank][run], f"rank {rank} {run}, right after loading:")
+            assert saved[rank][run]["muon_steps"] == HALF and set(saved[rank][run]["steps"].values()) == {HALF}
+            assert_same_state(loaded, saved[rank][run], f"rank {rank} {run}, right after loading:")
             assert any(key == "momentum_buffer" for _, key in final["tensors"])
-            _same(final, continuous[rank][run], f"rank {rank} {run}, resumed vs. continuous:")
+            assert_same_state(final, continuous[rank][run], f"rank {rank} {run}, resumed vs. continuous:")
     fp32 = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "stage2"), tag=TAG)
     for (name, key), want in saved[0]["stage2"]["tensors"].items():
         if key == "fp32":

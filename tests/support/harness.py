@@ -73,6 +73,37 @@ def build_engine(config: dict, zero_init: bool = False, model_fn: Callable = Par
     return engine, model
 
 
+def state_snapshot(engine) -> dict:
+    """A ZeRO engine's full (gathered, padding-free) fp32 weights and optimizer state per trainable parameter, the
+    AdamW step counters (per ZeRO-3 sub-group or ZeRO-1/2 param group) and ``muon_step_count``. Collective (over
+    each parameter's partition group)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    out = {}
+    for name, p in engine.module.named_parameters():
+        if not p.requires_grad:
+            continue
+        out[(name, "fp32")] = safe_get_full_fp32_param(p).clone()
+        for key in (("momentum_buffer",) if p.use_muon else ("exp_avg", "exp_avg_sq")):
+            out[(name, key)] = safe_get_full_optimizer_state(p, key).clone()
+    opt = engine.optimizer
+    if hasattr(opt, "fp32_partitioned_groups_flat"):  # ZeRO-3: every AdamW sub-group's step counter
+        flats = {i: opt.fp32_partitioned_groups_flat[i] for i in opt._state_index()}
+        steps = {i: opt.optimizer.state[f]["step"] for i, f in flats.items() if "step" in opt.optimizer.state.get(f, {})}
+    else:  # ZeRO-1/2: per AdamW param group, the state's counter or the group's
+        groups = opt.optimizer.param_groups
+        steps = {i: int(opt.optimizer.state.get(f, {}).get("step", groups[i].get("step", 0)))
+                 for i, f in enumerate(opt.single_partition_of_fp32_groups) if opt._algorithms[i] == "adamw"}
+    return {"tensors": out, "steps": steps, "muon_steps": engine.optimizer.muon_step_count}
+
+
+def assert_same_state(got: dict, want: dict, where: str) -> None:
+    """Two :func:`state_snapshot` results are equal bit for bit (``torch.equal``), naming the first difference."""
+    assert got["steps"] == want["steps"] and got["muon_steps"] == want["muon_steps"], where
+    assert got["tensors"].keys() == want["tensors"].keys(), where
+    for k, x in want["tensors"].items():
+        assert torch.equal(got["tensors"][k], x), f"{where} {k}: differs"
+
+
 def train_steps(engine, rank: int, start: int, stop: int, gas: int, data: Callable = batch, micro_batch: int = 2) -> None:
     """Optimizer steps ``start..stop-1`` of ``gas`` micro-batches each, on the data a continuous run sees at those
     steps (``data(step, rank, micro, micro_batch)``): what a resumed run trains."""

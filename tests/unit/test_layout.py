@@ -227,3 +227,9 @@ def test_checkpoint_key_names_are_deepspeeds():
     for key in ("FP32_FLAT_GROUPS", "OPTIMIZER_STATE_DICT", "PARAM", "PARAM_GROUPS", "PARTITION_COUNT", "LOSS_SCALER",
                 "SINGLE_PARTITION_OF_FP32_GROUPS", "BASE_OPTIMIZER_STATE"):
         assert getattr(names, key) == getattr(constants, key), key
+    # a literal in DeepSpeed's ZeRO-3 optimizer (AutoEP's partition groups), not one of its constants
+    import inspect
+
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    source = inspect.getsource(DeepSpeedZeroOptimizer_Stage3._rigid_state_dict)
+    assert f"state_dict['{names.ZERO_PARTITION_GROUPS}']" in source

@@ -7,6 +7,7 @@ against tiny transformers models built from a config (no download).
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -223,6 +224,44 @@ def test_expert_rule_is_structural_not_by_name():
     assert sel.use_muon["proj.weight"] or sel.reasons["proj.weight"] == selection.OUTPUT_HEAD
     sel = select_muon_params(Block(False))
     assert sel.reasons["bank.w_in"] == selection.UNRECOGNISED and not sel.use_muon["bank.w_in"]
+
+
+def test_router_module_gate_next_to_local_experts_is_a_router():
+    """DeepSpeed AutoEP's layout (``AutoEPMoELayer``): a router module holding one ``gate`` Linear(H, E) beside a
+    ``GroupedExperts`` of this rank's E/EP experts (``num_experts`` = E/EP). The gate scores all E experts (the
+    config's count), so it is the router (AdamW); a sibling module with several matrices (a shared-expert MLP) is
+    not; the stacked local experts are Muon, one matrix per expert. The real layer under DeepSpeed:
+    tests/dist/test_autoep.py."""
+
+    class Router(nn.Module):  # DeepSpeed's TokenChoiceTopKRouter: no parameter of its own
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = nn.Linear(32, 4, bias=False)
+
+    class LocalExperts(nn.Module):  # DeepSpeed's GroupedExperts with E / EP = 2 of the config's 4 experts
+        def __init__(self) -> None:
+            super().__init__()
+            self.num_experts = 2
+            self.w1, self.w3 = (nn.Parameter(torch.randn(2, 16, 32)) for _ in range(2))
+            self.w2 = nn.Parameter(torch.randn(2, 32, 16))
+
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(32, 4), nn.Linear(4, 32)  # 4 rows, as many as experts: still no router
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.router, self.experts, self.shared = Router(), LocalExperts(), Shared()
+            self.config = SimpleNamespace(num_experts=4)
+
+    sel = select_muon_params(Layer())
+    assert sel.reasons["router.gate.weight"] == selection.ROUTER and not sel.use_muon["router.gate.weight"]
+    assert all(sel.reasons[f"experts.{w}"] == selection.EXPERTS and sel.use_muon[f"experts.{w}"]
+               for w in ("w1", "w2", "w3"))
+    assert sel.view("experts.w1").num_blocks == 2
+    assert sel.reasons["shared.up.weight"] == selection.HIDDEN_MATRIX and sel.use_muon["shared.up.weight"]
 
 
 def test_transposed_expert_gate_up_is_whole_and_noted():
