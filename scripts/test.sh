@@ -34,7 +34,7 @@ if ! python -c "import torch" 2>/dev/null; then
         python -m pip install "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
     fi
 fi
-# The NVMe offload tests need libaio for DeepSpeed's async_io op (JIT-built below; 165 s on 2 loaded cores).
+# The NVMe offload tests need libaio for DeepSpeed's async_io op (JIT-built below; 165 s to 18 min on 2 loaded cores).
 if [[ ! -e /usr/include/libaio.h ]]; then
     if command -v apt-get >/dev/null 2>&1 && [[ "$(id -u)" == 0 ]]; then
         echo ">> installing libaio-dev (apt-get) for the NVMe offload tests"

@@ -17,12 +17,15 @@ the op hangs. Two remedies here:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+import threading
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
-__all__ = ["OPS", "LOCK_GRACE_S", "builder_alive", "stale_lock", "clear_stale_lock", "build_ops", "main"]
+__all__ = ["OPS", "LOCK_GRACE_S", "HEARTBEAT_S", "builder_alive", "stale_lock", "clear_stale_lock", "heartbeat",
+           "build_ops", "main"]
 
 #: DeepSpeed op builders ds_muon's runs use, by accelerator name ("cpu" adds the shared-memory all-reduce).
 OPS: dict[str, tuple[str, ...]] = {
@@ -31,8 +34,12 @@ OPS: dict[str, tuple[str, ...]] = {
 }
 #: How long one op's build takes, as measured (said in the progress line): 2 CPU cores (AMD EPYC), deepspeed 0.19.8,
 #: torch 2.13: deepspeed_shm_comm 48 s idle and 284 s with the cores shared with a test run (load average 8-14);
-#: async_io 165 s loaded.
-BUILD_TIME = "measured on 2 CPU cores: 48 s for one op on an idle machine, up to 5 min on a loaded one"
+#: async_io 165 s loaded; on 2026-12-03 with the cores shared by three other jobs (load average 6-13), fused_adam
+#: 363 s and async_io 1099 s (a fresh clone's scripts/train.sh and scripts/test.sh).
+BUILD_TIME = ("measured on 2 CPU cores: about 50 s per op on an idle machine; on a loaded one up to 6 min, and up to "
+              "18 min for async_io")
+#: Seconds between the "still building" lines while one op compiles (a long silent build looks like a hang).
+HEARTBEAT_S = 60.0
 #: A lock younger than this (s) is left alone even with no builder in sight.
 LOCK_GRACE_S = 60.0
 
@@ -81,6 +88,26 @@ def clear_stale_lock(build_dir: str, log: Callable[[str], None] = print) -> bool
     return True
 
 
+@contextlib.contextmanager
+def heartbeat(label: str, log: Callable[[str], None] = print, every: float = HEARTBEAT_S) -> Iterator[None]:
+    """While the body runs, log ``>> still building <label>: <s> s so far`` every ``every`` seconds (from a daemon
+    thread), so a build of many minutes on a loaded machine prints progress instead of looking hung."""
+    done = threading.Event()
+    start = time.monotonic()
+
+    def beat() -> None:
+        while not done.wait(every):
+            log(f">> still building {label}: {time.monotonic() - start:.0f} s so far (compiling C++ on the CPU)")
+
+    thread = threading.Thread(target=beat, name=f"ds_muon-heartbeat-{label}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
 def _build_dir(name: str) -> str:
     from torch.utils.cpp_extension import _get_build_directory
     return _get_build_directory(name, verbose=False)
@@ -123,7 +150,8 @@ def build_ops(builders: Optional[Sequence[str]] = None, log: Callable[[str], Non
             log(f">> building DeepSpeed's {builder.name} op (once per environment; {BUILD_TIME}) in {build_dir}")
         start = time.monotonic()
         try:
-            builder.load(verbose=False)
+            with heartbeat(builder.name, log) if not cached else contextlib.nullcontext():
+                builder.load(verbose=False)
         except Exception as err:  # noqa: BLE001 - report it and go on; the run that needs the op reports it too
             out[cls] = f"failed: {type(err).__name__}: {err}"
             log(f">> {builder.name}: build failed ({type(err).__name__}: {err})")

@@ -187,8 +187,11 @@ CASES = {
         # bf16 model against the fp32 oracle: bf16 rounding of forward/backward (as tests/dist/test_zero3_parity.py's
         # bf16 tolerances: 1e-2 of the parameter, 5e-2 of its update; the tied embedding/head 1e-1 of its update
         # (measured 5.2e-2: its update is the smallest relative to the bf16 noise)
+        # the LayerNorm biases start at zero, so their error relative to their value is their error relative to
+        # their update: held to the case's bf16 update bound (measured 1.5e-2 and 1.1e-2 on a 2-core AMD EPYC without
+        # AVX-512, below 1e-2 on one with avx512_bf16, where bf16 matmuls round differently)
         dict(name="w2-declared-bf16", model="declared", bf16=True, rtol=1e-2, rtol_update=5e-2, stats_rtol=2e-2,
-             loose={"embed.weight": (1e-2, 1e-1)}),
+             loose={"embed.weight": (1e-2, 1e-1), "norms.0.bias": (5e-2, 5e-2), "norms.1.bias": (5e-2, 5e-2)}),
         dict(name="w2-fp16-overflow-step-does-not-clip", model="declared", fp16_overflow=True),
         # resume: exact AdamW betas (see tests/dist/test_checkpoint.py) so the resumed run is bit-identical
         dict(name="w2-llama-resume", model="llama", resume=True, params=dict(betas=[0.5, 0.75])),

@@ -63,7 +63,13 @@ TRAINER = textwrap.dedent('''
     trainer.train()
     if trainer.is_world_process_zero():
         print("RESULT " + json.dumps({"optimizer": type(trainer.deepspeed.optimizer).__name__,
-                                      "muon_steps": getattr(trainer.deepspeed.optimizer, "muon_step_count", None)}))
+                                      "muon_steps": getattr(trainer.deepspeed.optimizer, "muon_step_count", None)}),
+              flush=True)
+    # the same teardown as PLAIN's: a rank of this script aborted at interpreter exit once ("terminate called without
+    # an active exception", SIGABRT after training completed; full suite on 2 loaded cores, 2026-12-03)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    import os; os._exit(0)
 ''')
 
 # ZeRO-3 defaults (reduce_scatter on): DeepSpeed's built-in Muon refuses this config at once ("Muon and

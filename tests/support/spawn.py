@@ -47,6 +47,10 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), **env)
     path = os.path.join(out_dir, f"rank{rank}.pkl")
     try:
+        import warnings
+        # DeepSpeed 0.19.8 calls torch.distributed.all_gather_into_tensor / reduce_scatter_tensor, which torch 2.13
+        # deprecates with a FutureWarning per call (ds_muon calls neither): hundreds of lines in a failure's stderr
+        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
         import torch
         torch.set_num_threads(1)
         before = getattr(fn, "before_init", None)
@@ -73,9 +77,39 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
         os._exit(0)
 
 
+#: Modules a forkserver imports once for every rank it starts (``import torch, deepspeed, transformers`` is about
+#: 3 s of CPU per rank when each rank is a fresh interpreter: 5 s of wall clock for a W=4 group on 2 cores).
+PRELOAD = ["torch", "deepspeed", "transformers"]
+_forkserver_env: dict | None = None  # os.environ when the forkserver started (its ranks see that environment)
+
+
+def start_method(fn: Callable, env: dict | None) -> str:
+    """``"forkserver"`` (ranks forked from one process that imported :data:`PRELOAD`) when nothing the ranks import
+    can differ from that process: no ``env`` for the ranks, no ``fn.before_init`` (it must run before DeepSpeed is
+    imported), and ``os.environ`` as it was when the forkserver started, :data:`VOLATILE_ENV` aside (a variable set since, e.g. by
+    ``monkeypatch.setenv``, would not reach forked ranks); else ``"spawn"`` (fresh interpreters)."""
+    global _forkserver_env
+    # opt-in (DS_MUON_TEST_FORKSERVER=1) until the whole suite has run under it; the default is a fresh interpreter
+    if env or getattr(fn, "before_init", None) is not None or os.environ.get("DS_MUON_TEST_FORKSERVER") != "1":
+        return "spawn"
+    if _forkserver_env is None:
+        mp.set_forkserver_preload(PRELOAD)
+        _forkserver_env = _environ()
+    return "forkserver" if _environ() == _forkserver_env else "spawn"
+
+
+#: Variables that change on their own during a run and that no rank reads (pytest sets the first per test phase).
+VOLATILE_ENV = ("PYTEST_CURRENT_TEST",)
+
+
+def _environ() -> dict:
+    return {k: v for k, v in os.environ.items() if k not in VOLATILE_ENV}
+
+
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 600,
                     env: dict | None = None) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return per-rank results.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks (new processes, :func:`start_method`); return
+    per-rank results.
 
     Raises:
         RuntimeError: a rank failed (with its traceback) or the group did not finish in ``timeout`` s.
@@ -84,7 +118,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     with tempfile.TemporaryDirectory() as out_dir, contextlib.ExitStack() as cleanup:
         cleanup.callback(_remove_shm_segments, port)
         ctx = mp.start_processes(_worker, args=(world_size, port, out_dir, fn, args, env or {}),
-                                 nprocs=world_size, join=False, start_method="spawn")
+                                 nprocs=world_size, join=False, start_method=start_method(fn, env))
         try:
             import time
             deadline = time.monotonic() + timeout

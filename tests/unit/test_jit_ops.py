@@ -38,3 +38,18 @@ def test_lock_with_a_live_builder_is_kept(tmp_path):
         builder.kill()
         builder.wait()
     assert stale_lock(str(tmp_path)) == str(lock)
+
+
+def test_heartbeat_logs_while_a_build_runs_and_stops_after():
+    """A build of many minutes prints a line every ``every`` seconds (issue 30: an 18-minute async_io build printed
+    nothing and looked hung); after the body ends no more lines come."""
+    import time
+
+    from ds_muon.integration.jit_ops import heartbeat
+    lines = []
+    with heartbeat("async_io", lines.append, every=0.05):
+        time.sleep(0.28)
+    n = len(lines)
+    time.sleep(0.15)
+    assert 3 <= n == len(lines), lines
+    assert lines[0].startswith(">> still building async_io: ") and lines[0].endswith(" s so far (compiling C++ on the CPU)")
