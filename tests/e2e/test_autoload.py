@@ -23,6 +23,16 @@ from tests.support.spawn import free_port
 from tests.support.tools import REPO
 
 
+# The end of each launched script: tear the process group down and skip interpreter teardown, as
+# tests/support/spawn.py's workers do. On CPU a rank aborted there now and then ("terminate called without an active
+# exception", SIGABRT after its RESULT line: PLAIN 3 of ~20 runs under load, never alone; TRAINER once in a full
+# suite on 2 loaded cores, 2026-12-03); what the tests check is printed before it.
+TEARDOWN = textwrap.dedent('''
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    import os; os._exit(0)
+''')
+
 PLAIN = textwrap.dedent('''
     import argparse, json, sys
     import torch, deepspeed
@@ -35,13 +45,7 @@ PLAIN = textwrap.dedent('''
         loss = engine(torch.randn(4, 16)).pow(2).mean(); engine.backward(loss); engine.step()
     print("RESULT " + json.dumps({"rank": engine.global_rank, "optimizer": type(engine.optimizer).__name__,
                                   "ds_muon_file": getattr(sys.modules.get("ds_muon"), "__file__", None)}), flush=True)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    # skip interpreter teardown, as tests/support/spawn.py's workers do: on CPU a rank of this script aborted in
-    # it now and then ("terminate called without an active exception", SIGABRT after both RESULT lines; 3 of
-    # ~20 runs under load, never alone); what this test checks is printed above
-    import os; os._exit(0)
-''')
+''') + TEARDOWN
 
 TRAINER = textwrap.dedent('''
     import json, torch
@@ -65,12 +69,7 @@ TRAINER = textwrap.dedent('''
         print("RESULT " + json.dumps({"optimizer": type(trainer.deepspeed.optimizer).__name__,
                                       "muon_steps": getattr(trainer.deepspeed.optimizer, "muon_step_count", None)}),
               flush=True)
-    # the same teardown as PLAIN's: a rank of this script aborted at interpreter exit once ("terminate called without
-    # an active exception", SIGABRT after training completed; full suite on 2 loaded cores, 2026-12-03)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    import os; os._exit(0)
-''')
+''') + TEARDOWN
 
 # ZeRO-3 defaults (reduce_scatter on): DeepSpeed's built-in Muon refuses this config at once ("Muon and
 # reduce scatter cannot be used together"), ds_muon trains it; so the outcome says which one ran.

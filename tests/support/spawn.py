@@ -50,7 +50,8 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
         import warnings
         # DeepSpeed 0.19.8 calls torch.distributed.all_gather_into_tensor / reduce_scatter_tensor, which torch 2.13
         # deprecates with a FutureWarning per call (ds_muon calls neither): hundreds of lines in a failure's stderr
-        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=FutureWarning,
+                                message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
         import torch
         torch.set_num_threads(1)
         before = getattr(fn, "before_init", None)
@@ -83,6 +84,14 @@ PRELOAD = ["torch", "deepspeed", "transformers"]
 _forkserver_env: dict | None = None  # os.environ when the forkserver started (its ranks see that environment)
 
 
+#: Variables that change on their own during a run and that no rank reads (pytest sets the first per test phase).
+VOLATILE_ENV = ("PYTEST_CURRENT_TEST",)
+
+
+def _environ() -> dict:
+    return {k: v for k, v in os.environ.items() if k not in VOLATILE_ENV}
+
+
 def start_method(fn: Callable, env: dict | None) -> str:
     """``"forkserver"`` (ranks forked from one process that imported :data:`PRELOAD`) when nothing the ranks import
     can differ from that process: no ``env`` for the ranks, no ``fn.before_init`` (it must run before DeepSpeed is
@@ -96,14 +105,6 @@ def start_method(fn: Callable, env: dict | None) -> str:
         mp.set_forkserver_preload(PRELOAD)
         _forkserver_env = _environ()
     return "forkserver" if _environ() == _forkserver_env else "spawn"
-
-
-#: Variables that change on their own during a run and that no rank reads (pytest sets the first per test phase).
-VOLATILE_ENV = ("PYTEST_CURRENT_TEST",)
-
-
-def _environ() -> dict:
-    return {k: v for k, v in os.environ.items() if k not in VOLATILE_ENV}
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 600,
