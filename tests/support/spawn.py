@@ -1,7 +1,8 @@
 """One spawn helper for every multi-rank test: W CPU processes on gloo, results back as objects.
 
 A test passes a *module-level* function ``fn(rank, world_size, *args) -> picklable``; it runs in
-``world_size`` fresh processes with ``torch.distributed`` initialised through DeepSpeed (gloo on
+``world_size`` new processes (forked from a forkserver that has imported torch, deepspeed and
+transformers, or fresh interpreters: :func:`start_method`) with ``torch.distributed`` initialised through DeepSpeed (gloo on
 the CPU accelerator). Batch several checks per call so a process group is spawned once per
 world size. A worker that raises makes the whole call fail with its traceback; a hang is killed
 after ``timeout`` seconds instead of blocking CI.
@@ -96,10 +97,11 @@ def start_method(fn: Callable, env: dict | None) -> str:
     """``"forkserver"`` (ranks forked from one process that imported :data:`PRELOAD`) when nothing the ranks import
     can differ from that process: no ``env`` for the ranks, no ``fn.before_init`` (it must run before DeepSpeed is
     imported), and ``os.environ`` as it was when the forkserver started, :data:`VOLATILE_ENV` aside (a variable set since, e.g. by
-    ``monkeypatch.setenv``, would not reach forked ranks); else ``"spawn"`` (fresh interpreters)."""
+    ``monkeypatch.setenv``, would not reach forked ranks); else, or with ``DS_MUON_TEST_FORKSERVER=0``, ``"spawn"``
+    (fresh interpreters)."""
     global _forkserver_env
-    # opt-in (DS_MUON_TEST_FORKSERVER=1) until the whole suite has run under it; the default is a fresh interpreter
-    if env or getattr(fn, "before_init", None) is not None or os.environ.get("DS_MUON_TEST_FORKSERVER") != "1":
+    # DS_MUON_TEST_FORKSERVER=0 makes every rank a fresh interpreter (to rule the forkserver out when a test fails)
+    if env or getattr(fn, "before_init", None) is not None or os.environ.get("DS_MUON_TEST_FORKSERVER") == "0":
         return "spawn"
     if _forkserver_env is None:
         mp.set_forkserver_preload(PRELOAD)
