@@ -95,13 +95,14 @@ def _environ() -> dict:
 
 def start_method(fn: Callable, env: dict | None) -> str:
     """``"forkserver"`` (ranks forked from one process that imported :data:`PRELOAD`) when nothing the ranks import
-    can differ from that process: no ``env`` for the ranks, no ``fn.before_init`` (it must run before DeepSpeed is
-    imported), and ``os.environ`` as it was when the forkserver started, :data:`VOLATILE_ENV` aside (a variable set since, e.g. by
-    ``monkeypatch.setenv``, would not reach forked ranks); else, or with ``DS_MUON_TEST_FORKSERVER=0``, ``"spawn"``
-    (fresh interpreters)."""
+    can differ from that process: no ``env`` for the ranks, and ``os.environ`` as it was when the forkserver
+    started, :data:`VOLATILE_ENV` aside (a variable set since, e.g. by ``monkeypatch.setenv``, would not reach forked
+    ranks); else, or with ``DS_MUON_TEST_FORKSERVER=0``, ``"spawn"`` (fresh interpreters)."""
     global _forkserver_env
     # DS_MUON_TEST_FORKSERVER=0 makes every rank a fresh interpreter (to rule the forkserver out when a test fails)
-    if env or getattr(fn, "before_init", None) is not None or os.environ.get("DS_MUON_TEST_FORKSERVER") == "0":
+    # fn.before_init (the byte counters' torch.distributed wrappers) runs in each rank before deepspeed.init_distributed,
+    # where DeepSpeed binds its collectives (comm/torch.py: TorchBackend), so a DeepSpeed imported beforehand is fine
+    if env or os.environ.get("DS_MUON_TEST_FORKSERVER") == "0":
         return "spawn"
     if _forkserver_env is None:
         mp.set_forkserver_preload(PRELOAD)
