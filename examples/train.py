@@ -55,7 +55,7 @@ warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_int
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(PRESETS), default="tiny")
-    p.add_argument("--steps", type=int, default=600, help="optimizer steps (tiny, 2 idle CPU processes: ~2.5 min)")
+    p.add_argument("--steps", type=int, default=600, help="optimizer steps (tiny, 2 idle CPU processes: ~3 min)")
     p.add_argument("--vocab-size", type=int, default=None, help="override the preset's vocab (>= 256 for bytes)")
     p.add_argument("--tie-embeddings", action="store_true", help="tie lm_head to the token embedding")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the preset's max_seq_len)")

@@ -6,7 +6,7 @@
 #
 # Creates .venv (or $VENV) if missing, installs torch (the CPU build torch==2.13.0 when there is no nvidia-smi,
 # so pip does not pull a multi-GB CUDA build) unless torch is already importable, installs ds_muon with its
-# test extra (pip install -e ".[test]"), installs libaio-dev with apt-get when missing (as root), then runs pytest. Multi-rank tests spawn 1-4 CPU processes on gloo.
+# test extra (pip install -e ".[test]"), installs libaio-dev with apt-get when missing (as root), then runs pytest. Multi-rank tests start 1-8 CPU processes on gloo.
 # pytest's exit code is the script's, so "no tests collected" (5) fails too.
 set -euo pipefail
 

@@ -80,10 +80,8 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
 
 
 #: Modules a forkserver imports once for every rank it starts (``import torch, deepspeed, transformers`` is about
-#: 3 s of CPU per rank when each rank is a fresh interpreter: 5 s of wall clock for a W=4 group on 2 cores).
+#: 3 s of CPU per rank when each rank is a fresh interpreter: 7 s of wall clock for a W=4 group on 2 cores).
 PRELOAD = ["torch", "deepspeed", "transformers"]
-_forkserver_env: dict | None = None  # os.environ when the forkserver started (its ranks see that environment)
-
 
 #: Variables that change on their own during a run and that no rank reads (pytest sets the first per test phase).
 VOLATILE_ENV = ("PYTEST_CURRENT_TEST",)
@@ -93,21 +91,24 @@ def _environ() -> dict:
     return {k: v for k, v in os.environ.items() if k not in VOLATILE_ENV}
 
 
+#: ``os.environ`` when this module was imported (at collection, before any test's ``monkeypatch.setenv``): the
+#: forkserver starts, and its ranks run, only under this environment.
+_BASE_ENV = _environ()
+
+
 def start_method(fn: Callable, env: dict | None) -> str:
     """``"forkserver"`` (ranks forked from one process that imported :data:`PRELOAD`) when nothing the ranks import
-    can differ from that process: no ``env`` for the ranks, and ``os.environ`` as it was when the forkserver
-    started, :data:`VOLATILE_ENV` aside (a variable set since, e.g. by ``monkeypatch.setenv``, would not reach forked
-    ranks); else, or with ``DS_MUON_TEST_FORKSERVER=0``, ``"spawn"`` (fresh interpreters)."""
-    global _forkserver_env
-    # DS_MUON_TEST_FORKSERVER=0 makes every rank a fresh interpreter (to rule the forkserver out when a test fails)
-    # fn.before_init (the byte counters' torch.distributed wrappers) runs in each rank before deepspeed.init_distributed,
-    # where DeepSpeed binds its collectives (comm/torch.py: TorchBackend), so a DeepSpeed imported beforehand is fine
-    if env or os.environ.get("DS_MUON_TEST_FORKSERVER") == "0":
+    can differ from that process: no ``env`` for the ranks, and ``os.environ`` as it was when this module was
+    imported (:data:`_BASE_ENV`), :data:`VOLATILE_ENV` aside (a variable set since, e.g. by ``monkeypatch.setenv``,
+    would not reach forked ranks); else, or with ``DS_MUON_TEST_FORKSERVER=0``, ``"spawn"`` (fresh interpreters)."""
+    # DS_MUON_TEST_FORKSERVER=0 makes every rank a fresh interpreter (to rule the forkserver out when a test fails).
+    # fn.before_init (the byte counters' torch.distributed wrappers) runs in each rank before deepspeed.init_distributed:
+    # DeepSpeed 0.19.8 binds all_gather_into_tensor / reduce_scatter_tensor there (comm/torch.py, TorchBackend) and
+    # looks every other collective up per call, so a DeepSpeed imported beforehand is counted the same.
+    if env or os.environ.get("DS_MUON_TEST_FORKSERVER") == "0" or _environ() != _BASE_ENV:
         return "spawn"
-    if _forkserver_env is None:
-        mp.set_forkserver_preload(PRELOAD)
-        _forkserver_env = _environ()
-    return "forkserver" if _environ() == _forkserver_env else "spawn"
+    mp.set_forkserver_preload(PRELOAD)  # takes effect when the forkserver starts, under _BASE_ENV
+    return "forkserver"
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 600,
