@@ -83,8 +83,10 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
 #: 3 s of CPU per rank when each rank is a fresh interpreter: 7 s of wall clock for a W=4 group on 2 cores).
 PRELOAD = ["torch", "deepspeed", "transformers"]
 
-#: Variables that change on their own during a run and that no rank reads (pytest sets the first per test phase).
-VOLATILE_ENV = ("PYTEST_CURRENT_TEST",)
+#: Variables that change on their own during a run and do not make a forked rank differ from a fresh one: pytest
+#: sets the first per test phase (no rank reads it); ``import deepspeed`` sets the second (``setdefault``, "1") in
+#: the test process when a test first imports it, and in the forkserver, which imports it too.
+VOLATILE_ENV = ("PYTEST_CURRENT_TEST", "PYTORCH_NVML_BASED_CUDA_CHECK")
 
 
 def _environ() -> dict:
