@@ -2,8 +2,8 @@
 
 A test passes a *module-level* function ``fn(rank, world_size, *args) -> picklable``; it runs in
 ``world_size`` new processes (forked from a forkserver that has imported torch, deepspeed and
-transformers, or fresh interpreters: :func:`start_method`) with ``torch.distributed`` initialised through DeepSpeed (gloo on
-the CPU accelerator). Batch several checks per call so a process group is spawned once per
+transformers, or fresh interpreters: :func:`start_method`) with ``torch.distributed`` initialised
+through DeepSpeed (gloo on the CPU accelerator). Batch several checks per call so a process group is spawned once per
 world size. A worker that raises makes the whole call fail with its traceback; a hang is killed
 after ``timeout`` seconds instead of blocking CI.
 """

@@ -2,8 +2,8 @@
 
 Ranks fork from a forkserver that has imported torch, deepspeed and transformers only when nothing they see can
 differ from that process: no per-rank ``env`` and the environment of the session's start (aside from pytest's
-``PYTEST_CURRENT_TEST`` and what ``import deepspeed`` sets in every process). Any other group starts fresh interpreters, and ``DS_MUON_TEST_FORKSERVER=0`` makes
-every group do so.
+``PYTEST_CURRENT_TEST`` and what ``import deepspeed`` sets in every process). Any other group starts fresh
+interpreters, and ``DS_MUON_TEST_FORKSERVER=0`` makes every group do so.
 """
 from __future__ import annotations
 
