@@ -8,8 +8,9 @@ GPUs:
 Or simply ``scripts/train.sh [args...]`` (creates .venv, installs, launches with NPROC=2 processes).
 
 The corpus is the Python standard library's own sources (or ``--data FILE``), byte-level (vocab 256).
-Prints train loss / tokens/s / grad norm / lr, periodic validation loss, and saves a DeepSpeed checkpoint
-to ``--save-dir`` at the end (and every ``--save-every`` steps).
+Prints train loss / tokens/s / grad norm / lr (tqdm's bar on a terminal; in a log, a line every ``--log-every``
+steps), periodic validation loss, and saves a DeepSpeed checkpoint to ``--save-dir`` at the end (and every
+``--save-every`` steps).
 
 Resuming: ``--resume`` continues from the latest checkpoint in ``--save-dir`` (``--resume DIR``: in DIR) up to
 ``--steps`` in all: weights, optimizer state, lr schedule, step count and the data sampler's position. A
@@ -85,6 +86,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--zero-init", action="store_true", help="build the model under deepspeed.zero.Init")
     p.add_argument("--log-json", default=None, help="write the loss curves (per step, with tokens seen) to this "
                                                    "JSON file on rank 0, for scripts/plot_results.py")
+    p.add_argument("--log-every", type=int, default=0, metavar="N",
+                   help="when stderr is not a terminal (a log file, a pipe), print a progress line every N steps "
+                        "and at the last one instead of tqdm's bar (default 0: every 50 steps or every 10%% of the "
+                        "run, whichever is fewer steps)")
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", -1)))
     p = deepspeed.add_config_arguments(p)
     return p.parse_args()
@@ -140,6 +145,50 @@ def write_metrics(path: Optional[str], record: dict) -> None:
     if path:
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+class Progress:
+    """The training loop's progress: tqdm's bar on a terminal, a plain line every few steps in a log.
+
+    tqdm redraws its bar with a carriage return at most every 0.1 s; written to a file or a pipe (the DeepSpeed
+    launcher's output collected by ``scripts/train.sh ... > log`` or by CI) each redraw is a new record, about one
+    per step. With ``disable=None`` tqdm draws only when its stream (``file``, default ``sys.stderr``) is a
+    terminal; otherwise this prints ``step N/T: loss ..., tok/s ..., ...`` every ``every`` steps and at the last
+    step, through ``tqdm.write`` (``sys.stdout``), where the validation lines go too.
+
+    Args:
+        start: the first step of this run (a resumed run starts after the saved step).
+        steps: the last step (``--steps``, counted from the first run's start).
+        enabled: whether this process reports at all (rank 0 only).
+        every: steps between two plain lines; 0: every 50 steps or every 10% of this run's steps, whichever is
+            fewer (at least 1).
+        file: the bar's stream (default ``sys.stderr``); its ``isatty()`` decides between bar and lines.
+    """
+
+    def __init__(self, start: int, steps: int, enabled: bool = True, every: int = 0, file=None) -> None:
+        self.bar = tqdm(range(start, steps + 1), disable=None if enabled else True, file=file, dynamic_ncols=True,
+                        desc="train", initial=start - 1, total=steps)
+        self.lines = enabled and self.bar.disable   # tqdm turned itself off: not a terminal
+        self.every = every if every > 0 else max(1, min(50, -(-(steps - start + 1) // 10)))
+        self.steps, self.t0 = steps, time.perf_counter()
+
+    def __iter__(self):
+        return iter(self.bar)
+
+    def update(self, step: int, stats: dict) -> None:
+        """Show ``stats`` (name -> formatted value, in order) for ``step``: the bar's postfix or, in a log, a line."""
+        self.bar.set_postfix(stats)
+        if self.lines and (step % self.every == 0 or step == self.steps):
+            elapsed = tqdm.format_interval(time.perf_counter() - self.t0)
+            self.write(f"step {step}/{self.steps}: " + ", ".join(f"{k} {v}" for k, v in stats.items())
+                       + f", elapsed {elapsed}")
+
+    def write(self, line: str) -> None:
+        """Print ``line`` without breaking the bar."""
+        self.bar.write(line)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def check_data_streams(streams: Optional[int], world: int) -> None:
@@ -298,8 +347,7 @@ def main() -> None:
     log(f"step {start - 1}: val loss {val_losses[-1][1]:.4f}")
     write_metrics(metrics, {"step": start - 1, "val_loss": val_losses[-1][1]})
     train_losses, train_time = [], 0.0
-    bar = tqdm(range(start, args.steps + 1), disable=rank != 0, dynamic_ncols=True, desc="train",
-               initial=start - 1, total=args.steps)
+    bar = Progress(start, args.steps, enabled=rank == 0, every=args.log_every)
     for step in bar:
         t0 = time.perf_counter()
         step_loss = torch.zeros((), device=engine.device)
@@ -324,10 +372,10 @@ def main() -> None:
         if args.metrics:                         # resident / peak resident memory, the largest over the ranks
             record["rss_mib"], record["peak_rss_mib"] = rss_mib(engine.device)
         write_metrics(metrics, record)
-        bar.set_postfix({"loss": f"{train_losses[-1]:.3f}",           # a dict keeps this order
-                         "tok/s": f"{tokens_per_step * (step - start) / train_time:,.0f}" if train_time else "-",
-                         "gnorm": f"{float(grad_norm):.3f}" if grad_norm is not None else "-",
-                         "lr": "/".join(f"{lr:.3g}" for lr in lrs)})
+        bar.update(step, {"loss": f"{train_losses[-1]:.3f}",           # a dict keeps this order
+                          "tok/s": f"{tokens_per_step * (step - start) / train_time:,.0f}" if train_time else "-",
+                          "gnorm": f"{float(grad_norm):.3f}" if grad_norm is not None else "-",
+                          "lr": "/".join(f"{lr:.3g}" for lr in lrs)})
         if step == args.steps or (args.eval_every and step % args.eval_every == 0):
             val_losses.append((step, evaluate(engine, corpus, args, streams, mbs, seq_len)))
             write_metrics(metrics, {"step": step, "val_loss": val_losses[-1][1]})

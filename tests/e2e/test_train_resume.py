@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -34,6 +35,8 @@ def _train(nproc: int, cwd: str, *args: str) -> str:
            "--master_port", str(free_port()), TRAIN, *COMMON, *args]
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    # captured output is no terminal: progress lines, not tqdm's redraws (unit/test_train_progress.py)
+    assert "\r" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
     return proc.stdout
 
 
@@ -44,7 +47,8 @@ def _losses(path: str, key: str = "loss") -> dict[int, float]:
 
 def test_resume_continues_loss_curve(tmp_path):
     cwd = str(tmp_path)
-    _train(2, cwd, "--save-dir", "ck", "--save-every", "2", "--metrics", "full.jsonl")
+    out = _train(2, cwd, "--save-dir", "ck", "--save-every", "2", "--metrics", "full.jsonl")
+    assert re.findall(r"^step (\d)/4: loss [\d.]+, tok/s ", out, flags=re.M) == ["1", "2", "3", "4"], out[-3000:]
     full = _losses(tmp_path / "full.jsonl")
     assert sorted(full) == [1, 2, 3, 4] and full[4] < full[1]
     assert sorted(os.listdir(tmp_path / "ck")) >= ["global_step2", "global_step4"]
