@@ -11,6 +11,10 @@ name used and the releases it was checked against.
 """
 from __future__ import annotations
 
+# deepspeed first, before any module of this package: when ds_muon's start-up hook waits for it (ds_muon._autoload),
+# its callback runs inside this import and imports .hooks itself, whole (not half-imported under this line).
+import deepspeed  # noqa: F401
+
 from .hooks import AUTO_NOTICE, auto_enable, disable, enable, enabled, initialize, is_enabled
 
 __all__ = ["initialize", "enable", "disable", "enabled", "is_enabled", "auto_enable", "AUTO_NOTICE"]
