@@ -57,7 +57,7 @@ class DsMuonZeroSteps:
 
     Attributes:
         step_count: optimizer steps applied (overflow-skipped ones excluded); muon_step_count: the same count
-            under its name of 2026-12-01 and before (checkpoint metadata and clients read it).
+            under its first name (checkpoint format 1 as first written has only it; clients read it).
         skipped_step_count, consecutive_skipped_steps, last_non_finite_param: see
             :class:`ds_muon.integration.faults.SkippedSteps`.
         step_seconds: ``{"muon": s, "adam_mini": s}``, wall time of the last step's Muon / Adam-mini updates
