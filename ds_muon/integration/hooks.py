@@ -101,7 +101,8 @@ class _Patches:
 
     Args:
         replaced: ``(owner, attribute, replacement)``: each attribute is set to its replacement.
-        listed: ``(module, list attribute, entries)``: each entry is appended to the list unless present.
+        listed: ``(module, list attribute, entries)``: each entry is appended to the list unless present (and
+            removed again by the last disable).
     """
 
     def __init__(self, replaced: tuple, listed: tuple) -> None:
@@ -111,6 +112,7 @@ class _Patches:
         self.auto_notice_done = False
         self._replaced, self._listed = replaced, listed
         self._originals: dict[str, Any] = {}
+        self._added: list[tuple[list, Any]] = []  # (registry, entry) appended by enable, removed by the last disable
 
     def original(self, name: str) -> Any:
         """DeepSpeed's own value of the replaced attribute ``name`` (while enabled).
@@ -148,7 +150,10 @@ class _Patches:
                     setattr(owner, name, replacement)
                 for module, name, entries in self._listed:
                     registry = getattr(module, name)
-                    registry.extend([e for e in entries if e not in registry])
+                    for e in entries:
+                        if e not in registry:
+                            registry.append(e)
+                            self._added.append((registry, e))
             self.depth += 1
 
     def disable(self) -> None:
@@ -161,11 +166,10 @@ class _Patches:
                 return
             for owner, name, _ in self._replaced:
                 setattr(owner, name, self._originals.pop(name))
-            for module, name, entries in self._listed:
-                registry = getattr(module, name)
-                for e in entries:
-                    if e in registry:
-                        registry.remove(e)
+            for registry, e in self._added:
+                if e in registry:
+                    registry.remove(e)
+            self._added.clear()
             self.auto = False
 
 
