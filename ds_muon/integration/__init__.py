@@ -1,6 +1,6 @@
 """The DeepSpeed glue (layer ``integration``): the only package that imports deepspeed.
 
-:mod:`~ds_muon.integration.hooks` (``initialize``/``enable``/``disable`` and the four engine hooks),
+:mod:`~ds_muon.integration.hooks` (``initialize``/``enable``/``disable`` and the engine hooks they install),
 :mod:`~ds_muon.integration.validation` and :mod:`~ds_muon.integration.probes` (the config, once, and the host),
 :mod:`~ds_muon.integration.inner` (the inner optimizers), :mod:`~ds_muon.integration.zero3` (the ZeRO-3 subclass)
 with :mod:`~ds_muon.integration.zero3_checkpoint`, :mod:`~ds_muon.integration.nvme`,
