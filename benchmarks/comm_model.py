@@ -3,7 +3,7 @@
     python benchmarks/comm_model.py [--model 934m] [--world-sizes 2,4,8,16,64,256]
                                     [--tp 8] [--moe-model moe-1.5b] [--ep 8] [--parallel-world-sizes 64,256]
 
-Pure arithmetic over the owner plan that every rank builds (``ds_muon.ownership.build_plan``, the
+Pure arithmetic over the owner plan that every rank builds (``ds_muon.sharded.ownership.build_plan``, the
 same code the ZeRO-3 step runs; no process group): for each world size ``W`` it prints the Muon
 elements ``P``, the bytes one rank sends per step in both all_to_all exchanges (bf16 on the wire:
 mean over ranks and the maximum), the model's closed form ``2 P (W-1) / W**2`` elements, and the

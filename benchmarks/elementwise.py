@@ -3,12 +3,12 @@
     python benchmarks/elementwise.py [--numel 400000000] [--repeat 20] [--out elementwise.json]
 
 Times, on one GPU and an fp32 shard of ``--numel`` elements (934M model at W=2: ~400M Muon elements per
-rank), the two element-wise phases of :meth:`ds_muon.zero3.MuonZeroOptimizer._muon_sub_group_step`:
+rank), the two element-wise phases of :mod:`ds_muon.sharded.muon_step`:
 
 * momentum: ``m <- lerp(m, g, 1-beta)``; ``u <- lerp(g, m, beta)`` into ``g`` (Nesterov). Eager: two
-  kernels, 24 bytes per element; fused (:func:`ds_muon.momentum.fused_momentum_update_`): one kernel, 16.
+  kernels, 24 bytes per element; fused (:func:`ds_muon.core.muon_update.fused_momentum_update_`): one kernel, 16.
 * apply: ``p <- p (1 - lr wd) - lr o``. Eager: two kernels, 20 bytes per element; fused
-  (:func:`ds_muon.momentum.fused_apply_update_`): one kernel, 12.
+  (:func:`ds_muon.core.muon_update.fused_apply_update_`): one kernel, 12.
 
 For each it prints the time, the bytes the kernels must move at the least (the count above) over that
 time as GB/s, that rate as a fraction of the device's copy bandwidth measured in the same process

@@ -9,7 +9,7 @@
 The checkpoint may be a ds_muon ZeRO-3 checkpoint directory (converted to the universal layout in a
 temporary directory by :func:`ds_muon.checkpoint.convert_to_universal`) or a universal one already. Each
 Muon parameter's ``momentum_buffer`` (the full tensor, fp32) is viewed as ds_muon's owner step views it
-(:func:`ds_muon.matrix.ns_view_shape`), orthogonalized by :func:`ds_muon.newton_schulz.orthogonalize`
+(:func:`ds_muon.core.matrix.ns_view_shape`), orthogonalized by :func:`ds_muon.core.newton_schulz.orthogonalize`
 (the input of Muon's update is the Nesterov blend ``(1 - beta) G + beta M``; with ``beta = 0.95`` it is
 dominated by ``M``, and the gradient is not in the checkpoint), and compared with the exact polar factor
 ``U V^T`` of a float64 SVD: error = ``||O - U V^T||_F / ||U V^T||_F`` per matrix. Also reported: the

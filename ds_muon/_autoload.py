@@ -28,9 +28,9 @@ from .import_hooks import after_import
 
 ENV = "DS_MUON"
 _OFF = {"0", "false", "off", "no"}
-#: True while activation waits for ds_muon's own DeepSpeed hooks to finish importing: ``deepspeed`` was first
-#: imported by ``ds_muon.integration.hooks`` itself (a script that imports ds_muon before deepspeed), so the
-#: callback fired inside that import; the hooks module calls ``auto_enable`` at its end (:func:`_activate`).
+#: Kept for code that reads it; always False: activation never waits. (It did while ``ds_muon.integration.hooks``
+#: finished its own import; now ``ds_muon.integration`` imports ``deepspeed`` before that module, so
+#: :func:`_activate` runs before it and imports it itself.)
 deferred = False
 
 
@@ -40,16 +40,15 @@ def auto_enabled_by_env() -> bool:
 
 
 def _activate() -> None:
-    """The callback for ``deepspeed``: :func:`ds_muon.integration.auto_enable`, never breaking the import."""
-    global deferred
+    """The callback for ``deepspeed``: :func:`ds_muon.integration.auto_enable`, never breaking the import.
+
+    It may run inside ``ds_muon.integration``'s own first import (a script that imports ds_muon before deepspeed):
+    that package imports ``deepspeed`` before any of its modules, so the hooks module is imported here, whole.
+    """
     if not auto_enabled_by_env():  # DS_MUON=0 set after start-up (e.g. by a test suite's conftest)
         return
-    hooks = sys.modules.get("ds_muon.integration.hooks")
-    if hooks is not None and not hasattr(hooks, "auto_enable"):  # inside the hooks module's own import
-        deferred = True
-        return
     try:
-        from .integration import auto_enable
+        from .integration.hooks import auto_enable
         auto_enable()
     except Exception as err:  # never break `import deepspeed`; say loudly that ds_muon is off
         import warnings
@@ -66,7 +65,7 @@ def install() -> None:
     if not auto_enabled_by_env():
         return
     if "deepspeed" in sys.modules:
-        from .integration import auto_enable
+        from .integration.hooks import auto_enable
         auto_enable()
     else:
         after_import("deepspeed", _activate)

@@ -42,7 +42,8 @@ ALGORITHMS = (MUON, ADAM_MINI, ADAMW)
 
 def algorithm_of(group: Mapping[str, Any]) -> str:
     """The algorithm of a param group: its ``"algorithm"`` key, or, for groups saved before that key
-    existed (ds_muon checkpoints of 2026-12-01 and earlier), derived from ``use_muon``/``adam_mini``.
+    existed (checkpoint format 1 as first written, :data:`ds_muon.checkpoint.metadata.METADATA_VERSION`),
+    derived from ``use_muon``/``adam_mini``.
 
     Raises:
         ValueError: an ``"algorithm"`` value not in :data:`ALGORITHMS`.

@@ -10,7 +10,7 @@ Architecture (pre-norm decoder):
 * MLP: SwiGLU, ``down(silu(gate(x)) * up(x))``;
 * ``lm_head`` can be tied to the token embedding (``tie_embeddings=True``).
 * MuonClip: in a training forward each ``Attention`` reports its per-head max pre-softmax logit (after
-  RoPE) through ``ds_muon.max_logits`` (``record_max_logits=True``, the default; measured cost in
+  RoPE) through ``ds_muon.model.max_logits`` (``record_max_logits=True``, the default; measured cost in
   docs/qk_clip.md); ``record_max_logits=False`` turns it off.
 * MoE (``n_experts > 0``): the MLP is a top-k routed mixture of SwiGLU experts, stored as transformers'
   MoE models store them (Mixtral, Qwen3-MoE): a router ``nn.Linear(d_model, n_experts)`` and an
@@ -52,7 +52,7 @@ class ModelConfig:
     n_experts: int = 0             # 0: dense SwiGLU MLP; > 0: a routed mixture of that many experts
     top_k: int = 2                 # experts per token (MoE)
     expert_hidden: int = 0         # SwiGLU hidden width of one expert (MoE)
-    record_max_logits: bool = True  # attention reports per-head max logits for MuonClip (ds_muon.max_logits)
+    record_max_logits: bool = True  # attention reports per-head max logits for MuonClip (ds_muon.model.max_logits)
 
     def __post_init__(self):
         if self.d_model % self.n_heads:
@@ -142,7 +142,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
 
     def muon_qk_clip(self) -> dict:
-        """The query/key weights and head geometry QK-clip scales (ds_muon.qk_clip.find_clip_targets)."""
+        """The query/key weights and head geometry QK-clip scales (ds_muon.model.attention.find_clip_targets)."""
         return {"q": self.q_proj.weight, "k": self.k_proj.weight, "num_heads": self.n_heads,
                 "num_kv_heads": self.n_kv_heads}
 

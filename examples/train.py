@@ -291,7 +291,7 @@ def main() -> None:
     per_process = apply_data_streams(args, config, world, log)
     streams = list(range(rank * per_process, (rank + 1) * per_process))  # this process's sample streams
 
-    # per-head max logits (examples/model.py, ds_muon.max_logits): needed by QK-clip and logged by --metrics;
+    # per-head max logits (examples/model.py, ds_muon.model.max_logits): needed by QK-clip and logged by --metrics;
     # otherwise off (measured cost on one H200, 934M model: +10% step time; docs/qk_clip.md)
     qk_clip = (config.get("optimizer", {}).get("params", {}).get("qk_clip") or {}).get("enabled", False)
     cfg = ModelConfig.preset(args.model, tie_embeddings=args.tie_embeddings, record_max_logits=bool(qk_clip or args.metrics),

@@ -8,7 +8,7 @@ Runs ``examples/train.py`` (the main job: tiny byte-level Llama-like model, ZeRO
 QK-clip, and with ``optimizer.params.qk_clip = {"enabled": true, "threshold": τ, "alpha": α}``
 (optionally a third arm at the config's own lr, ``--baseline``). Each run writes ``--metrics``
 JSON lines whose ``max_logit`` is the step's largest pre-softmax attention logit over all layers,
-heads and ranks, as recorded by the model's attention (``ds_muon.max_logits``) before the
+heads and ranks, as recorded by the model's attention (``ds_muon.model.max_logits``) before the
 optimizer step. Draws the max logit per step (log scale, τ marked) and the training loss per step,
 and prints each arm's largest logit and final loss. ``--reuse`` redraws from the metrics files of an
 earlier run in ``--workdir``.

@@ -27,6 +27,12 @@ __all__ = ["DS_MUON_KEY", "METADATA_VERSION", "CONVERT_COMMAND", "SubGroupInfo",
 logger = logging.getLogger("ds_muon")
 
 DS_MUON_KEY = "ds_muon"
+#: The checkpoint format's version, saved as the metadata's ``version``: 1. Keys added since are read with a default
+#: when absent, so the version stayed 1 and the code names older checkpoints by what they lack. Format 1 as first
+#: written (tests/dist/test_checkpoint.py loads one) has param groups without ``algorithm`` (derived from
+#: ``use_muon``/``adam_mini``: :func:`ds_muon.names.algorithm_of`) and metadata without ``step_count``
+#: (:func:`saved_step_counts`); an oracle state dict without ``ds_muon_qk_clip_steps`` takes QK-clip's counter from
+#: AdamW's ``step`` (:meth:`ds_muon.oracle.MuonAdamW.load_state_dict`).
 METADATA_VERSION = 1
 CONVERT_COMMAND = "python -m ds_muon.checkpoint to-universal"
 
@@ -83,7 +89,7 @@ def metadata(layout: ZeroLayout) -> dict:
     Keys: ``version``; ``world_size``; ``muon_step_count``; ``step_count``; ``sub_groups``, one entry per ZeRO
     sub-group in order: ``group``, ``use_muon``, ``adam_mini`` (an Adam-mini block sub-group), ``state_id``,
     ``params`` (a list of ``[name, shape]``) and for Adam-mini sub-groups ``blocks``; ``optimizer`` ("Muon" or
-    "AdamMini") and, for AdamMini, ``block_rule``. (The format of 2026-12-01 and before, plus ``step_count``.)
+    "AdamMini") and, for AdamMini, ``block_rule``. (Format 1 as first written has no ``step_count``.)
     ZeRO-1/2 checkpoints (``layout`` ``"flat"``) also have ``layout`` and, per entry (a param group),
     ``offsets`` and ``partition_numel``.
     """
@@ -188,7 +194,8 @@ def param_problems(saved: dict[str, dict], current: dict[str, dict]) -> list[str
     if group_moved:
         lines.append("if the moved parameters are norm weights and biases: the saved run put them in a different "
                      "weight-decay group; set optimizer.params.decay_norms_and_biases to the saved run's value "
-                     "(true for Muon checkpoints written by ds_muon before 2026-12-02, when they decayed with the rest)")
+                     "(true for Muon checkpoints written before decay_norms_and_biases existed, whose AdamW "
+                     "decayed them with the rest)")
     return lines
 
 

@@ -246,7 +246,7 @@ class MuonOptimizerParams(BaseModel):
         description=("With ns_compile on CUDA, compile Newton-Schulz as heavyball does: torch.compile mode "
                      "'max-autotune-no-cudagraphs' with static shapes (one graph per (batch, rows, cols) of the owner "
                      "plan, Triton autotuning of each on the first step: 19.9 s cold for 16x2048x2048 on one H200). "
-                     "Measured on one H200, bf16, 5 steps (docs/benchmarks.md, 2026-12-02): 86% of the matmul rate "
+                     "Measured on one H200, bf16, 5 steps (docs/benchmarks.md, \"Issue 27, items 3-5\"): 86% of the matmul rate "
                      "on 16x2048x2048, against 87% with the static-shape default and 79% with dynamic shapes; it "
                      "no longer beats the default there. Off by default for the start-up time. Prints a progress line per graph on rank 0 and keeps "
                      "inductor's caches in $XDG_CACHE_HOME/ds_muon/torchinductor (~/.cache/...) unless "

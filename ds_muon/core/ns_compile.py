@@ -1,7 +1,7 @@
 """``torch.compile`` of Newton–Schulz: the owner step's compiled ``orthogonalize`` (layer ``core``).
 
 The default is inductor's default mode with static shapes (one graph per call shape: 84-87% of the
-matmul rate on one H200 against 77-79% with dynamic shapes, docs/benchmarks.md 2026-12-02);
+matmul rate on one H200 against 77-79% with dynamic shapes, docs/benchmarks.md, "Issue 27, items 3–5");
 ``ns_autotune`` selects heavyball's settings (:data:`AUTOTUNE_COMPILE`). Every compiled call raises
 torch.compile's recompile limit for itself only (:data:`COMPILE_GRAPH_LIMIT`), so it never silently
 falls back to eager while the rest of the user's program keeps its own setting.
@@ -25,7 +25,7 @@ __all__ = ["COMPILE_MODE", "COMPILE_DYNAMIC", "AUTOTUNE_COMPILE", "COMPILE_GRAPH
 #: owner step's Newton–Schulz). ``None``/``False``: inductor's default mode, static shapes (one graph per
 #: ``(batch, rows, cols)``, about 1-8 s of compiling each on first use, cuBLAS matmuls). Measured on one
 #: H200 (bf16, 5 steps, the 934M shapes 16x2048x2048, 16x5440x2048, 16x2048x5440; docs/benchmarks.md,
-#: 2026-12-02): 87.1 / 83.8 / 84.9% of the matmul rate static against 79.0 / 78.2 / 77.7% dynamic, the
+#: "Issue 27, items 3–5"): 87.1 / 83.8 / 84.9% of the matmul rate static against 79.0 / 78.2 / 77.7% dynamic, the
 #: same orthogonality error. heavyball compiles its Newton–Schulz with ``"max-autotune-no-cudagraphs"``
 #: and static shapes (inductor benchmarks Triton matmul templates against cuBLAS per shape and can fuse
 #: the element-wise work into the matmuls' epilogues); the microbenchmark times both.
@@ -33,8 +33,8 @@ COMPILE_MODE: str | None = None
 COMPILE_DYNAMIC: bool | None = False
 #: ``compiled_orthogonalize``'s ``mode``/``dynamic`` with the config key ``ns_autotune`` (opt-in):
 #: heavyball's settings. Measured on one H200 (docs/benchmarks.md, bf16, 5 steps): 83-85% of the
-#: matmul rate against 77-80% with the dynamic-shape defaults of 2026-12-01; on 2026-12-02 86.1% on
-#: 16x2048x2048 against 87.1% with today's static-shape default, at the price of 19.9 s of
+#: matmul rate against 77-80% with the former dynamic-shape default ("Performance II"); later 86.1% on
+#: 16x2048x2048 against 87.1% with the static-shape default ("Issue 27, items 3–5"), at the price of 19.9 s of
 #: autotuning for that graph on a cold start (2.9 s from the warm cache).
 AUTOTUNE_COMPILE: dict = {"mode": "max-autotune-no-cudagraphs", "dynamic": False}
 

@@ -74,7 +74,7 @@ def _gram_flops(s: int, l: int, steps: int) -> int:
 
 #: Measured fraction of the bf16 matmul rate each Newton–Schulz kernel reaches, compiled as
 #: ``compiled_orthogonalize`` compiles it, counting the FLOPs of ``ns_flops``: the cost model's
-#: parameters. From the 1xH200 microbenchmark of 2026-12-01 (docs/benchmarks.md, "Performance II":
+#: parameters. From the 1xH200 microbenchmark in docs/benchmarks.md ("Performance II":
 #: torch 2.11, inductor default mode, dynamic shapes; 16x5440x2048 and 16x2048x5440): the standard
 #: quintic (plain form) 75% and 74%, Gram Newton–Schulz (fp16) 75% and 74%. Polar Express runs the
 #: standard kernel. Re-measure with ``python benchmarks/step_time.py --optimizers '' --ns-micro``

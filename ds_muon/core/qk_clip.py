@@ -3,7 +3,7 @@
 The rule (Kimi K2 technical report, arXiv 2507.20534, section 2.1, per head). After the optimizer
 update of a step, with ``S_h`` the step's largest pre-softmax logit ``q_i^h . k_j^h * scaling`` of
 query head ``h`` (all micro-batches, all data-parallel ranks; recorded by the attention through
-:mod:`ds_muon.max_logits`) and ``tau`` the threshold::
+:mod:`ds_muon.model.max_logits`) and ``tau`` the threshold::
 
     gamma_h   = tau / S_h              if S_h > tau else 1
     W_q[h]   *= gamma_h ** alpha                           (the head_dim rows of query head h)

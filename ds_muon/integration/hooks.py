@@ -42,7 +42,6 @@ pipeline parallelism, DeepSpeed's native MoE layers, or AutoEP with sequence par
 from __future__ import annotations
 
 import contextlib
-import sys
 import inspect
 import logging
 import threading
@@ -80,11 +79,6 @@ from .zero3 import MuonZeroOptimizer
 #: DeepSpeed's lower-cased name of the "AdamMini" optimizer type (its sanity check accepts only names it knows).
 ADAM_MINI_TYPE = "adammini"
 
-_lock = threading.RLock()
-_originals: dict[str, Any] = {}
-_depth = 0
-_auto = False  # enabled by the start-up hook (ds_muon._autoload), not by the user's code
-_auto_notice_done = False
 AUTO_NOTICE = ("ds_muon is active: \"type\": \"Muon\" in this DeepSpeed config runs ds_muon's ZeRO Muon "
                "(activated automatically because ds_muon is installed). Set DS_MUON=0 to use DeepSpeed's "
                "built-in Muon instead.")
@@ -95,13 +89,92 @@ HANDOVER_NOTICE = ("ds_muon: this \"type\": \"Muon\" config runs DeepSpeed's bui
 INNER_TYPES = (ZeroMuonInner, FlatPartitionInner, ZeroAdamMiniInner)
 
 
+class _Patches:
+    """The DeepSpeed names ds_muon replaces while it is enabled, and who enabled it.
+
+    Attributes:
+        lock: held while patches change, and while a ZeRO optimizer is built with a swapped class name.
+        depth: nesting of :func:`enable`/:func:`disable`; the first enable installs every patch, the last
+            disable restores DeepSpeed exactly as it was.
+        auto: the start-up hook holds one level (:func:`auto_enable`); released with the last level.
+        auto_notice_done: :data:`AUTO_NOTICE` was logged (once per process).
+
+    Args:
+        replaced: ``(owner, attribute, replacement)``: each attribute is set to its replacement.
+        listed: ``(module, list attribute, entries)``: each entry is appended to the list unless present (and
+            removed again by the last disable).
+    """
+
+    def __init__(self, replaced: tuple, listed: tuple) -> None:
+        self.lock = threading.RLock()
+        self.depth = 0
+        self.auto = False
+        self.auto_notice_done = False
+        self._replaced, self._listed = replaced, listed
+        self._originals: dict[str, Any] = {}
+        self._added: list[tuple[list, Any]] = []  # (registry, entry) appended by enable, removed by the last disable
+
+    def original(self, name: str) -> Any:
+        """DeepSpeed's own value of the replaced attribute ``name`` (while enabled).
+
+        Raises:
+            KeyError: ds_muon is not enabled.
+        """
+        return self._originals[name]
+
+    def may_hand_over(self) -> bool:
+        """Only the start-up hook enabled ds_muon (not ``ds_muon.initialize`` or the script's ``enable()``)."""
+        return self.auto and self.depth == 1
+
+    def take_auto_notice(self) -> bool:
+        """True once per process, when only the start-up hook enabled ds_muon: log :data:`AUTO_NOTICE` now."""
+        if not self.may_hand_over() or self.auto_notice_done:
+            return False
+        self.auto_notice_done = True
+        return True
+
+    def hold_auto(self) -> bool:
+        """Mark the start-up hook's level; False when it is held already (then nothing is to enable)."""
+        with self.lock:
+            if self.auto:
+                return False
+            self.auto = True
+            return True
+
+    def enable(self) -> None:
+        """One level more; the first installs every patch."""
+        with self.lock:
+            if self.depth == 0:
+                for owner, name, replacement in self._replaced:
+                    self._originals[name] = getattr(owner, name)
+                    setattr(owner, name, replacement)
+                for module, name, entries in self._listed:
+                    registry = getattr(module, name)
+                    for e in entries:
+                        if e not in registry:
+                            registry.append(e)
+                            self._added.append((registry, e))
+            self.depth += 1
+
+    def disable(self) -> None:
+        """One level less (none left: nothing); the last restores every original and releases ``auto``."""
+        with self.lock:
+            if self.depth == 0:
+                return
+            self.depth -= 1
+            if self.depth > 0:
+                return
+            for owner, name, _ in self._replaced:
+                setattr(owner, name, self._originals.pop(name))
+            for registry, e in self._added:
+                if e in registry:
+                    registry.remove(e)
+            self._added.clear()
+            self.auto = False
+
+
 def _is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _may_hand_over() -> bool:
-    """Only the start-up hook enabled ds_muon (not ``ds_muon.initialize`` or the script's ``enable()``)."""
-    return _auto and _depth == 1
 
 
 def _hand_over(config_class, reasons: list[str]) -> None:
@@ -110,47 +183,81 @@ def _hand_over(config_class, reasons: list[str]) -> None:
         ds_logger.warning(HANDOVER_NOTICE.format(reasons="; ".join(reasons)))
 
 
-def _set_optimizer_flags(config_class, model) -> None:
-    global _auto_notice_done
+def _handover_reasons(config_class) -> list[str]:
+    """Why a ``"Muon"`` config goes to DeepSpeed's built-in under zero-code activation
+    (:func:`ds_muon.config.unserved_modes`), or ``[]``: always ``[]`` when the script enabled ds_muon itself
+    or the config was already validated (``ds_muon.initialize``)."""
     params = getattr(config_class, "_param_dict", None)
-    if (_may_hand_over() and not is_parsed(config_class) and isinstance(params, dict)
+    if not (_PATCHES.may_hand_over() and not is_parsed(config_class) and isinstance(params, dict)
             and optimizer_kind(params) == MUON):
-        reasons = unserved_modes(params)
-        if reasons:
-            _hand_over(config_class, reasons)
-            return _originals["set_optimizer_flags"](config_class, model)
+        return []
+    return unserved_modes(params)
+
+
+def _parsed_config_naming_the_fix(config_class):
+    """:func:`ds_muon.integration.validation.parsed_config`; its :class:`~ds_muon.errors.ConfigError` gets one
+    line per way out appended: where the detected framework sets the ZeRO stage, and ``DS_MUON=0`` when only
+    the start-up hook enabled ds_muon."""
     try:
-        cfg = parsed_config(config_class)
+        return parsed_config(config_class)
     except ConfigError as err:
         notes = []
         if any(p.startswith("zero_optimization.stage") for p in err.problems):  # where to set it depends on
             framework = detect_framework()                                        # who builds the engine
             notes.append(f"for this {framework} setup: {for_framework(ZERO_STAGE_FIX, framework)}")
-        if _auto and _depth == 1:  # only the start-up hook enabled ds_muon: name the way out
+        if _PATCHES.may_hand_over():
             notes.append("ds_muon was activated automatically because it is installed; set DS_MUON=0 to use "
                          "DeepSpeed's built-in Muon instead")
         if notes:
             err.args = ("\n".join([str(err)] + [f"({n})" for n in notes]),) + err.args[1:]
         raise
-    if cfg is None:
-        return _originals["set_optimizer_flags"](config_class, model)
+
+
+def _check_model(config_class, model) -> None:
+    """Refusals about the model before DeepSpeed sees it: AutoEP with a transformers DeepSpeed's AutoEP cannot use
+    (whatever the optimizer: no hand-over), 0-D or empty parameters (a clear error before DeepSpeed's own)."""
     autoep = transformers_problem(config_class, model)
-    if autoep is not None:  # DeepSpeed's AutoEP would fail inside initialize, whatever the optimizer: no hand-over
+    if autoep is not None:
         raise ConfigError(autoep)
-    check_zero3_parameters(model)  # 0-D / empty parameters: a clear error before DeepSpeed's own
-    if not cfg.is_muon:
-        if _is_rank0():
-            log_info(adam_mini_summary(adam_mini_plan(model, cfg.params.block_rule, cfg.params.decay_norms_and_biases)))
-        return _originals["set_optimizer_flags"](config_class, model)
-    if _auto and _depth == 1 and not _auto_notice_done and _is_rank0():  # not when the script enabled it
-        ds_logger.warning(AUTO_NOTICE)
-        _auto_notice_done = True
+    check_zero3_parameters(model)
+
+
+def _log_adam_mini_plan(model, cfg) -> None:
+    """Rank 0 logs Adam-mini's block plan of ``model``."""
+    if _is_rank0():
+        log_info(adam_mini_summary(adam_mini_plan(model, cfg.params.block_rule, cfg.params.decay_norms_and_biases)))
+
+
+def _tag_and_log_selection(model, cfg) -> None:
+    """Tag ``param.use_muon`` (:func:`ds_muon.model.selection.tag_model`, explicit user tags kept); rank 0 logs the
+    split summary on DeepSpeed's logger (where DeepSpeed's start-up lines show) and warns when no trainable
+    parameter uses Muon."""
     selection = tag_model(model, SelectionRules.from_params(cfg.params), log=False)
+    if not _is_rank0():
+        return
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
-    if _is_rank0():  # DeepSpeed's own logger, so the summary shows where DeepSpeed's start-up lines do
-        log_info(selection.summary(frozen))
-        if not any(u for n, u in selection.use_muon.items() if n not in frozen):
-            ds_logger.warning(NO_MUON_WARNING)
+    log_info(selection.summary(frozen))
+    if not any(u for n, u in selection.use_muon.items() if n not in frozen):
+        ds_logger.warning(NO_MUON_WARNING)
+
+
+def _set_optimizer_flags(config_class, model) -> None:
+    """Replaces ``deepspeed.set_optimizer_flags`` (module docstring): hand over, or validate, check the model and
+    tag it with ds_muon's selection; configs that are not ds_muon's go to DeepSpeed's."""
+    reasons = _handover_reasons(config_class)
+    if reasons:
+        _hand_over(config_class, reasons)
+        return _PATCHES.original("set_optimizer_flags")(config_class, model)
+    cfg = _parsed_config_naming_the_fix(config_class)
+    if cfg is None:
+        return _PATCHES.original("set_optimizer_flags")(config_class, model)
+    _check_model(config_class, model)
+    if not cfg.is_muon:
+        _log_adam_mini_plan(model, cfg)
+        return _PATCHES.original("set_optimizer_flags")(config_class, model)
+    if _PATCHES.take_auto_notice() and _is_rank0():
+        ds_logger.warning(AUTO_NOTICE)
+    _tag_and_log_selection(model, cfg)
 
 
 def log_info(message: str) -> None:
@@ -218,13 +325,13 @@ def _engine_problem(engine: DeepSpeedEngine) -> tuple[Optional[str], bool]:
 def _configure_basic_optimizer(self: DeepSpeedEngine, model_parameters):
     cfg = parsed_config(self._config)
     if cfg is None:
-        return _originals["_configure_basic_optimizer"](self, model_parameters)
+        return _PATCHES.original("_configure_basic_optimizer")(self, model_parameters)
     problem, builtin_could = _engine_problem(self)
     if problem is not None:
-        if builtin_could and cfg.is_muon and _may_hand_over():
+        if builtin_could and cfg.is_muon and _PATCHES.may_hand_over():
             _hand_over(self._config, [problem])
-            _originals["set_optimizer_flags"](self._config, self.module)  # DeepSpeed's own use_muon tags
-            return _originals["_configure_basic_optimizer"](self, model_parameters)
+            _PATCHES.original("set_optimizer_flags")(self._config, self.module)  # DeepSpeed's own use_muon tags
+            return _PATCHES.original("_configure_basic_optimizer")(self, model_parameters)
         raise ConfigError(problem)
     qk_sp = qk_clip_sp_problem(cfg.is_muon and cfg.params.qk_clip.enabled, sequence_parallel_size())
     if qk_sp is not None:  # the built-in has no QK-clip: no hand-over
@@ -253,12 +360,12 @@ def _do_optimizer_sanity_check(self: DeepSpeedEngine, basic_optimizer):
         problem = client_muon_problem(basic_optimizer, self.zero_optimization_stage())
         if problem is not None:
             raise ConfigError(problem)
-    return _originals["_do_optimizer_sanity_check"](self, basic_optimizer)
+    return _PATCHES.original("_do_optimizer_sanity_check")(self, basic_optimizer)
 
 
 def _configure_zero_optimizer(self: DeepSpeedEngine, optimizer):
     if not isinstance(optimizer, DsMuonInner):
-        return _originals["_configure_zero_optimizer"](self, optimizer)
+        return _PATCHES.original("_configure_zero_optimizer")(self, optimizer)
     stage = self.zero_optimization_stage()
     if stage not in (1, 2, 3):  # the config checks keep stage 0 away; DeepSpeed calls this for ZeRO only
         raise ConfigError(f"zero_optimization.stage is {stage}; ds_muon serves ZeRO stages 1, 2 and 3")
@@ -266,8 +373,8 @@ def _configure_zero_optimizer(self: DeepSpeedEngine, optimizer):
         raise ConfigError("zero_optimization.super_offload is not supported by ds_muon; turn it off")
     # Held under the lock: another thread's non-Muon initialize must not see the swapped class.
     if stage == 3:
-        with _lock, _swapped(ds_stage3, "DeepSpeedZeroOptimizer_Stage3", MuonZeroOptimizer):
-            zero_optimizer = _originals["_configure_zero_optimizer"](self, optimizer)
+        with _PATCHES.lock, _swapped(ds_stage3, "DeepSpeedZeroOptimizer_Stage3", MuonZeroOptimizer):
+            zero_optimizer = _PATCHES.original("_configure_zero_optimizer")(self, optimizer)
         # MuonZeroOptimizer's ZeRO checkpoint holds the real tensors of NVMe-swapped sub-groups and loads
         # them through the swapper, so the engine's NVMe special case (copy the raw swap files, skip the
         # optimizer-state load) is turned off for this engine; it only guards checkpoint save/load.
@@ -276,8 +383,8 @@ def _configure_zero_optimizer(self: DeepSpeedEngine, optimizer):
         def zero12(*args, **kwargs):  # DeepSpeed's ZeRO-1/2 optimizer is not given the module; ds_muon's needs it
             return MuonZero12Optimizer(*args, module=self.module, **kwargs)
 
-        with _lock, _swapped(ds_engine, "DeepSpeedZeroOptimizer", zero12):
-            zero_optimizer = _originals["_configure_zero_optimizer"](self, optimizer)
+        with _PATCHES.lock, _swapped(ds_engine, "DeepSpeedZeroOptimizer", zero12):
+            zero_optimizer = _PATCHES.original("_configure_zero_optimizer")(self, optimizer)
     if self.monitor.enabled:  # per-step Muon figures go to DeepSpeed's own monitor, not to a logger of ours
         engine = weakref.ref(self)
 
@@ -294,10 +401,10 @@ def _configure_zero_optimizer(self: DeepSpeedEngine, optimizer):
 def _scheduler_from_config(self: DeepSpeedEngine, optimizer):
     inner = getattr(optimizer, "optimizer", None)
     if not isinstance(inner, ZeroMuonInner) or not broadcasts_one_lr(self.scheduler_name(), self.scheduler_params()):
-        return _originals["_scheduler_from_config"](self, optimizer)
+        return _PATCHES.original("_scheduler_from_config")(self, optimizer)
     muon_lr = inner.config.muon_group_defaults()["lr"]
     ratios = [group["lr"] / muon_lr for group in inner.param_groups]  # before the scheduler writes any
-    return GroupRatioScheduler(_originals["_scheduler_from_config"](self, optimizer), inner, ratios)
+    return GroupRatioScheduler(_PATCHES.original("_scheduler_from_config")(self, optimizer), inner, ratios)
 
 
 @contextlib.contextmanager
@@ -311,7 +418,7 @@ def _swapped(obj: Any, name: str, value: Any) -> Iterator[None]:
 
 
 def _register_attention() -> None:
-    """:func:`ds_muon.attention.register_attention`, or a warning: it runs inside the user's transformers import."""
+    """:func:`ds_muon.model.hf_attention.register_attention`, or a warning: it runs inside the user's transformers import."""
     try:
         from ..model.hf_attention import register_attention
         register_attention()
@@ -344,68 +451,32 @@ def enable() -> None:
     already imported, else right after its import. ``enable()`` never imports transformers itself
     (``import deepspeed`` runs it, from the start-up hook).
     """
-    global _depth
     after_import("transformers.modeling_utils", _register_attention)
     after_import(FALCON_MODULE, _guard_falcon)
-    with _lock:
-        if _depth == 0:
-            _originals["set_optimizer_flags"] = deepspeed.set_optimizer_flags
-            _originals["_configure_basic_optimizer"] = DeepSpeedEngine._configure_basic_optimizer
-            _originals["_configure_zero_optimizer"] = DeepSpeedEngine._configure_zero_optimizer
-            _originals["_scheduler_from_config"] = DeepSpeedEngine._scheduler_from_config
-            _originals["_do_optimizer_sanity_check"] = DeepSpeedEngine._do_optimizer_sanity_check
-            deepspeed.set_optimizer_flags = _set_optimizer_flags
-            DeepSpeedEngine._configure_basic_optimizer = _configure_basic_optimizer
-            DeepSpeedEngine._configure_zero_optimizer = _configure_zero_optimizer
-            DeepSpeedEngine._scheduler_from_config = _scheduler_from_config
-            DeepSpeedEngine._do_optimizer_sanity_check = _do_optimizer_sanity_check
-            # DeepSpeed asks for zero_allow_untested_optimizer unless the inner optimizer's type is listed.
-            for inner in INNER_TYPES:
-                if inner not in ds_zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
-                    ds_zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(inner)
-            # DeepSpeed's sanity check accepts only optimizer names it knows (lower-cased by its config).
-            if ADAM_MINI_TYPE not in ds_runtime_config.DEEPSPEED_OPTIMIZERS:
-                ds_runtime_config.DEEPSPEED_OPTIMIZERS.append(ADAM_MINI_TYPE)
-        _depth += 1
+    _PATCHES.enable()
 
 
 def disable() -> None:
     """Undo one :func:`enable`; the last one restores DeepSpeed exactly as it was."""
-    global _depth
-    with _lock:
-        if _depth == 0:
-            return
-        _depth -= 1
-        if _depth == 0:
-            deepspeed.set_optimizer_flags = _originals.pop("set_optimizer_flags")
-            DeepSpeedEngine._configure_basic_optimizer = _originals.pop("_configure_basic_optimizer")
-            DeepSpeedEngine._configure_zero_optimizer = _originals.pop("_configure_zero_optimizer")
-            DeepSpeedEngine._scheduler_from_config = _originals.pop("_scheduler_from_config")
-            DeepSpeedEngine._do_optimizer_sanity_check = _originals.pop("_do_optimizer_sanity_check")
-            for inner in INNER_TYPES:
-                if inner in ds_zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
-                    ds_zero_utils.ZERO_SUPPORTED_OPTIMIZERS.remove(inner)
-            if ADAM_MINI_TYPE in ds_runtime_config.DEEPSPEED_OPTIMIZERS:
-                ds_runtime_config.DEEPSPEED_OPTIMIZERS.remove(ADAM_MINI_TYPE)
+    _PATCHES.disable()
 
 
 def auto_enable() -> None:
-    """:func:`enable` once per process, from the start-up hook (see :mod:`ds_muon._autoload`).
+    """:func:`enable` once, from the start-up hook (see :mod:`ds_muon._autoload`).
 
     Rank 0 then logs :data:`AUTO_NOTICE` (at WARNING, so it shows at DeepSpeed's default level)
-    the first time a Muon config is built. Idempotent; explicit :func:`enable`/:func:`disable`
-    pairs nest on top of it.
+    the first time a Muon config is built. Idempotent while its level is held; explicit
+    :func:`enable`/:func:`disable` pairs nest on top of it, and the :func:`disable` that restores DeepSpeed
+    releases it.
     """
-    global _auto
-    with _lock:
-        if not _auto:
-            _auto = True
+    with _PATCHES.lock:
+        if _PATCHES.hold_auto():
             enable()
 
 
 def is_enabled() -> bool:
     """Whether :func:`enable` is in effect."""
-    return _depth > 0
+    return _PATCHES.depth > 0
 
 
 @contextlib.contextmanager
@@ -440,11 +511,14 @@ def initialize(args: Any = None, model=None, *rest: Any, **kwargs: Any):
 
 initialize.__signature__ = inspect.signature(deepspeed.initialize)  # same parameters, our docstring
 
-
-# The start-up hook (ds_muon._autoload) fired inside this module's own `import deepspeed` (a script imported ds_muon
-# before deepspeed): it waits for this module, so finish the activation now. Read through sys.modules, not
-# imported: the start-up hook imports this layer, not the other way round.
-_startup = sys.modules.get("ds_muon._autoload")
-if _startup is not None and getattr(_startup, "deferred", False):
-    _startup.deferred = False
-    auto_enable()
+#: Everything :func:`enable` changes in DeepSpeed, owned by one object (nothing is changed at import).
+_PATCHES = _Patches(
+    replaced=((deepspeed, "set_optimizer_flags", _set_optimizer_flags),
+              (DeepSpeedEngine, "_configure_basic_optimizer", _configure_basic_optimizer),
+              (DeepSpeedEngine, "_configure_zero_optimizer", _configure_zero_optimizer),
+              (DeepSpeedEngine, "_scheduler_from_config", _scheduler_from_config),
+              (DeepSpeedEngine, "_do_optimizer_sanity_check", _do_optimizer_sanity_check)),
+    # DeepSpeed asks for zero_allow_untested_optimizer unless the inner optimizer's type is listed, and its sanity
+    # check accepts only optimizer names it knows (lower-cased by its config).
+    listed=((ds_zero_utils, "ZERO_SUPPORTED_OPTIMIZERS", INNER_TYPES),
+            (ds_runtime_config, "DEEPSPEED_OPTIMIZERS", (ADAM_MINI_TYPE,))))

@@ -72,7 +72,7 @@ class DsMuonInner(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load as ``torch.optim.Optimizer`` does (which casts state to the fp32 partitions' dtype and takes the
-        saved groups' hyperparameters), keep this run's ``algorithm`` (saved groups of 2026-12-01 and earlier
+        saved groups' hyperparameters), keep this run's ``algorithm`` (groups of checkpoint format 1 as first written
         have none; the fit checks compared them) and ``momentum_dtype`` (the config's, not the checkpoint's: a
         bf16 momentum must not reach an NVMe swapper the config checks assumed fp32 for), put each Muon
         momentum in it, then re-share groups and state with the AdamW."""

@@ -34,7 +34,7 @@ OPS: dict[str, tuple[str, ...]] = {
 }
 #: How long one op's build takes, as measured (said in the progress line): 2 CPU cores (AMD EPYC), deepspeed 0.19.8,
 #: torch 2.13: deepspeed_shm_comm 48 s idle and 284 s with the cores shared with a test run (load average 8-14);
-#: async_io 165 s loaded; on 2026-12-03 with the cores shared by three other jobs (load average 6-13), fused_adam
+#: async_io 165 s loaded; in another run, with the cores shared by three other jobs (load average 6-13), fused_adam
 #: 363 s and async_io 1099 s (a fresh clone's scripts/train.sh and scripts/test.sh).
 BUILD_TIME = ("measured on 2 CPU cores: about 50 s per op on an idle machine; on a loaded one up to 6 min, and up to "
               "18 min for async_io")

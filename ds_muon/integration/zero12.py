@@ -104,6 +104,7 @@ class MuonZero12Optimizer(FlatCheckpointing, DsMuonZeroSteps, DeepSpeedZeroOptim
                                                  self._exchange_group(i))
                            for i, a in enumerate(self._algorithms) if a == MUON}
         self.muon_plans = {i: s.plan for i, s in self.muon_steps.items()}
+        self._check_plans_agree()
         self.gradient_flags = GradientFlags({i: s.block_map for i, s in self.muon_steps.items()}, self._device)
         self.adam_mini_steps = {i: self._adam_mini_step_of(i) for i, a in enumerate(self._algorithms) if a == ADAM_MINI}
         self.adam_mini_maps = {i: s.block_map for i, s in self.adam_mini_steps.items()}

@@ -81,6 +81,7 @@ class MuonZeroOptimizer(ZeroCheckpointing, DsMuonZeroSteps, DeepSpeedZeroOptimiz
         self._init_steps()
         self.muon_steps = self._build_muon_steps()
         self.muon_plans = {i: s.plan for i, s in self.muon_steps.items()}
+        self._check_plans_agree()
         self.gradient_flags = GradientFlags({i: s.block_map for i, s in self.muon_steps.items()}, self._device)
         self.adam_mini_steps = self._build_adam_mini_steps()
         self.adam_mini_maps = {i: s.block_map for i, s in self.adam_mini_steps.items()}

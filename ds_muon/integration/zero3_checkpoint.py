@@ -138,7 +138,7 @@ class ZeroCheckpointing:
     def _rigid_load_state_dict(self, state_dict: dict, load_optimizer_states: bool = True) -> None:
         """DeepSpeed's load without NVMe; with it, the checkpoint's fp32 partitions and state go
         through the swapper (:meth:`_install_partitions`). The fp32 partition sizes were checked by
-        :func:`ds_muon.checkpoint.check_zero_state_dict` before (an NVMe checkpoint written by
+        :func:`ds_muon.checkpoint.metadata.zero_state_dict_problems` before (an NVMe checkpoint written by
         DeepSpeed alone holds empty ones)."""
         if not self.swap_optimizer:
             return super()._rigid_load_state_dict(state_dict, load_optimizer_states)

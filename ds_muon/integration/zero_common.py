@@ -31,6 +31,7 @@ from ..sharded.collectives import named_collective
 from ..sharded.exchange import OwnerExchange
 from ..sharded.muon_step import MuonShardStep
 from ..sharded.ownership import ParamInfo, build_bucketed_plan
+from ..sharded.plan_check import check_plans_agree
 from .faults import SkippedSteps, TrainableSet
 from .monitor import MonitorReporter
 
@@ -57,7 +58,7 @@ class DsMuonZeroSteps:
 
     Attributes:
         step_count: optimizer steps applied (overflow-skipped ones excluded); muon_step_count: the same count
-            under its name of 2026-12-01 and before (checkpoint metadata and clients read it).
+            under its first name (checkpoint format 1 as first written has only it; clients read it).
         skipped_step_count, consecutive_skipped_steps, last_non_finite_param: see
             :class:`ds_muon.integration.faults.SkippedSteps`.
         step_seconds: ``{"muon": s, "adam_mini": s}``, wall time of the last step's Muon / Adam-mini updates
@@ -128,6 +129,11 @@ class DsMuonZeroSteps:
         if exchange.rank == 0:
             logger.info("ds_muon %s: %s", name, plan.describe())
         return step
+
+    def _check_plans_agree(self) -> None:
+        """Every rank built the same owner plans (:func:`ds_muon.sharded.plan_check.check_plans_agree`: one
+        all_gather_object on every rank; a RuntimeError on every rank naming the first differing matrix)."""
+        check_plans_agree([(s.name, s.plan, s.exchange.group) for s in self.muon_steps.values()])
 
     def _momentum_of(self, fp32: torch.Tensor, group: dict, in_memory: bool = False) -> torch.Tensor:
         """The Muon momentum of the flat fp32 partition ``fp32`` (``(n,)``), created as zeros on first use in the

@@ -145,7 +145,7 @@ def max_logits_per_head(query: torch.Tensor, key: torch.Tensor, scaling: float,
     (causal: of the diagonal block only, a cached triangle) and one contiguous last-dim max, reduced to
     ``(H,)`` once at the end. A forward whose whole score matrix fits the budget is one chunk (about six
     kernels: the cost in a host-bound training forward is the number of kernels, not their FLOPs); past it,
-    a causal chunk skips the keys after its last query. The form before 2026-12-02 (two matmuls and ~10 kernels
+    a causal chunk skips the keys after its last query. The previous form (two matmuls and ~10 kernels
     per chunk of at most ``2**24`` scores, a reduction over non-contiguous dims) is
     ``benchmarks/max_logit_cost.py``'s ``previous_max_logits_per_head``.
 

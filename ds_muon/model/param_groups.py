@@ -41,7 +41,7 @@ def split_param_groups(params: Any, muon_defaults: dict, adamw_defaults: dict,
     """Turn ``params`` into param groups each flagged ``use_muon`` True or False.
 
     Args:
-        params: an ``nn.Module`` (parameters are selected by :func:`ds_muon.selection.tag_model`),
+        params: an ``nn.Module`` (parameters are selected by :func:`ds_muon.model.selection.tag_model`),
             an iterable of parameters, or an iterable of param-group dicts. Parameters must carry
             ``use_muon`` unless a module is given; untagged ones go through the shape rule
             (>= 2-D -> Muon), which cannot recognise embeddings or heads, so pass the module.

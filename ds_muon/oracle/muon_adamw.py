@@ -138,7 +138,7 @@ class MuonAdamW(torch.optim.Optimizer):
         restored from ``state_dict`` without that cast.
 
         QK-clip's counter comes from :data:`ds_muon.names.QK_CLIP_STEPS_KEY`. A state dict saved before the oracle
-        saved it (ds_muon of 2026-12-02 and earlier) has no such key: the counter is then the largest AdamW ``step`` in
+        saved it has no such key: the counter is then the largest AdamW ``step`` in
         it (every step advances the ``step`` of each AdamW parameter that has a gradient, so this is exact
         whenever some AdamW parameter, an embedding or a norm, got a gradient at every step; else it is lower and
         the window stays open for the difference), 0 with no AdamW state. The max-logit recording then follows
@@ -170,7 +170,7 @@ class MuonAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if algorithm_of(group) == MUON:  # saved groups of 2026-12-01 and before have no "algorithm"
+                if algorithm_of(group) == MUON:  # groups of checkpoint format 1 as first written have no "algorithm"
                     self._muon(p, group)
                 else:
                     self._adamw(p, group)
@@ -179,7 +179,7 @@ class MuonAdamW(torch.optim.Optimizer):
         return loss
 
     def _qk_clip(self) -> None:
-        """QK-clip after the update (see the class docstring and :mod:`ds_muon.qk_clip`); after the
+        """QK-clip after the update (see the class docstring and :mod:`ds_muon.core.qk_clip`); after the
         ``until_step`` window it clips nothing and stops the recording (:func:`stop_recording`)."""
         targets = self.qk_clip_targets
         clip = self.config.qk_clip

@@ -1,7 +1,8 @@
 """The owner plan: which rank of a partition group orthogonalizes which Muon matrix (layer ``sharded``).
 
 Pure and deterministic (docs/design.md, "One optimizer step"): built from shapes and a partition layout
-alone, identically on every rank, so no collective is needed to agree on it. One plan per Muon sub-group
+alone, identically on every rank, so no collective is needed to agree on it (one checks it once, when the
+optimizer is built: :func:`ds_muon.sharded.plan_check.check_plans_agree`). One plan per Muon sub-group
 (ZeRO-3) or per Muon param group (ZeRO-1/2).
 
 The layout is an input (:class:`~ds_muon.partitions.Piece`: which elements of each parameter each rank

@@ -365,7 +365,7 @@ def test_zero_to_fp32_reconstructs_the_fp32_weights(saved_runs, tmp_path) -> Non
 
 
 # ------------------------------------------------------------------------------------------------
-# a checkpoint written by ds_muon before the architecture change (commit ef314f8, 2026-12-01)
+# a checkpoint of format 1 as first written (ds_muon at commit ef314f8, before the architecture change)
 # ------------------------------------------------------------------------------------------------
 LEGACY = os.path.join(REPO, "tests", "support", "legacy")
 LEGACY_ATOL = 1e-5  # of each tensor's largest element: a few fp32 ulps of rounding, not a step
@@ -381,7 +381,7 @@ def _legacy_worker(rank: int, world_size: int, tmp: str) -> dict:
     for optimizer in ("muon", "adam_mini"):
         config = legacy.config(optimizer)
         if optimizer == "muon":
-            # before 2026-12-02 Muon's AdamW half decayed norms and biases (one AdamW group); today's default
+            # before decay_norms_and_biases existed Muon's AdamW half decayed norms and biases (one AdamW group); today's default
             # (decay_norms_and_biases false) puts them in a sub-group of their own: the load must say so
             torch.manual_seed(0)
             model = ParityNet()
@@ -424,12 +424,12 @@ def test_checkpoint_of_2026_12_01_loads_and_continues(tmp_path) -> None:
     results = run_distributed(_legacy_worker, 2, str(tmp_path))
     refused = results[0]["default_layout_load"]
     assert refused.startswith("CheckpointError") and "'norm1.weight': param group 1" in refused, refused
-    assert "optimizer.params.decay_norms_and_biases" in refused and "before 2026-12-02" in refused, refused
+    assert "optimizer.params.decay_norms_and_biases" in refused and "before decay_norms_and_biases existed" in refused, refused
     for optimizer, algorithms in (("muon", ["muon", "adamw"]), ("adam_mini", ["adam_mini", "adam_mini", "adamw", "adamw"])):
         want = torch.load(os.path.join(LEGACY, optimizer, "after_step3.pt"))
         got = results[0][optimizer]
         assert got["algorithms"] == algorithms and got["steps"] == 2, got
-        assert got["muon_steps"] == 2, got  # every applied step, as before 2026-12-02
+        assert got["muon_steps"] == 2, got  # every applied step: format 1 as first written has no step_count
         assert set(got["after_step3"]) == set(want)
         for name, w in want.items():
             # Bit-equal on the CPU that wrote the file; another CPU's matmul kernels (Newton–Schulz) round differently

@@ -147,7 +147,7 @@ def test_exchange_bytes(world_size: int, capsys) -> None:
         assert not big, f"rank {rank}: gradient-sized all_reduce {big}"
         # (2) everything but the owner exchange and the no-gradient flags is exactly AdamW ZeRO-3's
         # traffic: no momentum moves. The flags: one all_reduce(MAX) per Muon sub-group of one byte
-        # (uint8) per Newton-Schulz block (ds_muon.blocks: "had a gradient this step").
+        # (uint8) per Newton-Schulz block (ds_muon.sharded.no_grad: "had a gradient this step").
         flags = sorted(n for op, n, b in ours if op == "all_reduce" and b == n)
         assert flags == res["block_counts"], f"rank {rank}: no-gradient flags {flags} != {res['block_counts']}"
         rest = Counter((op, n) for op, n, b in ours if op != "all_to_all_single" and not (op == "all_reduce" and b == n))

@@ -322,9 +322,9 @@ def test_auto_activation_notice_only_when_the_hook_alone_enabled_ds_muon(depth: 
     import torch
     from ds_muon.integration import hooks as integration
     warnings: list[str] = []
-    monkeypatch.setattr(integration, "_auto", True)
-    monkeypatch.setattr(integration, "_depth", depth)
-    monkeypatch.setattr(integration, "_auto_notice_done", False)
+    monkeypatch.setattr(integration._PATCHES, "auto", True)
+    monkeypatch.setattr(integration._PATCHES, "depth", depth)
+    monkeypatch.setattr(integration._PATCHES, "auto_notice_done", False)
     monkeypatch.setattr(integration, "_is_rank0", lambda: True)
     monkeypatch.setattr(integration, "log_info", lambda message: None)
     monkeypatch.setattr(integration.ds_logger, "warning", lambda message, *a, **k: warnings.append(str(message)))

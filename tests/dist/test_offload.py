@@ -9,7 +9,7 @@ Per case the probe wraps DeepSpeed's optimizer swapper and counts, per sub-group
 swap-in and swap-out calls and the reads/writes they issue, and records which state tensors the
 swapper latched (``momentum_buffer`` is in the swap unless ``save_muon_momentum_buffer_in_memory``).
 It also checks the exchange's buffer pool against the plan's bound
-(:meth:`ds_muon.ownership.BucketedPlan.buffer_elements`).
+(:meth:`ds_muon.sharded.ownership.BucketedPlan.buffer_elements`).
 """
 from __future__ import annotations
 
@@ -216,7 +216,7 @@ def _self_attributes(cls: type) -> set[str]:
 
 
 def test_deepspeed_nvme_names_exist() -> None:
-    """Every DeepSpeed name ds_muon's NVMe checks use (ds_muon.zero3.NVME_*) exists in the installed DeepSpeed,
+    """Every DeepSpeed name ds_muon's NVMe checks use (ds_muon.integration.nvme, ``NVME_*``) exists in the installed DeepSpeed,
     which is in ds_muon's supported range (pyproject.toml's dependency; its test extra pins a version in it): a DeepSpeed upgrade that renames
     one fails here, not silently in a run."""
     import re

@@ -1,5 +1,5 @@
 """DeepSpeed's config schedulers on ds_muon: the scheduler's value is the Muon lr, every param group
-keeps its ratio to it (ds_muon.schedulers), against the oracle driven by the same schedule.
+keeps its ratio to it (ds_muon.integration.schedulers), against the oracle driven by the same schedule.
 
 One W=2 process group (CPU, gloo, fp32) builds an engine per scheduler type and trains 4 steps;
 rank 0 trains ``ds_muon.MuonAdamW`` on the same data with each group's lr set before every step

@@ -58,7 +58,7 @@ def test_resume_continues_loss_curve(tmp_path):
     w2 = _losses(tmp_path / "w2.jsonl")
     assert sorted(w2) == [3, 4]
     assert w2[3] == full[3]
-    # the step's max attention logit (ds_muon.max_logits, all layers/heads/ranks): same weights and data, same value
+    # the step's max attention logit (ds_muon.model.max_logits, all layers/heads/ranks): same weights and data, same value
     logits_full, logits_w2 = _losses(tmp_path / "full.jsonl", "max_logit"), _losses(tmp_path / "w2.jsonl", "max_logit")
     assert all(0 < v < 1e4 for v in logits_full.values()) and logits_w2[3] == logits_full[3]
     assert w2[4] == pytest.approx(full[4], rel=1e-5)

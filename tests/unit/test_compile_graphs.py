@@ -1,7 +1,7 @@
 """Compile stability: how many graphs the compiled Newton–Schulz needs for a real model's owner calls.
 
 The owner step calls ``compiled_orthogonalize(method, steps, dtype)`` once per block group of each
-bucket's shape batches (:meth:`ds_muon.exchange.OwnerExchange._owner_compute`), with inputs of shape
+bucket's shape batches (:meth:`ds_muon.sharded.exchange.OwnerExchange._owner_compute`), with inputs of shape
 ``(count, *blocks, rows, cols)``. The default (``COMPILE_DYNAMIC = False``) compiles one graph per distinct
 input shape (faster kernels: ds_muon/core/ns_compile.py); with ``dynamic=True`` a graph is reused across
 sizes; torch still specializes on a size of 1 against more, on the orientation (``rows > cols``) and, for

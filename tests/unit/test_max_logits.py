@@ -1,4 +1,4 @@
-"""Per-head max attention logits for MuonClip (ds_muon.max_logits, ds_muon.attention).
+"""Per-head max attention logits for MuonClip (ds_muon.model.max_logits, ds_muon.model.attention).
 
 Every value is compared for equality with a brute-force full-matrix computation written
 independently here (GQA by ``repeat_interleave`` as transformers' ``repeat_kv``, the full

@@ -1,4 +1,4 @@
-"""Tests for ds_muon.newton_schulz against the exact SVD polar factor (float64).
+"""Tests for ds_muon.core.newton_schulz against the exact SVD polar factor (float64).
 
 Every NS method maps each singular value s of the normalized input through a scalar polynomial
 composition phi and keeps the singular vectors: for x = U diag(sigma) V^T,

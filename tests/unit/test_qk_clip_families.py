@@ -227,7 +227,7 @@ def test_until_step_counter_survives_the_oracles_state_dict():
     step 1 (inside the window) and after step 3 (the window over), loaded into a fresh model and oracle, continues
     exactly as the uninterrupted oracle: per step the same clipped heads (none from step 4), the same parameters
     bit for bit, and no max-logit computation in any forward past the window (the stopped recording comes back
-    with the load). A state dict without the counter (saved by ds_muon of 2026-12-02 and before) takes it from
+    with the load). A state dict without the counter (saved before the oracle saved it) takes it from
     the AdamW ``step``; an earlier state dict loaded into the oracle that ran past the window records again."""
     import copy
 

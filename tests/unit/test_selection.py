@@ -1,4 +1,4 @@
-"""Tests for ds_muon.selection: which parameters Muon trains (docs/design.md, "Selection")."""
+"""Tests for ds_muon.model.selection: which parameters Muon trains (docs/design.md, "Selection")."""
 from __future__ import annotations
 
 import logging
