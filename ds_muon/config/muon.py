@@ -22,7 +22,7 @@ and ``adam_w_mode`` only accept ``true``, what ds_muon does). The one visible di
 from __future__ import annotations
 
 import copy
-from typing import Annotated, Any, ClassVar, Literal, Optional
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -238,9 +238,17 @@ class MuonOptimizerParams(BaseModel):
     ns_compile: bool = Field(
         True,
         description=("Compile the Newton-Schulz iteration with torch.compile (static shapes: one graph per call "
-                     "shape) when it runs on a CUDA device, and run the element-wise momentum step and update apply of the ZeRO-3 Muon step as "
-                     "one compiled pass each there; on CPU all of it runs eagerly. Source: ds_muon; the gains are "
-                     "measured by benchmarks/step_time.py and benchmarks/elementwise.py."))
+                     "shape) when it runs on a CUDA device; on CPU it runs eagerly. Whether the element-wise passes "
+                     "are compiled too is elementwise_compile's choice (its 'auto' follows this key). Source: ds_muon; "
+                     "the gains are measured by benchmarks/step_time.py."))
+    elementwise_compile: Union[Literal["auto"], bool] = Field(
+        "auto",
+        description=("Run the element-wise passes of the ZeRO Muon step (the momentum step with its Nesterov blend, "
+                     "and the update apply with decoupled weight decay) as one torch.compile'd pass each over the "
+                     "shard (16 and 12 bytes per element instead of 24 and 20). 'auto': compiled on CUDA when "
+                     "ns_compile is true; true: compiled on CUDA; false: eager. On the CPU (and under optimizer "
+                     "offload, where the partitions live in CPU memory) always eager. Source: ds_muon; measured by "
+                     "benchmarks/elementwise.py."))
     ns_autotune: bool = Field(
         False,
         description=("With ns_compile on CUDA, compile Newton-Schulz as heavyball does: torch.compile mode "

@@ -121,6 +121,23 @@ def _compiled(fn, backend: str):
     return torch.compile(fn, dynamic=True, backend=backend)
 
 
+def use_compiled_elementwise(setting, ns_compile: bool, device: torch.device) -> bool:
+    """Whether the Muon step's element-wise passes (momentum step, update apply) run compiled
+    (:func:`fused_momentum_update_`, :func:`fused_apply_update_`) on a partition held on ``device``: chosen once
+    per sub-group from ``optimizer.params.elementwise_compile``.
+
+    Args:
+        setting: ``"auto"`` (compiled where Newton–Schulz is: on CUDA with ``ns_compile``), True (compiled on
+            CUDA), False (eager).
+        ns_compile: ``optimizer.params.ns_compile``.
+        device: where the fp32 partition and its gradient live (the CPU under optimizer offload: always eager,
+            inductor's CPU code is not faster there).
+    """
+    if device.type != "cuda":
+        return False
+    return bool(ns_compile) if setting == "auto" else bool(setting)
+
+
 def fused_momentum_update_(momentum: torch.Tensor, grad: torch.Tensor, beta: float, nesterov: bool,
                            backend: str = "inductor") -> torch.Tensor:
     r""":func:`momentum_update_` in one pass over the shard: for fp32 momentum the momentum step and

@@ -33,15 +33,12 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-from ..model.attention import factor_spans, find_clip_targets
-from ..names import ADAM_MINI, ADAMW, ALGORITHM_KEY, BLOCK_ATTR, BLOCK_STATE_KEY, MUON, SPLIT_ATTR
+from ..names import ALGORITHM_KEY, BLOCK_ATTR, SPLIT_ATTR
 from ..sharded.adam_mini_step import AdamMiniShardStep
-from ..sharded.blocks import build_block_map
+from ..sharded.muon_step import MuonShardStep
 from ..sharded.exchange import BufferPool
 from ..partitions import Piece, flat_pieces
-from ..sharded.no_grad import GradientFlags
 from ..sharded.ownership import ParamInfo
-from ..sharded.qk_clip import scale_shard_, shard_ranges
 from .inner import DsMuonInner
 from .tensor_parallel import TensorParallelLayout, autotp_world, tensor_parallel_split
 from .zero12_checkpoint import FlatCheckpointing
@@ -96,20 +93,11 @@ class MuonZero12Optimizer(FlatCheckpointing, DsMuonZeroSteps, DeepSpeedZeroOptim
         self._pool = BufferPool()
         self._init_steps()
         self.pieces = [self._group_pieces(i) for i in range(len(self.bit16_groups))]
+        self._pieces_by_id = {id(p): (i, pieces) for i, group in enumerate(self.pieces) for p, pieces in group}
         # AutoTP with tp_mode "full": each Muon group's exchange runs over the tensor-parallel x data-parallel ranks
         self.tensor_parallel = (TensorParallelLayout(self.dp_process_group)
                                 if autotp_world(module) > 1 and getattr(self.optimizer.config, "tp_mode", "full") == "full" else None)
-        self.muon_steps = {i: self._muon_step_of(f"ZeRO param group {i}", *self._muon_layout(i),
-                                                 int(self.partition_size[i]), self.optimizer.param_groups[i],
-                                                 self._exchange_group(i))
-                           for i, a in enumerate(self._algorithms) if a == MUON}
-        self.muon_plans = {i: s.plan for i, s in self.muon_steps.items()}
-        self._check_plans_agree()
-        self.gradient_flags = GradientFlags({i: s.block_map for i, s in self.muon_steps.items()}, self._device)
-        self.adam_mini_steps = {i: self._adam_mini_step_of(i) for i, a in enumerate(self._algorithms) if a == ADAM_MINI}
-        self.adam_mini_maps = {i: s.block_map for i, s in self.adam_mini_steps.items()}
-        self._build_qk_clip()
-        self._check_autotune_graphs()
+        self._build_steps()
 
     # ---- the layout ------------------------------------------------------------------------------
     def _world(self, i: int) -> int:
@@ -145,11 +133,40 @@ class MuonZero12Optimizer(FlatCheckpointing, DsMuonZeroSteps, DeepSpeedZeroOptim
         infos = self.tensor_parallel.infos(f"ZeRO param group {i}", params, splits.get)
         return infos, len(self.tensor_parallel.coords)
 
-    def _exchange_group(self, i: int):
-        """The process group of group ``i``'s owner exchange and no-gradient flags."""
+    def sub_group_algorithm(self, i: int) -> str:
+        """``"muon"``, ``"adam_mini"`` or ``"adamw"``: param group ``i``'s algorithm (read once at construction:
+        DeepSpeed replaces ``optimizer.param_groups`` by ``[group i]`` while it steps group ``i``)."""
+        return self._algorithms[i]
+
+    def _param_group(self, i: int) -> dict:
+        return self.optimizer.param_groups[i]
+
+    def _fp32_partition(self, i: int) -> torch.Tensor:
+        return self.single_partition_of_fp32_groups[i]
+
+    def _offloaded(self) -> bool:
+        return bool(self.cpu_offload)
+
+    def _partition_group(self, i: int):
+        """The process group of group ``i``'s owner exchange, no-gradient flags and Adam-mini sums: its
+        data-parallel group, or under AutoTP the tensor-parallel x data-parallel ranks (AutoTP with Adam-mini is
+        handed to DeepSpeed, :func:`ds_muon.config.sections.unserved_modes`)."""
         return self.real_dp_process_group[i] if self.tensor_parallel is None else self.tensor_parallel.group
 
-    def _adam_mini_step_of(self, i: int) -> AdamMiniShardStep:
+    def _sub_group_count(self) -> int:
+        return len(self.bit16_groups)
+
+    def _muon_step_for(self, i: int) -> MuonShardStep:
+        """Param group ``i``'s Muon step on ZeRO-1/2's flat layout (:meth:`_muon_layout`)."""
+        return self._muon_step_of(f"ZeRO param group {i}", *self._muon_layout(i), int(self.partition_size[i]),
+                                  self._param_group(i), self._partition_group(i))
+
+    def _adam_mini_step_for(self, i: int) -> AdamMiniShardStep:
+        """Param group ``i``'s Adam-mini step on ZeRO-1/2's flat layout.
+
+        Raises:
+            ValueError: a parameter's block does not divide it.
+        """
         slots = []
         for (p, pieces), meta in zip(self.pieces[i], self.round_robin_bit16_meta[i]):
             block, numel = getattr(p, BLOCK_ATTR, None), meta.numel()
@@ -157,19 +174,12 @@ class MuonZero12Optimizer(FlatCheckpointing, DsMuonZeroSteps, DeepSpeedZeroOptim
                 raise ValueError(f"ds_muon: Adam-mini parameter {self._name(p)!r} ({numel} elements) has block "
                                  f"{block}, which does not divide it")
             slots.append(AdamMiniSlot(self._name(p), tuple(meta.shape), numel, pieces, int(block)))
-        block_map = build_block_map(slots, self._rank(i), int(self.partition_size[i]), block_numel=lambda s: s.block)
-        return AdamMiniShardStep(f"ZeRO param group {i}", block_map, [s.block for s in slots
-                                                                      for _ in range(s.numel // s.block)])
+        return self._adam_mini_step_from(f"ZeRO param group {i}", slots, self._rank(i), int(self.partition_size[i]))
 
-    def _build_qk_clip(self) -> None:
-        """QK-clip's plan (``optimizer.params.qk_clip``): the attention modules and, per param group, the flat
-        ranges of this rank's fp32 partition that hold each query/key head's rows."""
-        if self.optimizer.optimizer_type != "Muon" or not self.optimizer.config.qk_clip.enabled:
-            return
-        self.qk_clip_targets = find_clip_targets(self.module)
-        where = {id(p): (i, pieces[self._rank(i)]) for i, group in enumerate(self.pieces) for p, pieces in group}
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        self._qk_ranges = shard_ranges(factor_spans(self.qk_clip_targets), names, lambda p: where.get(id(p)))
+    def _locate_piece(self, p):
+        """``(param group, this rank's Piece)`` of a trained parameter ``p`` (None: not trained)."""
+        found = self._pieces_by_id.get(id(p))
+        return None if found is None else (found[0], found[1][self._rank(found[0])])
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self, closure=None):
@@ -233,31 +243,3 @@ class MuonZero12Optimizer(FlatCheckpointing, DsMuonZeroSteps, DeepSpeedZeroOptim
         dist.all_reduce(found, op=dist.ReduceOp.MIN, group=self.dp_process_group)
         k = int(found.item())
         return None if k == len(ordered) else self._name(ordered[k][1])
-
-    def _optimizer_step(self, group_no: int) -> None:
-        """Group ``group_no``'s update (Muon, Adam-mini, or DeepSpeed's AdamW), then QK-clip on its fp32 partition
-        (DeepSpeed copies it into the bf16/fp16 partition right after)."""
-        algorithm = self._algorithms[group_no]
-        if algorithm == ADAMW:
-            super()._optimizer_step(group_no)
-        else:
-            self._own_step(group_no, algorithm)
-        if self._qk_factors is not None and group_no in self._qk_ranges:
-            scale_shard_(self.single_partition_of_fp32_groups[group_no].data, self._qk_ranges[group_no],
-                         self._qk_factors)
-
-    @torch.no_grad()
-    def _muon_step(self, i: int) -> None:
-        fp32 = self.single_partition_of_fp32_groups[i]
-        group = self.optimizer.param_groups[i]
-        momentum = self._momentum_of(fp32, group)
-        had = self.gradient_flags.blocks_with_gradient(i, fp32.grad, self._exchange_group(i), {})
-        self.muon_steps[i].run(fp32, fp32.grad, momentum, had, group)
-
-    @torch.no_grad()
-    def _adam_mini_step(self, i: int) -> None:
-        fp32 = self.single_partition_of_fp32_groups[i]
-        step = self.adam_mini_steps[i]
-        state = self._adam_mini_state(fp32, step.n_blocks)
-        step.run(fp32, fp32.grad, state["exp_avg"], state[BLOCK_STATE_KEY], state["step"],
-                 self.optimizer.param_groups[i], self.real_dp_process_group[i], self._device)

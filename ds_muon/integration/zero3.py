@@ -15,7 +15,7 @@ every sub-group in the same order, so the owner exchange's collectives are safe 
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -23,17 +23,13 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from ..errors import SUPPORTED_DEEPSPEED, DeepSpeedVersionError
-from ..model.attention import factor_spans, find_clip_targets
-from ..names import ADAM_MINI, ALGORITHM_KEY, BLOCK_ATTR, BLOCK_STATE_KEY, MUON, SPLIT_ATTR
+from ..names import ALGORITHM_KEY, BLOCK_ATTR, SPLIT_ATTR
 from ..sharded.adam_mini_step import AdamMiniShardStep
-from ..sharded.blocks import build_block_map
 from ..sharded.collectives import named_collective
 from ..sharded.exchange import BufferPool
 from ..partitions import chunked_pieces
 from ..sharded.muon_step import MuonShardStep
-from ..sharded.no_grad import GradientFlags
 from ..sharded.ownership import ParamInfo
-from ..sharded.qk_clip import scale_shard_, shard_ranges
 from .faults import first_non_finite_grad
 from .inner import DsMuonInner
 from .nvme import SwapGuard
@@ -78,81 +74,102 @@ class MuonZeroOptimizer(ZeroCheckpointing, DsMuonZeroSteps, DeepSpeedZeroOptimiz
         self._momentum_in_memory = bool(self.swap_optimizer and self.save_muon_momentum_buffer_in_memory)
         self._device = torch.device(get_accelerator().current_device_name())
         self._pool = BufferPool()
+        self._trained_ids = {id(p) for group in self.fp16_groups for p in group}
         self._init_steps()
-        self.muon_steps = self._build_muon_steps()
-        self.muon_plans = {i: s.plan for i, s in self.muon_steps.items()}
-        self._check_plans_agree()
-        self.gradient_flags = GradientFlags({i: s.block_map for i, s in self.muon_steps.items()}, self._device)
-        self.adam_mini_steps = self._build_adam_mini_steps()
-        self.adam_mini_maps = {i: s.block_map for i, s in self.adam_mini_steps.items()}
-        self._build_qk_clip()
-        self._check_autotune_graphs()
+        self._build_steps()
+        self._grad_offsets = self._grad_buffer_offsets()
 
     # ---- what the sub-groups are -------------------------------------------------------------
     def sub_group_algorithm(self, i: int) -> str:
         """``"muon"``, ``"adam_mini"`` or ``"adamw"``: the algorithm of sub-group ``i``'s param group."""
-        return self.optimizer.param_groups[self.sub_group_to_group_id[i]][ALGORITHM_KEY]
+        return self._param_group(i)[ALGORITHM_KEY]
 
-    def _group(self, i: int) -> dict:
+    def _param_group(self, i: int) -> dict:
         return self.optimizer.param_groups[self.sub_group_to_group_id[i]]
+
+    def _fp32_partition(self, i: int) -> torch.Tensor:
+        return self.fp32_partitioned_groups_flat[i]
+
+    def _partition_group(self, i: int):
+        return self._get_sub_group_process_group(i)
+
+    def _offloaded(self) -> bool:
+        return bool(self.offload_optimizer)
+
+    def _resident_grad(self, j: int) -> Optional[torch.Tensor]:
+        """Without offload: sub-group ``j``'s slice of DeepSpeed's ``grad_partitions_flat_buffer`` (its parameters'
+        gradient partitions back to back, at the offset built once in :meth:`_grad_buffer_offsets`); under CPU
+        offload: its fp32 gradient; NVMe-swapped: None (not in memory before its turn)."""
+        if self._swappable_optimizer_subgroup(j):
+            return None
+        if self.offload_optimizer:
+            return self.fp32_partitioned_groups_flat[j].grad
+        offset = self._grad_offsets.get(j)
+        return None if offset is None else self.grad_partitions_flat_buffer.narrow(0, offset, self.muon_plans[j].shard_numel)
+
+    def _grad_buffer_offsets(self) -> dict[int, int]:
+        """``{Muon sub-group: offset}`` of its gradient in ``grad_partitions_flat_buffer`` (without offload, where
+        DeepSpeed keeps every sub-group's gradient partitions back to back); a sub-group whose parameters'
+        partitions do not tile its shard exactly is left out (its flags are agreed at its own turn)."""
+        if self.offload_optimizer:
+            return {}
+        offsets, offset = {}, 0
+        for j, params in enumerate(self.fp16_groups):
+            numel = sum(p.partition_numel() for p in params)
+            if j in self.muon_plans and numel == self.muon_plans[j].shard_numel:
+                offsets[j] = offset
+            offset += numel
+        return offsets
 
     def _name(self, p) -> str:
         return self.param_names.get(p, f"ds_id={p.ds_id}")
 
-    def _build_muon_steps(self) -> dict[int, MuonShardStep]:
-        steps = {}
-        for i, params in enumerate(self.fp16_groups):
-            if self.sub_group_algorithm(i) != MUON:
-                continue
-            infos = [ParamInfo(self._name(p), tuple(p.ds_shape), int(p.ds_numel), getattr(p, SPLIT_ATTR, None))
-                     for p in params]
-            steps[i] = step = self._muon_step_of(f"ZeRO sub-group {i}", infos, self._get_sub_group_partition_count(i),
-                                                 None, self._group(i), self._get_sub_group_process_group(i))
-            if step.plan.shard_numel != self.fp16_partitioned_groups_flat_numel[i]:
-                raise RuntimeError(f"ds_muon: sub-group {i} holds {self.fp16_partitioned_groups_flat_numel[i]} "
-                                   f"elements but its owner plan covers {step.plan.shard_numel}; this DeepSpeed "
-                                   "version lays out ZeRO-3 partitions differently than ds_muon expects")
-        return steps
+    def _sub_group_count(self) -> int:
+        return len(self.fp16_groups)
 
-    def _build_adam_mini_steps(self) -> dict[int, AdamMiniShardStep]:
-        """The Adam-mini step of every Adam-mini sub-group on this rank, from the parameters' global numel and
-        block size (``param.ds_adam_mini_block``) and DeepSpeed's ``grad_position``."""
-        steps = {}
-        for i, params in enumerate(self.fp16_groups):
-            if self.sub_group_algorithm(i) != ADAM_MINI:
-                continue
-            slots = []
-            for p in params:
-                _, offset, chunk = self.grad_position[self.get_param_id(p)]
-                block, numel = getattr(p, BLOCK_ATTR, None), int(p.ds_numel)
-                if not block or numel % block or chunk != -(-numel // self._get_sub_group_partition_count(i)):
-                    raise RuntimeError(f"ds_muon: Adam-mini parameter {self._name(p)!r} ({numel} elements, block "
-                                       f"{block}, chunk {chunk}) does not fit the ZeRO-3 layout ds_muon expects")
-                pieces = chunked_pieces(numel, self._get_sub_group_partition_count(i), int(offset))
-                slots.append(AdamMiniSlot(self._name(p), tuple(p.ds_shape), numel, pieces, int(block)))
-            shard = int(self.fp16_partitioned_groups_flat_numel[i])
-            block_map = build_block_map(slots, self._get_sub_group_partition_rank(i), shard, block_numel=lambda s: s.block)
-            block_numel = [s.block for s in sorted(slots, key=lambda s: s.shard_offset) for _ in range(s.numel // s.block)]
-            steps[i] = AdamMiniShardStep(f"ZeRO sub-group {i}", block_map, block_numel)
-        return steps
+    def _muon_step_for(self, i: int) -> MuonShardStep:
+        """Sub-group ``i``'s Muon step on ZeRO-3's chunked layout (each parameter cut in ``W`` chunks).
 
-    def _build_qk_clip(self) -> None:
-        """QK-clip's plan (``optimizer.params.qk_clip``): the attention modules and, per sub-group, the flat
-        ranges of this rank's fp32 partition that hold each query/key head's rows (:mod:`ds_muon.sharded.qk_clip`)."""
-        if self.optimizer.optimizer_type != "Muon" or not self.optimizer.config.qk_clip.enabled:
-            return
-        self.qk_clip_targets = find_clip_targets(self.module)
-        trained = {id(p) for group in self.fp16_groups for p in group}
+        Raises:
+            RuntimeError: the plan does not cover DeepSpeed's partition (a DeepSpeed layout change).
+        """
+        infos = [ParamInfo(self._name(p), tuple(p.ds_shape), int(p.ds_numel), getattr(p, SPLIT_ATTR, None))
+                 for p in self.fp16_groups[i]]
+        step = self._muon_step_of(f"ZeRO sub-group {i}", infos, self._get_sub_group_partition_count(i), None,
+                                  self._param_group(i), self._partition_group(i))
+        if step.plan.shard_numel != self.fp16_partitioned_groups_flat_numel[i]:
+            raise RuntimeError(f"ds_muon: sub-group {i} holds {self.fp16_partitioned_groups_flat_numel[i]} "
+                               f"elements but its owner plan covers {step.plan.shard_numel}; this DeepSpeed "
+                               "version lays out ZeRO-3 partitions differently than ds_muon expects")
+        return step
 
-        def locate(p):
-            if id(p) not in trained:
-                return None
-            i, offset, _ = self.grad_position[self.get_param_id(p)]
-            pieces = chunked_pieces(int(p.ds_numel), self._get_sub_group_partition_count(i), offset)
-            return i, pieces[self._get_sub_group_partition_rank(i)]
+    def _adam_mini_step_for(self, i: int) -> AdamMiniShardStep:
+        """Sub-group ``i``'s Adam-mini step, from the parameters' global numel and block size
+        (``param.ds_adam_mini_block``) and DeepSpeed's ``grad_position``.
 
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        self._qk_ranges = shard_ranges(factor_spans(self.qk_clip_targets), names, locate)
+        Raises:
+            RuntimeError: a parameter's block does not divide it, or its chunk is not ZeRO-3's.
+        """
+        slots = []
+        for p in self.fp16_groups[i]:
+            _, offset, chunk = self.grad_position[self.get_param_id(p)]
+            block, numel = getattr(p, BLOCK_ATTR, None), int(p.ds_numel)
+            if not block or numel % block or chunk != -(-numel // self._get_sub_group_partition_count(i)):
+                raise RuntimeError(f"ds_muon: Adam-mini parameter {self._name(p)!r} ({numel} elements, block "
+                                   f"{block}, chunk {chunk}) does not fit the ZeRO-3 layout ds_muon expects")
+            pieces = chunked_pieces(numel, self._get_sub_group_partition_count(i), int(offset))
+            slots.append(AdamMiniSlot(self._name(p), tuple(p.ds_shape), numel, pieces, int(block)))
+        return self._adam_mini_step_from(f"ZeRO sub-group {i}", sorted(slots, key=lambda s: s.shard_offset),
+                                         self._get_sub_group_partition_rank(i),
+                                         int(self.fp16_partitioned_groups_flat_numel[i]))
+
+    def _locate_piece(self, p):
+        """``(sub-group, this rank's Piece)`` of a trained parameter ``p`` (None: not trained)."""
+        if id(p) not in self._trained_ids:
+            return None
+        i, offset, _ = self.grad_position[self.get_param_id(p)]
+        pieces = chunked_pieces(int(p.ds_numel), self._get_sub_group_partition_count(i), offset)
+        return i, pieces[self._get_sub_group_partition_rank(i)]
 
     # ---- NVMe (ds_muon.integration.nvme) -------------------------------------------------------
     @torch.no_grad()
@@ -304,50 +321,3 @@ class MuonZeroOptimizer(ZeroCheckpointing, DsMuonZeroSteps, DeepSpeedZeroOptimiz
                 _, offset, numel = self.grad_position[self.get_param_id(param)]
                 fp32.grad.narrow(0, offset, numel).zero_()
 
-    def _optimizer_step(self, sub_group_id: int) -> None:
-        """The sub-group's update (Muon, Adam-mini, or DeepSpeed's AdamW), then QK-clip on it (fp32 resident, also
-        under NVMe; DeepSpeed copies fp32 to the bf16/fp16 partition right after)."""
-        algorithm = self.sub_group_algorithm(sub_group_id)
-        if algorithm not in self.step_seconds:
-            super()._optimizer_step(sub_group_id)
-        else:
-            self._own_step(sub_group_id, algorithm)
-        if self._qk_factors is not None and sub_group_id in self._qk_ranges:
-            scale_shard_(self.fp32_partitioned_groups_flat[sub_group_id].data, self._qk_ranges[sub_group_id],
-                         self._qk_factors)
-
-    @torch.no_grad()
-    def _muon_step(self, i: int) -> None:
-        fp32 = self.fp32_partitioned_groups_flat[i]
-        group = self._group(i)
-        momentum = self._momentum_of(fp32, group, self._momentum_in_memory)
-        had = self.gradient_flags.blocks_with_gradient(i, fp32.grad, self._get_sub_group_process_group(i),
-                                                       self._resident_ahead(i))
-        self.muon_steps[i].run(fp32, fp32.grad, momentum, had, group)
-
-    def _resident_ahead(self, i: int) -> dict[int, Callable[[], Optional[torch.Tensor]]]:
-        """The later Muon sub-groups whose gradient is in memory now and that share ``i``'s process group:
-        ``{j: fetch}`` for :meth:`ds_muon.sharded.no_grad.GradientFlags.blocks_with_gradient`. Not NVMe-swapped,
-        and (without offload) their parameters' gradient partitions tile the shard in DeepSpeed's
-        ``grad_partitions_flat_buffer``; the same set on every rank (it depends on the layout only)."""
-        group = self._get_sub_group_process_group(i)
-        out = {}
-        for j in self.muon_steps:
-            if j <= i or self._get_sub_group_process_group(j) is not group or self._swappable_optimizer_subgroup(j):
-                continue
-            if self.offload_optimizer:
-                out[j] = lambda j=j: self.fp32_partitioned_groups_flat[j].grad
-            elif (getattr(self, "grad_partitions_flat_buffer", None) is not None
-                  and sum(p.partition_numel() for p in self.fp16_groups[j]) == self.muon_plans[j].shard_numel):
-                offset = sum(p.partition_numel() for k in range(j) for p in self.fp16_groups[k])
-                out[j] = (lambda offset=offset, n=self.muon_plans[j].shard_numel:
-                          self.grad_partitions_flat_buffer.narrow(0, offset, n))
-        return out
-
-    @torch.no_grad()
-    def _adam_mini_step(self, i: int) -> None:
-        fp32 = self.fp32_partitioned_groups_flat[i]
-        step = self.adam_mini_steps[i]
-        state = self._adam_mini_state(fp32, step.n_blocks)
-        step.run(fp32, fp32.grad, state["exp_avg"], state[BLOCK_STATE_KEY], state["step"], self._group(i),
-                 self._get_sub_group_process_group(i), self._device)

@@ -2,10 +2,12 @@
 
 :class:`DsMuonZeroSteps` is a mixin of :class:`~ds_muon.integration.zero3.MuonZeroOptimizer` (ZeRO-3, over
 ``DeepSpeedZeroOptimizer_Stage3``) and :class:`~ds_muon.integration.zero12.MuonZero12Optimizer` (ZeRO-1/2, over
-``DeepSpeedZeroOptimizer``): the step counts and skipped steps, the trainable-set check, the monitor, one Muon
-partition's :class:`~ds_muon.sharded.muon_step.MuonShardStep` from its parameters' pieces, the Muon momentum
-created on first use, QK-clip's per-step factors, and the ``ns_autotune`` graph check. Each subclass says where
-its partitions are (the layout, :mod:`ds_muon.partitions`) and when DeepSpeed's step calls into it.
+``DeepSpeedZeroOptimizer``). It holds the one ``_optimizer_step`` both stages run, dispatching each sub-group by
+its algorithm (``{"muon": _muon_step, "adam_mini": _adam_mini_step}``, else DeepSpeed's own AdamW), the Muon and
+Adam-mini steps themselves, the shard steps built once (:meth:`DsMuonZeroSteps._build_steps`), the no-gradient
+flags, QK-clip, the step counts and skipped steps, the trainable-set check and the monitor. Each stage class
+answers a few questions about its layout (:mod:`ds_muon.partitions`): a sub-group's fp32 partition, param group,
+process group and algorithm, and its parameters' pieces.
 """
 from __future__ import annotations
 
@@ -21,17 +23,22 @@ from deepspeed.utils import logger
 
 from ..checkpoint.metadata import raise_on_every_rank, saved_step_counts, zero_state_dict_problems
 from ..core.dtypes import resolve_exchange_dtype, resolve_ns_dtype
+from ..core.muon_update import use_compiled_elementwise
 from ..core.ns_compile import AUTOTUNE_PROGRESS, COMPILE_GRAPH_LIMIT, persistent_inductor_cache
 from ..core.qk_clip import factor_vector
 from ..errors import ConfigError
-from ..model.attention import check_recorded, stop_recording, sync_recording, take_max_logits
+from ..model.attention import (check_recorded, factor_spans, find_clip_targets, stop_recording, sync_recording,
+                               take_max_logits)
 from ..names import ADAM_MINI, BLOCK_STATE_KEY, MOMENTUM_KEY, MUON
+from ..sharded.adam_mini_step import AdamMiniShardStep
 from ..sharded.blocks import build_block_map
 from ..sharded.collectives import named_collective
 from ..sharded.exchange import OwnerExchange
 from ..sharded.muon_step import MuonShardStep
+from ..sharded.no_grad import GradientFlags
 from ..sharded.ownership import ParamInfo, build_bucketed_plan
 from ..sharded.plan_check import check_plans_agree
+from ..sharded.qk_clip import scale_shard_, shard_ranges
 from .faults import SkippedSteps, TrainableSet
 from .monitor import MonitorReporter
 
@@ -68,6 +75,8 @@ class DsMuonZeroSteps:
 
     muon_steps: dict
     muon_plans: dict
+    #: keep Muon momentum out of the NVMe swap (ZeRO-3's ``save_muon_momentum_buffer_in_memory``)
+    _momentum_in_memory = False
 
     def _init_steps(self) -> None:
         cfg = self.optimizer.config
@@ -106,6 +115,53 @@ class DsMuonZeroSteps:
         return sum(s.plan.sent_elements(s.exchange.rank) * s.exchange.exchange_dtype.itemsize
                    for s in self.muon_steps.values())
 
+    # ---- built once, identically on every rank ------------------------------------------------------------
+    def _build_steps(self) -> None:
+        """The shard step of every Muon and Adam-mini sub-group (:meth:`_muon_step_for`,
+        :meth:`_adam_mini_step_for`, from the stage's layout), the owner plans checked equal on every rank, the
+        no-gradient flags, QK-clip's plan and the ``ns_autotune`` graph check."""
+        algorithms = {i: self.sub_group_algorithm(i) for i in range(self._sub_group_count())}
+        self.muon_steps = {i: self._muon_step_for(i) for i, a in algorithms.items() if a == MUON}
+        self.muon_plans = {i: s.plan for i, s in self.muon_steps.items()}
+        self._check_plans_agree()
+        self.gradient_flags = GradientFlags({i: s.block_map for i, s in self.muon_steps.items()}, self._device)
+        self.adam_mini_steps = {i: self._adam_mini_step_for(i) for i, a in algorithms.items() if a == ADAM_MINI}
+        self.adam_mini_maps = {i: s.block_map for i, s in self.adam_mini_steps.items()}
+        self._build_qk_clip()
+        self._check_autotune_graphs()
+
+    def _sub_group_count(self) -> int:
+        raise NotImplementedError
+
+    def _muon_step_for(self, i: int) -> MuonShardStep:
+        """Muon sub-group ``i``'s :class:`MuonShardStep` (the stage builds its parameters' pieces, then calls
+        :meth:`_muon_step_of`)."""
+        raise NotImplementedError
+
+    def _adam_mini_step_for(self, i: int) -> AdamMiniShardStep:
+        """Adam-mini sub-group ``i``'s step (the stage builds its slots, then calls :meth:`_adam_mini_step_from`)."""
+        raise NotImplementedError
+
+    def _locate_piece(self, p) -> Optional[tuple]:
+        """``(sub-group, this rank's Piece)`` of a trained parameter ``p``, or None (QK-clip's head ranges)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _adam_mini_step_from(name: str, slots: Sequence[AdamMiniSlot], rank: int, shard_numel: int) -> AdamMiniShardStep:
+        """The :class:`AdamMiniShardStep` of one partition of ``shard_numel`` elements from its ``slots`` in the
+        partition's order: this rank's block map and every block's size in elements."""
+        block_map = build_block_map(slots, rank, shard_numel, block_numel=lambda s: s.block)
+        return AdamMiniShardStep(name, block_map, [s.block for s in slots for _ in range(s.numel // s.block)])
+
+    def _build_qk_clip(self) -> None:
+        """QK-clip's plan (``optimizer.params.qk_clip``): the attention modules and, per sub-group, the flat
+        ranges of this rank's fp32 partition that hold each query/key head's rows (:mod:`ds_muon.sharded.qk_clip`)."""
+        if self.optimizer.optimizer_type != "Muon" or not self.optimizer.config.qk_clip.enabled:
+            return
+        self.qk_clip_targets = find_clip_targets(self.module)
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        self._qk_ranges = shard_ranges(factor_spans(self.qk_clip_targets), names, self._locate_piece)
+
     def _muon_step_of(self, name: str, infos: Sequence[ParamInfo], world_size: int, shard_numel: Optional[int],
                       group: dict, process_group) -> MuonShardStep:
         """The :class:`MuonShardStep` of one Muon partition: its owner plan (LPT-balanced, bucketed by
@@ -124,8 +180,10 @@ class DsMuonZeroSteps:
         plan = build_bucketed_plan(infos, world_size, bucket_elements, group["ns_steps"], group["ns_method"],
                                    shard_numel=shard_numel)
         exchange = OwnerExchange(process_group, wire, compute, self._device, self._pool)
+        elementwise = use_compiled_elementwise(cfg.elementwise_compile, cfg.ns_compile,
+                                               torch.device("cpu") if self._offloaded() else self._device)
         step = MuonShardStep(name, plan, build_block_map(plan.slots, exchange.rank, plan.shard_numel), exchange,
-                             group, cfg.ns_compile, cfg.ns_autotune)
+                             group, cfg.ns_compile, cfg.ns_autotune, elementwise)
         if exchange.rank == 0:
             logger.info("ds_muon %s: %s", name, plan.describe())
         return step
@@ -223,21 +281,86 @@ class DsMuonZeroSteps:
             self.skips.skipped(rank0, self.loss_scale,
                                self.monitor_reporter.skipped if self.monitor_reporter is not None else None)
 
-    def _own_step(self, i: int, algorithm: str) -> None:
-        """Partition ``i``'s Muon or Adam-mini update (the host's ``_muon_step(i)`` / ``_adam_mini_step(i)``),
-        timed into :attr:`step_seconds` while a monitor is attached (the accelerator is synchronized around it
-        only then)."""
-        timed = self.monitor_reporter is not None
-        if timed:
+    # ---- the step of one sub-group: one dispatch for every stage --------------------------------------------
+    # What each stage class says about its layout (ZeRO-3: sub-groups of DeepSpeed's flat fp32 partitions;
+    # ZeRO-1/2: param groups, one flat partition each).
+    def sub_group_algorithm(self, i: int) -> str:
+        """``"muon"``, ``"adam_mini"`` or ``"adamw"``: the algorithm of sub-group ``i``'s param group."""
+        raise NotImplementedError
+
+    def _param_group(self, i: int) -> dict:
+        """Sub-group ``i``'s param group (its current ``lr``, ``weight_decay``, ...)."""
+        raise NotImplementedError
+
+    def _fp32_partition(self, i: int) -> torch.Tensor:
+        """Sub-group ``i``'s ``(n,)`` float32 partition on this rank; its ``.grad`` is final when DeepSpeed's step
+        calls :meth:`_optimizer_step`."""
+        raise NotImplementedError
+
+    def _partition_group(self, i: int):
+        """The process group of sub-group ``i``'s owner exchange and collectives (None: the default group)."""
+        raise NotImplementedError
+
+    def _offloaded(self) -> bool:
+        """Whether the fp32 partitions live in CPU memory (optimizer offload to the CPU or NVMe)."""
+        raise NotImplementedError
+
+    def _resident_grad(self, j: int) -> Optional[torch.Tensor]:
+        """Sub-group ``j``'s ``(n,)`` gradient if it is in memory before its turn (for the no-gradient flags
+        agreed ahead, :meth:`_blocks_with_gradient`), else None. The same answer on every rank (layout only)."""
+        return None
+
+    @torch.no_grad()
+    def _optimizer_step(self, i: int) -> None:
+        """Sub-group ``i``'s update, where DeepSpeed's step calls it (the gradient final: accumulated, reduced,
+        unscaled, clipped; every rank calls it for every sub-group in the same order): ds_muon's Muon or
+        Adam-mini step from the table below, else DeepSpeed's own (AdamW); then QK-clip's head scaling of the
+        fp32 partition (DeepSpeed copies it to the bf16/fp16 partition right after). Timed into
+        :attr:`step_seconds` while a monitor is attached (the accelerator is synchronized around it only then)."""
+        own = {MUON: self._muon_step, ADAM_MINI: self._adam_mini_step}.get(self.sub_group_algorithm(i))
+        if own is None:
+            super()._optimizer_step(i)
+        elif self.monitor_reporter is None:
+            own(i)
+        else:
             get_accelerator().synchronize()
             start = time.perf_counter()
-        if algorithm == MUON:
-            self._muon_step(i)
-        else:
-            self._adam_mini_step(i)
-        if timed:
+            own(i)
             get_accelerator().synchronize()
-            self.step_seconds[algorithm] += time.perf_counter() - start
+            self.step_seconds[self.sub_group_algorithm(i)] += time.perf_counter() - start
+        if self._qk_factors is not None and i in self._qk_ranges:
+            scale_shard_(self._fp32_partition(i).data, self._qk_ranges[i], self._qk_factors)
+
+    def _muon_step(self, i: int) -> None:
+        """Sub-group ``i``'s Muon step (:meth:`ds_muon.sharded.muon_step.MuonShardStep.run`) on its fp32
+        partition, with its momentum and its no-gradient flags."""
+        fp32, group = self._fp32_partition(i), self._param_group(i)
+        momentum = self._momentum_of(fp32, group, self._momentum_in_memory)
+        self.muon_steps[i].run(fp32, fp32.grad, momentum, self._blocks_with_gradient(i), group)
+
+    def _blocks_with_gradient(self, i: int) -> torch.Tensor:
+        """``(n_blocks,)`` bool: which blocks of Muon sub-group ``i`` had a gradient on any rank this step. The
+        first Muon sub-group of a process group to step agrees, in one all_reduce, on its flags and those of every
+        later sub-group of that group whose gradient is resident (:meth:`_resident_grad`); a sub-group whose
+        gradient was not resident then (NVMe-swapped) agrees on its own at its turn."""
+        flags = self.gradient_flags
+        if not flags.agreed(i):
+            group = self._partition_group(i)
+            grads = {i: self._fp32_partition(i).grad}
+            for j in self.muon_steps:
+                if j > i and not flags.agreed(j) and self._partition_group(j) is group:
+                    grad = self._resident_grad(j)
+                    if grad is not None:
+                        grads[j] = grad
+            flags.agree(grads, group)
+        return flags.take(i)
+
+    def _adam_mini_step(self, i: int) -> None:
+        """Sub-group ``i``'s Adam-mini step (:meth:`ds_muon.sharded.adam_mini_step.AdamMiniShardStep.run`)."""
+        fp32, step = self._fp32_partition(i), self.adam_mini_steps[i]
+        state = self._adam_mini_state(fp32, step.n_blocks)
+        step.run(fp32, fp32.grad, state["exp_avg"], state[BLOCK_STATE_KEY], state["step"], self._param_group(i),
+                 self._partition_group(i), self._device)
 
     def _adam_mini_state(self, fp32: torch.Tensor, n_blocks: int) -> dict:
         """The Adam-mini state of the flat fp32 partition ``fp32``, created on first use (first use, not
@@ -281,7 +404,8 @@ class DsMuonZeroSteps:
 
     @contextlib.contextmanager
     def _step_scope(self, what: str) -> Iterator[Optional[dict]]:
-        """Around DeepSpeed's ``step()``: the trainable-set check, the no-gradient flags reset, QK-clip's factors
+        """Around DeepSpeed's ``step()``: the trainable-set check, the no-gradient flags of the last step forgotten,
+        QK-clip's factors
         (yielded: the step's figures, or None), collective failures named after ``what`` (``"ZeRO-3"``); then,
         also on error, :meth:`_clean_after_step` and the exchange's buffers handed back to the allocator.
 
@@ -299,7 +423,6 @@ class DsMuonZeroSteps:
                 yield stats
         finally:
             self._stepping = False
-            self.gradient_flags.begin_step()
             self._qk_factors = None
             self._clean_after_step()
             self._pool.clear()

@@ -96,7 +96,6 @@ class OwnerExchange:
             return None
         return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
 
-    @torch.no_grad()
     def run(self, plan: Union[ExchangePlan, BucketedPlan], u: torch.Tensor, out: torch.Tensor,
             fn: OrthogonalizeFn) -> None:
         """Orthogonalize every matrix of the sub-group and write this rank's chunks of the result.
@@ -168,38 +167,36 @@ class OwnerExchange:
 
     def _owner_compute(self, b: ExchangePlan, owner_side: torch.Tensor, fn: OrthogonalizeFn,
                        device: torch.device) -> None:
-        """In place on what the owner received: rebuild each owned parameter from every rank's piece,
-        orthogonalize the blocks of its matrix view (batched over the parameters with the same view, one call
-        per block group), write the result back as pieces (ZeRO-3's padding zeroed)."""
+        """In place on what the owner received: per batch of owned parameters with the same view, assemble each
+        parameter from every rank's piece, orthogonalize the blocks of its matrix view (one call per block group),
+        write the result back as pieces. ZeRO-3's chunked layout (``b.chunked``): the owner's
+        ``(W, split_sizes[rank])`` block holds every owned parameter as ``W`` equal chunks, so a batch is one
+        strided copy each way and the padding past ``numel`` is zeroed; otherwise (ZeRO-1/2, AutoTP) each piece is
+        copied at its owner offset."""
+        W = self.world_size
         if b.chunked:
-            self._owner_compute_chunked(b, owner_side, fn, device)
-            return
-        received = [row[self.rank] for row in b.sends]
-        starts = [sum(received[:s]) for s in range(self.world_size)]
+            block = owner_side.view(W, b.split_sizes[self.rank])
+        else:
+            received = [row[self.rank] for row in b.sends]
+            starts = [sum(received[:s]) for s in range(W)]
         for batch in b.batches[self.rank]:
-            k, numel = batch.count, batch.numel
-            full = self.pool.get("matrix", k * numel, self.assembly_dtype, device).view(k, numel)
+            if b.chunked:
+                k, c, numel = batch.count, batch.chunk, batch.numel
+                chunks = block[:, batch.start:batch.start + k * c].view(W, k, c).permute(1, 0, 2)
+                full = self.pool.get("matrix", k * W * c, self.assembly_dtype, device).view(k, W * c)
+                full.view(k, W, c).copy_(chunks)
+                _orthogonalize_batch_(full[:, :numel], batch, fn)
+                full[:, numel:].zero_()
+                chunks.copy_(full.view(k, W, c))
+                continue
+            full = self.pool.get("matrix", batch.count * batch.numel, self.assembly_dtype, device).view(
+                batch.count, batch.numel)
             pieces = [(full[j].narrow(0, p.start, p.length), owner_side.narrow(0, starts[s] + slot.owner_offsets[s],
                                                                                  p.length))
                       for j, slot in enumerate(batch.members) for s, p in enumerate(slot.pieces) if p.length]
             torch._foreach_copy_([f for f, _ in pieces], [w for _, w in pieces])
             _orthogonalize_batch_(full, batch, fn)
             torch._foreach_copy_([w for _, w in pieces], [f for f, _ in pieces])
-
-    def _owner_compute_chunked(self, b: ExchangePlan, owner_side: torch.Tensor, fn: OrthogonalizeFn,
-                               device: torch.device) -> None:
-        """:meth:`_owner_compute` for ZeRO-3's layout: the owner's ``(W, split_sizes[rank])`` block holds every
-        owned parameter as ``W`` equal chunks, so a batch is one strided copy each way."""
-        W, mine = self.world_size, b.split_sizes[self.rank]
-        block = owner_side.view(W, mine)
-        for batch in b.batches[self.rank]:
-            k, c, numel = batch.count, batch.chunk, batch.numel
-            chunks = block[:, batch.start:batch.start + k * c].view(W, k, c).permute(1, 0, 2)
-            full = self.pool.get("matrix", k * W * c, self.assembly_dtype, device).view(k, W * c)
-            full.view(k, W, c).copy_(chunks)
-            _orthogonalize_batch_(full[:, :numel], batch, fn)
-            full[:, numel:].zero_()
-            chunks.copy_(full.view(k, W, c))
 
 
 def _orthogonalize_batch_(flat: torch.Tensor, batch: ShapeBatch, fn: OrthogonalizeFn) -> None:

@@ -10,9 +10,8 @@ prepare -> exchange + Newton–Schulz -> finalize (docs/design.md, "One optimize
 3. **finalize**: ``p <- p*(1 - lr*wd) - lr*o`` (decoupled weight decay); the set-aside blocks are put
    back as they were (no momentum decay, no update, no weight decay).
 
-On CUDA with ``ns_compile``, steps 1 and 3 each run as one compiled pass over the shard
-(:func:`ds_muon.core.muon_update.fused_momentum_update_`, :func:`~ds_muon.core.muon_update.fused_apply_update_`);
-on CPU (and under CPU offload, where the shard is in CPU memory) they run eagerly.
+Steps 1 and 3 run eagerly or as one compiled pass each over the shard, as the caller chose once
+(``optimizer.params.elementwise_compile``; eager on CPU and under CPU offload, where the shard is in CPU memory).
 """
 from __future__ import annotations
 
@@ -34,6 +33,17 @@ __all__ = ["MuonShardStep"]
 class MuonShardStep:
     """Muon on one sub-group's local fp32 partition, built once per sub-group (its Newton–Schulz function too).
 
+    One step moves three values through the partition's buffers, each named for its stage:
+
+    - ``g``, the gradient: DeepSpeed's ``(n,)`` float32 gradient partition (final: accumulated, reduced,
+      unscaled, clipped);
+    - ``u``, the update Newton–Schulz orthogonalizes (:meth:`prepare`): the Nesterov blend
+      ``lerp(g, m, beta)``, written over ``g``; or, without Nesterov, the momentum ``m`` itself with fp32
+      momentum (``g`` is then left as is), and a copy over ``g`` with bf16 momentum;
+    - ``o``, the scaled orthogonalized update (:meth:`orthogonalize`): written over ``g``'s buffer by the owner
+      exchange (every slot of ``u`` is read before the same slot of ``o`` is written, so ``u`` may be that
+      buffer), then applied to the partition (:meth:`finalize`).
+
     Args:
         name: how messages name the sub-group (e.g. ``"ZeRO sub-group 3"``).
         plan: the sub-group's owner plan (:func:`ds_muon.sharded.ownership.build_bucketed_plan`).
@@ -41,13 +51,18 @@ class MuonShardStep:
         exchange: the :class:`~ds_muon.sharded.exchange.OwnerExchange` over the sub-group's partition group.
         group: the param group; its ``lr``, ``weight_decay``, ``momentum``, ``nesterov``, ``ns_method``, ``ns_steps``
             and ``update_scale`` are read at every step (schedulers apply; a loaded checkpoint's groups bring theirs).
-        ns_compile, ns_autotune: the config keys (compiled Newton–Schulz and fused element-wise passes on CUDA).
+        ns_compile, ns_autotune: the config keys (Newton–Schulz compiled on CUDA, with autotuning).
+        compiled_elementwise: the momentum step and the update apply each run as one compiled pass
+            (:func:`ds_muon.core.muon_update.fused_momentum_update_`, :func:`~ds_muon.core.muon_update.fused_apply_update_`)
+            instead of eagerly; chosen once by the caller (``optimizer.params.elementwise_compile``,
+            :func:`ds_muon.core.muon_update.use_compiled_elementwise`).
     """
 
     def __init__(self, name: str, plan: BucketedPlan, block_map: BlockMap, exchange: OwnerExchange, group: dict,
-                 ns_compile: bool, ns_autotune: bool) -> None:
+                 ns_compile: bool, ns_autotune: bool, compiled_elementwise: bool = False) -> None:
         self.name, self.plan, self.block_map, self.exchange = name, plan, block_map, exchange
         self._ns_compile, self._ns_autotune = ns_compile, ns_autotune
+        self.compiled_elementwise = compiled_elementwise
         self._ns_key: Optional[tuple] = None
         self._owner_update = self._orthogonalizer(group)
 
@@ -63,19 +78,50 @@ class MuonShardStep:
             self._ns_key = key
         return self._owner_update
 
+    def prepare(self, g: torch.Tensor, momentum: torch.Tensor, group: dict) -> torch.Tensor:
+        """``m <- beta*m + (1-beta)*g`` in place and the update ``u`` (see the class docstring for which buffer
+        holds it). Element-wise on the local shard; the momentum never leaves its rank.
+
+        Returns:
+            ``u``, ``(n,)`` float32: ``g``'s buffer or the momentum.
+        """
+        with record_function("ds_muon/momentum"):
+            kernel = fused_momentum_update_ if self.compiled_elementwise else momentum_update_
+            return kernel(momentum, g, group["momentum"], group["nesterov"])
+
+    def orthogonalize(self, u: torch.Tensor, o: torch.Tensor, group: dict) -> None:
+        """``o <- NS(u) * scale`` for every matrix of the sub-group: the owner exchange (all_to_all of ``u``'s
+        chunks to each matrix's owner rank, Newton–Schulz batched by view there, all_to_all back). ``o``
+        (``(n,)`` float32) may be ``u``'s buffer. Collective over the partition group.
+
+        Raises:
+            ds_muon.errors.CollectiveError: the all_to_all failed (a peer died), naming the sub-group.
+        """
+        with record_function("ds_muon/exchange_and_newton_schulz"), \
+                named_collective(f"the Muon owner exchange (all_to_all) of {self.name}"):
+            self.exchange.run(self.plan, u, o, self._orthogonalizer(group))
+
+    def finalize(self, fp32: torch.Tensor, o: torch.Tensor, group: dict) -> None:
+        """``p <- p*(1 - lr*wd) - lr*o`` in place (decoupled weight decay, Loshchilov & Hutter, arXiv 1711.05101)
+        with the group's current ``lr`` and ``weight_decay``."""
+        with record_function("ds_muon/apply_update"):
+            kernel = fused_apply_update_ if self.compiled_elementwise else apply_update_
+            kernel(fp32, o, group["lr"], group["weight_decay"])
+
     @torch.no_grad()
     def run(self, fp32: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor, had: Optional[torch.Tensor],
             group: dict) -> None:
-        """One Muon step of the sub-group, in place. Collective over the partition group (the owner all_to_all);
-        every rank must call it with the same ``had``.
+        """One Muon step of the sub-group, in place: :meth:`prepare`, :meth:`orthogonalize` into ``grad``'s
+        buffer, :meth:`finalize`. Collective over the partition group (the owner all_to_all); every rank must call
+        it with the same ``had``.
 
         Args:
             fp32: ``(n,)`` float32 local partition, updated in place.
-            grad: ``(n,)`` float32 local gradient (final: accumulated, reduced, unscaled, clipped); overwritten
-                (it holds ``u`` and then the orthogonalized update).
+            grad: ``(n,)`` float32 local gradient ``g`` (final: accumulated, reduced, unscaled, clipped);
+                overwritten (it holds ``u`` and then ``o``).
             momentum: ``(n,)`` float32 or bfloat16 momentum, updated in place.
             had: ``(n_blocks,)`` bool, which blocks had a gradient on any rank
-                (:meth:`ds_muon.sharded.no_grad.GradientFlags.blocks_with_gradient`); None: all did.
+                (:meth:`ds_muon.sharded.no_grad.GradientFlags.take`); None: all did.
             group: the param group (its current ``lr``, ``weight_decay``, ``momentum``, ``nesterov``).
 
         Raises:
@@ -86,14 +132,9 @@ class MuonShardStep:
             if not bool(had.any()):
                 return  # no gradient anywhere in the sub-group: no exchange, nothing changes
             put_back = set_aside(self.block_map.local_ranges(torch.nonzero(~had).flatten().tolist()), momentum, fp32)
-        fused = self._ns_compile and grad.device.type == "cuda"
-        with record_function("ds_muon/momentum"):
-            update = (fused_momentum_update_ if fused else momentum_update_)(momentum, grad, group["momentum"],
-                                                                             group["nesterov"])
-        with record_function("ds_muon/exchange_and_newton_schulz"), \
-                named_collective(f"the Muon owner exchange (all_to_all) of {self.name}"):
-            self.exchange.run(self.plan, update, grad, self._orthogonalizer(group))
-        with record_function("ds_muon/apply_update"):
-            (fused_apply_update_ if fused else apply_update_)(fp32, grad, group["lr"], group["weight_decay"])
-            if put_back is not None:  # blocks with no gradient: as they were
-                put_back()
+        g = o = grad  # one buffer: g, then (maybe) u, then o
+        u = self.prepare(g, momentum, group)
+        self.orthogonalize(u, o, group)
+        self.finalize(fp32, o, group)
+        if put_back is not None:  # blocks with no gradient: as they were
+            put_back()

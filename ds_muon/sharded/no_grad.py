@@ -9,7 +9,7 @@ and one all_reduce(MAX) shared by every sub-group whose gradient is in memory at
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping, Optional
+from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,11 +31,15 @@ class GradientFlags:
         self._maps = dict(block_maps)
         self._device = device
         self._index: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._ahead: dict[int, torch.Tensor] = {}  # this step's flags of later sub-groups, computed ahead
+        self._agreed: dict[int, torch.Tensor] = {}  # this step's flags, agreed and not yet taken
 
     def begin_step(self) -> None:
-        """Forget the flags computed ahead in the previous step (call at the start and end of every step)."""
-        self._ahead = {}
+        """Forget the previous step's flags (call at the start of every step)."""
+        self._agreed = {}
+
+    def agreed(self, i: int) -> bool:
+        """Whether sub-group ``i``'s flags of this step are agreed and not yet taken."""
+        return i in self._agreed
 
     def local(self, i: int, grad: Optional[torch.Tensor]) -> torch.Tensor:
         """``(n_blocks,)`` uint8 on ``grad``'s device: 1 where this rank's shard of the block holds a non-zero
@@ -55,31 +59,22 @@ class GradientFlags:
         flags = torch.zeros(bm.n_blocks, dtype=torch.uint8, device=grad.device)
         return flags.scatter_reduce_(0, ids, largest[real].ne(0).to(torch.uint8), "amax")
 
-    def blocks_with_gradient(self, i: int, grad: Optional[torch.Tensor], group: Optional[dist.ProcessGroup],
-                             ahead: Mapping[int, Callable[[], Optional[torch.Tensor]]]) -> torch.Tensor:
-        """Which blocks of sub-group ``i`` had a gradient this step, on any rank of ``group``.
-
-        Args:
-            i: the sub-group; ``grad`` its ``(shard numel,)`` local gradient (any float dtype; None: none).
-            group: its partition group (None: the default group).
-            ahead: ``{j: fetch}`` for later sub-groups of the same partition group whose gradient is already
-                in memory (``fetch()`` returns it): their flags go through the same all_reduce and are
-                kept for their turn. Must be the same set on every rank (it depends on the layout only).
-                Unscaling and clipping, applied to a later sub-group's gradient after this point, multiply
-                by a positive factor and keep zeros zero.
-
-        Returns:
-            ``(n_blocks,)`` bool on the CPU, the same on every rank of the group. Collective (one
-            all_reduce(MAX) of one byte per block, one host sync) unless computed ahead.
-        """
-        if i in self._ahead:
-            return self._ahead.pop(i)
-        grads = {i: grad}
-        grads.update((j, fetch()) for j, fetch in ahead.items() if j > i and j not in self._ahead)
+    def agree(self, grads: Mapping[int, Optional[torch.Tensor]], group: Optional[dist.ProcessGroup]) -> None:
+        """Agree on the flags of the sub-groups ``grads`` (``{sub_group: its (shard numel,) local gradient, any
+        float dtype, or None}``, all of one partition ``group``; None: the default group) over the group: one
+        all_reduce(MAX) of one byte per block for all of them, one host sync. Collective: every rank of the
+        group must call it with the same sub-groups. Unscaling and clipping, applied to a gradient after this
+        point, multiply by a positive factor and keep zeros zero, so the flags may be agreed before them."""
         local = [self.local(j, g) for j, g in grads.items()]
         flags = torch.cat(local).to(self._device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-        flags = flags.bool().cpu()
-        split = dict(zip(grads, flags.split([t.numel() for t in local])))
-        self._ahead.update((j, f) for j, f in split.items() if j != i)
-        return split[i]
+        self._agreed.update(zip(grads, flags.bool().cpu().split([t.numel() for t in local])))
+
+    def take(self, i: int) -> torch.Tensor:
+        """Sub-group ``i``'s agreed flags (:meth:`agree`), ``(n_blocks,)`` bool on the CPU, the same on every rank
+        of its group; each is taken once per step.
+
+        Raises:
+            KeyError: not agreed this step.
+        """
+        return self._agreed.pop(i)

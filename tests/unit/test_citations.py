@@ -2,7 +2,7 @@
 
 Cited in docstrings, comments and messages of the package, the tests, scripts, benchmarks and examples, and in
 ``docs/*.md`` and ``README.md`` (``:func:`ds_muon.model.selection.tag_model```, ``ds_muon.sharded.ownership``,
-``ds_muon.sharded.no_grad.GradientFlags.blocks_with_gradient``). A name that no longer resolves (a module moved,
+``ds_muon.sharded.no_grad.GradientFlags.agree``). A name that no longer resolves (a module moved,
 a function renamed) fails here with its ``file:line``. Resolution is by ``importlib`` and ``getattr`` only
 (a dataclass field or a class-level annotation counts as an attribute of its class).
 """

@@ -129,3 +129,18 @@ def test_zero_inner_load_keeps_the_running_momentum_dtype() -> None:
         assert dst.param_groups[0]["momentum_dtype"] == running
         assert dst.state[p_run][MOMENTUM_KEY].dtype == getattr(torch, running)
         assert torch.equal(dst.state[p_run][MOMENTUM_KEY].float(), torch.arange(4.0))
+
+
+def test_elementwise_kernel_choice_is_its_own_switch():
+    """optimizer.params.elementwise_compile picks the element-wise kernels: 'auto' follows ns_compile on CUDA,
+    true/false force them there, and a partition in CPU memory (CPU, optimizer offload) always runs eagerly."""
+    from ds_muon.config import MuonOptimizerParams
+    from ds_muon.core.muon_update import use_compiled_elementwise
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert use_compiled_elementwise("auto", True, cuda) and not use_compiled_elementwise("auto", False, cuda)
+    assert use_compiled_elementwise(True, False, cuda) and not use_compiled_elementwise(False, True, cuda)
+    assert not any(use_compiled_elementwise(s, True, cpu) for s in ("auto", True, False))
+    assert MuonOptimizerParams().elementwise_compile == "auto"
+    assert MuonOptimizerParams(elementwise_compile=False).elementwise_compile is False
+    with pytest.raises(Exception, match="elementwise_compile"):
+        MuonOptimizerParams(elementwise_compile="sometimes")
