@@ -16,7 +16,10 @@ engine's global sample count after this step, DeepSpeed's own x axis):
   exceeded the threshold, over all layers), ``Train/ds_muon/qk_clip/max_logit`` (the largest pre-softmax logit
   of the step, all layers and ranks), ``Train/ds_muon/qk_clip/max_logit/<module>`` per attention module and,
   unless ``qk_clip.monitor_per_head`` is off, ``Train/ds_muon/qk_clip/max_logit/<module>/head_<h>`` per query
-  head (``S_h``; ``-inf`` for a head that saw no allowed key).
+  head (``S_h``; ``-inf`` for a head that saw no allowed key);
+* with the overlapped step on (``overlap_backward``): ``Train/ds_muon/overlap/commits`` and
+  ``Train/ds_muon/overlap/fallback_<reason>`` (``clip``, ``overflow``, ``no_grad_block``, ``not_ready``): Muon
+  sub-group steps since the start that applied the update computed in backward, and those that recomputed it.
 
 After each step skipped for a non-finite gradient norm: ``Train/ds_muon/skipped_steps`` (a count).
 """
@@ -60,6 +63,8 @@ class MonitorReporter:
                       ("Train/ds_muon/exchange_bytes", opt.exchange_bytes(), step),
                       ("Train/ds_muon/owner_imbalance", imbalance, step)]
         events += [(name, float(lr), step) for name, lr in lrs.items()]
+        if getattr(opt, "speculative", None) is not None:  # the overlapped step's commits and fallbacks, cumulative
+            events += [(f"Train/ds_muon/overlap/{key}", count, step) for key, count in opt.overlap_stats.items()]
         stats = opt.qk_clip_stats
         if opt.qk_clip_targets and stats is not None:
             events += [("Train/ds_muon/qk_clip/heads_clipped", stats["heads_clipped"], step),
