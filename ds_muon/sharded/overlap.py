@@ -91,7 +91,8 @@ class SpeculativeMuon:
 
         Args:
             finals: ``(sub_group, parameter index in the sub-group)`` in ZeRO's reduce order.
-            grad_of: sub-group -> its ``(n,)`` gradient partition (any float dtype, before unscaling); read only.
+            grad_of: sub-group -> its ``(n,)`` gradient partition (any float dtype, before unscaling; read only), or
+                None where it is not one resident slice (the sub-group is then left to the ordinary step).
             momentum_of: sub-group -> its momentum (``(n,)``, fp32 or bf16), or None before the first step; read only.
             group_of: sub-group -> its param group (``momentum``, ``nesterov``, NS settings read now).
             loss_scale: the loss scale the gradients carry (1.0 without fp16).
@@ -119,13 +120,16 @@ class SpeculativeMuon:
         with torch.cuda.stream(self.stream):
             for i, k in ready:
                 grad, momentum = grad_of(i), momentum_of(i)
-                grad.record_stream(self.stream)
+                if grad is not None:
+                    grad.record_stream(self.stream)
                 self._speculate(i, k, grad, momentum, group_of(i), loss_scale)
 
     def _speculate(self, i: int, k: int, grad: torch.Tensor, momentum: Optional[torch.Tensor], group: dict,
                    loss_scale: float) -> None:
         st, step = self._state[i], self.steps[i]
         st.started[k] = True
+        if grad is None:  # the gradient is not resident as one slice of the shard: leave it to the step
+            st.stale = True
         if st.stale:
             return
         if st.loss_scale is None:

@@ -150,3 +150,27 @@ def test_overlap_fp16_overflow(world_size):
         pytest.skip(FP16_SKIP)
     stats = run_distributed(_fp16_overflow, world_size, timeout=600)[0]
     assert stats["fallback_overflow"] > 0 and stats["commits"] > 0, stats
+
+
+def _offload(rank: int, world_size: int) -> dict:
+    """CPU optimizer offload keeps today's step: "auto" builds no speculative step; true is refused."""
+    from ds_muon.errors import ConfigError
+    out = {}
+    for setting in ("auto", True):
+        cfg = ds_config(offload_optimizer={"device": "cpu"})
+        cfg["optimizer"]["params"]["overlap_backward"] = setting
+        try:
+            engine, _ = build_engine(cfg)
+        except ConfigError as exc:
+            out[str(setting)] = str(exc)
+            continue
+        train_engine(engine, 1, rank, 1)
+        out[str(setting)] = engine.optimizer.speculative
+        engine.destroy()
+    return out
+
+
+def test_overlap_offload_keeps_todays_step():
+    out = run_distributed(_offload, 1, timeout=600)[0]
+    assert out["auto"] is None, out
+    assert "overlap_backward is true" in out["True"] and "offload_optimizer" in out["True"], out
