@@ -337,8 +337,10 @@ class MuonOptimizerParams(BaseModel):
                      "gradients, and apply the kept update when the step commits. Exact: a step whose gradient clipping "
                      "fires, that is skipped for an fp16 overflow, or that has a Muon block without gradient recomputes "
                      "the sub-group as without overlap. Costs one buffer of the local Muon shard in the exchange dtype "
-                     "plus one fp32 buffer of the shard while a sub-group is speculated. 'auto' and true: on where it "
-                     "applies (ZeRO-3, no optimizer offload), true fails elsewhere; false: off. Source: ds_muon."))
+                     "plus one fp32 buffer of the shard while a sub-group is speculated. 'auto': on where it applies "
+                     "(ZeRO-3, no optimizer offload) on a CUDA device, where it runs on a side stream; true: also on "
+                     "the CPU (inline in backward: exact, not faster), and refused with optimizer offload; false: "
+                     "off. Source: ds_muon."))
 
     tp_mode: Literal["full", "shard"] = Field(
         "full",

@@ -63,8 +63,6 @@ class MonitorReporter:
                       ("Train/ds_muon/exchange_bytes", opt.exchange_bytes(), step),
                       ("Train/ds_muon/owner_imbalance", imbalance, step)]
         events += [(name, float(lr), step) for name, lr in lrs.items()]
-        if getattr(opt, "speculative", None) is not None:  # the overlapped step's commits and fallbacks, cumulative
-            events += [(f"Train/ds_muon/overlap/{key}", count, step) for key, count in opt.overlap_stats.items()]
         stats = opt.qk_clip_stats
         if opt.qk_clip_targets and stats is not None:
             events += [("Train/ds_muon/qk_clip/heads_clipped", stats["heads_clipped"], step),
@@ -74,6 +72,8 @@ class MonitorReporter:
             if opt.optimizer.config.qk_clip.monitor_per_head:
                 events += [(f"Train/ds_muon/qk_clip/max_logit/{name}/head_{h}", value, step)
                            for name, values in stats["max_logit_per_head"].items() for h, value in enumerate(values)]
+        if getattr(opt, "speculative", None) is not None:  # the overlapped step's commits and fallbacks, cumulative
+            events += [(f"Train/ds_muon/overlap/{key}", count, step) for key, count in opt.overlap_stats.items()]
         self._monitor.write_events(events)
 
     def skipped(self, count: int) -> None:

@@ -49,8 +49,8 @@ class OverlapHooks:
         self._build_overlap()
 
     def _overlap_wanted(self) -> bool:
-        """``optimizer.params.overlap_backward``: "auto" and True run where the path applies (no optimizer offload,
-        no ZenFlow, Muon sub-groups present).
+        """``optimizer.params.overlap_backward``: True runs where the path applies (no optimizer offload, no ZenFlow,
+        Muon sub-groups present; on the CPU inline in backward), "auto" there and only on CUDA (side stream).
 
         Raises:
             ConfigError: True with optimizer offload.
@@ -58,6 +58,8 @@ class OverlapHooks:
         setting = getattr(getattr(self.optimizer, "config", None), "overlap_backward", False)
         if setting is False or not self.muon_steps or getattr(self, "zenflow", False):
             return False  # ZenFlow rewrites the fp32 gradients in partition's caller: not the gradient speculated on
+        if setting == "auto" and self._device.type != "cuda":
+            return False  # no streams: the work would only move into backward, not overlap it
         if self.offload_optimizer:
             if setting is True:
                 raise ConfigError("ds_muon: optimizer.params.overlap_backward is true, but the overlapped Muon step "

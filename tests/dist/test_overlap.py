@@ -156,7 +156,7 @@ def _offload(rank: int, world_size: int) -> dict:
     """CPU optimizer offload keeps today's step: "auto" builds no speculative step; true is refused."""
     from ds_muon.errors import ConfigError
     out = {}
-    for setting in ("auto", True):
+    for setting in ("auto", True):  # "auto" is off on the CPU anyway; offload must keep it off on CUDA too
         cfg = ds_config(offload_optimizer={"device": "cpu"})
         cfg["optimizer"]["params"]["overlap_backward"] = setting
         try:
