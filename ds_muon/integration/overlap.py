@@ -81,7 +81,7 @@ class OverlapHooks:
             ex = step.exchange
             group = ex.group
             if cuda and ex.world_size > 1:
-                ranks = tuple(dist.get_process_group_ranks(group))
+                ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
                 if len(ranks) != dist.get_world_size():  # new_group must be called by every rank for every group
                     return  # e.g. expert-parallel groups: keep today's step (docs/design.md, "The overlapped step")
                 if ranks not in groups:
