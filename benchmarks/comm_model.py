@@ -25,6 +25,10 @@ partition stays home, they are upper bounds):
   of ``W / EP`` ranks; against the same MoE model with every expert partitioned over all ``W`` ranks
   (``expert_parallel`` off).
 
+The overlapped step (``overlap_backward``, docs/design.md "The overlapped step") moves the same buckets through the
+same exchange during the last backward instead of after it: the bytes here are unchanged (a fallback, where
+clipping fires, sends a sub-group's bytes once more in the step).
+
 Tokens' all_to_all (EP) and activations' all_reduce (TP) are the model's traffic, the same for any optimizer, and
 not counted.
 

@@ -52,9 +52,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # ds_muon_eager: ns_compile false; ds_muon_gram: ns_method "gram" (Gram Newton–Schulz, fp16, bf16 exchange);
 # ds_muon_bf16mom: momentum_dtype "bfloat16" (half the momentum memory, as the built-in keeps it)
 # ds_muon_autotune: ns_autotune true (Newton-Schulz compiled with max-autotune, static shapes)
+# ds_muon_nooverlap: overlap_backward false (the Muon step after backward, not speculated in it)
 # adam_mini: ds_muon's ZeRO-3 Adam-mini ("type": "AdamMini", AdamW's hyperparameters), against adamw
 OPTIMIZERS = ("adamw", "builtin_muon", "ds_muon", "ds_muon_eager", "ds_muon_gram", "ds_muon_bf16mom", "ds_muon_autotune",
-              "adam_mini")
+              "ds_muon_nooverlap", "adam_mini")
 
 
 def parse_arm(spec: str) -> tuple[str, dict]:
@@ -130,6 +131,8 @@ def ds_config(kind: str, micro_batch: int, stage: int = 3) -> dict:
             cfg["optimizer"]["params"]["momentum_dtype"] = "bfloat16"
         if kind == "ds_muon_autotune":
             cfg["optimizer"]["params"]["ns_autotune"] = True
+        if kind == "ds_muon_nooverlap":
+            cfg["optimizer"]["params"]["overlap_backward"] = False
     cfg["zero_optimization"].update(zero)
     return cfg
 
@@ -579,6 +582,7 @@ def worker(args) -> None:
                     calls[key] = calls.get(key, 0) + 1
         result["ns_batches"] = calls
         result["exchange_pool_peak_gib"] = engine.optimizer._pool.peak_nbytes / 2**30
+        result["overlap_stats"] = engine.optimizer.overlap_stats  # Muon sub-group steps: commits, fallbacks by reason
         loads = [sum(p.load()[r] for p in plans) for r in range(dist.get_world_size())]
         result["ns_gflop_per_rank_max"] = max(loads) / 1e9
         result["matmul_tflops"] = matmul_tflops(device)
@@ -841,6 +845,12 @@ def print_table(results: dict) -> None:
     for k, v in results.items():
         if "error" in v:
             print(f"| {k} | {v.get('settings', '')} | failed: {v['error']} | | | | | | | |")
+    for k, v in results.items():  # the overlapped Muon step: how often it committed, how often it fell back
+        stats = [r["overlap_stats"] for r in v.get("round_results", ()) if r.get("overlap_stats")]
+        if stats and any(stats[0].values()):
+            total = {key: sum(x[key] for x in stats) for key in stats[0]}
+            print(f"{k}: overlapped Muon step over {len(stats)} round(s), sub-group steps: " +
+                  ", ".join(f"{key} {n}" for key, n in total.items()))
     named: dict = {}
     for k, v in ok.items():  # the ratios below compare the first arm of each optimizer
         named.setdefault(parse_arm(k)[0], v)

@@ -330,6 +330,18 @@ class MuonOptimizerParams(BaseModel):
                      "about 6 x exchange_bucket_mb / W MiB when a bucket has at least W matrices, up to about "
                      "3 x exchange_bucket_mb MiB when it has few large ones. Source: ds_muon."))
 
+    overlap_backward: Union[Literal["auto"], bool] = Field(
+        "auto",
+        description=("Run the Muon step's momentum, owner exchange and Newton-Schulz speculatively during the last "
+                     "micro-batch's backward (ZeRO-3 without optimizer offload), bucket by bucket as ZeRO reduces the "
+                     "gradients, and apply the kept update when the step commits. Exact: a step whose gradient clipping "
+                     "fires, that is skipped for an fp16 overflow, or that has a Muon block without gradient recomputes "
+                     "the sub-group as without overlap. Costs one buffer of the local Muon shard in the exchange dtype "
+                     "plus one fp32 buffer of the shard while a sub-group is speculated. 'auto': on where it applies "
+                     "(ZeRO-3, no optimizer offload) on a CUDA device, where it runs on a side stream; true: also on "
+                     "the CPU (inline in backward: exact, not faster), and refused with optimizer offload; false: "
+                     "off. Source: ds_muon."))
+
     tp_mode: Literal["full", "shard"] = Field(
         "full",
         description=("How Muon treats a matrix that DeepSpeed's AutoTP (tensor_parallel.autotp_size > 1) splits across "

@@ -16,7 +16,10 @@ engine's global sample count after this step, DeepSpeed's own x axis):
   exceeded the threshold, over all layers), ``Train/ds_muon/qk_clip/max_logit`` (the largest pre-softmax logit
   of the step, all layers and ranks), ``Train/ds_muon/qk_clip/max_logit/<module>`` per attention module and,
   unless ``qk_clip.monitor_per_head`` is off, ``Train/ds_muon/qk_clip/max_logit/<module>/head_<h>`` per query
-  head (``S_h``; ``-inf`` for a head that saw no allowed key).
+  head (``S_h``; ``-inf`` for a head that saw no allowed key);
+* with the overlapped step on (``overlap_backward``): ``Train/ds_muon/overlap/commits`` and
+  ``Train/ds_muon/overlap/fallback_<reason>`` (``clip``, ``overflow``, ``no_grad_block``, ``not_ready``): Muon
+  sub-group steps since the start that applied the update computed in backward, and those that recomputed it.
 
 After each step skipped for a non-finite gradient norm: ``Train/ds_muon/skipped_steps`` (a count).
 """
@@ -69,6 +72,8 @@ class MonitorReporter:
             if opt.optimizer.config.qk_clip.monitor_per_head:
                 events += [(f"Train/ds_muon/qk_clip/max_logit/{name}/head_{h}", value, step)
                            for name, values in stats["max_logit_per_head"].items() for h, value in enumerate(values)]
+        if getattr(opt, "speculative", None) is not None:  # the overlapped step's commits and fallbacks, cumulative
+            events += [(f"Train/ds_muon/overlap/{key}", count, step) for key, count in opt.overlap_stats.items()]
         self._monitor.write_events(events)
 
     def skipped(self, count: int) -> None:

@@ -33,13 +33,14 @@ from ..sharded.ownership import ParamInfo
 from .faults import first_non_finite_grad
 from .inner import DsMuonInner
 from .nvme import SwapGuard
+from .overlap import OverlapHooks  # the overlapped Muon step (docs/design.md, "The overlapped step")
 from .zero3_checkpoint import ZeroCheckpointing
 from .zero_common import AdamMiniSlot, DsMuonZeroSteps
 
 __all__ = ["MuonZeroOptimizer", "AdamMiniSlot"]
 
 
-class MuonZeroOptimizer(ZeroCheckpointing, DsMuonZeroSteps, DeepSpeedZeroOptimizer_Stage3):
+class MuonZeroOptimizer(ZeroCheckpointing, OverlapHooks, DsMuonZeroSteps, DeepSpeedZeroOptimizer_Stage3):
     """``DeepSpeedZeroOptimizer_Stage3`` with ds_muon's Muon and Adam-mini sub-group steps (docs/design.md).
 
     Per Muon sub-group and optimizer step, on the local fp32 shard: the momentum step (element-wise, never

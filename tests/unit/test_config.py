@@ -560,3 +560,14 @@ def test_elastic_checkpoint_at_stage_1_2_is_unserved():
            "zero_optimization": {"stage": 2, "elastic_checkpoint": True}}
     assert any("elastic_checkpoint" in line for line in unserved_modes(cfg)), unserved_modes(cfg)
     assert not unserved_modes(dict(cfg, zero_optimization={"stage": 2, "elastic_checkpoint": False}))
+
+
+@pytest.mark.parametrize("value", ["auto", True, False])
+def test_overlap_backward_values(value):
+    assert parse_muon_params({"overlap_backward": value}).overlap_backward == value
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_overlap_backward_rejects_others(value):
+    with pytest.raises(ConfigError, match="overlap_backward"):
+        parse_muon_params({"overlap_backward": value})

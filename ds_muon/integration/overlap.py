@@ -1,0 +1,153 @@
+"""The DeepSpeed hooks of the overlapped Muon step (ZeRO-3, no optimizer offload): docs/design.md, "The overlapped step".
+
+:class:`OverlapHooks` is a mixin of :class:`~ds_muon.integration.zero3.MuonZeroOptimizer` (before
+``DsMuonZeroSteps`` in its bases). It hooks DeepSpeed 0.19.8's ZeRO-3 optimizer at:
+
+- ``partition_grads(params, grad_partitions)``: called by ``__reduce_and_partition_ipg_grads`` for each gradient
+  bucket once it is reduce-scattered (on ``reduce_and_partition_stream`` on CUDA), with the bucket's parameters
+  sorted by ``ds_id``; the epilogue flushes the last bucket. The same sequence runs on every rank (the
+  reduce-scatter is itself a collective over those parameters), so on the last micro-batch
+  (``is_gradient_accumulation_boundary()``) the Muon parameters passed here are final in the same order on every
+  rank, and :class:`~ds_muon.sharded.overlap.SpeculativeMuon` starts each owner-plan bucket's speculative step as
+  soon as its parameters are all final.
+- ``step``: joins the side stream, and drops any speculation a skipped step (fp16 overflow) left.
+- ``_muon_step(i)``: commits sub-group ``i``'s speculation when exact (clip coefficient 1, every block had a
+  gradient, the speculation complete), else the ordinary step.
+- ``zero_grad`` outside a step and a backward that is not the last micro-batch's: any speculation is dropped
+  (a backward never followed by a step leaks nothing).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigError
+from ..names import MOMENTUM_KEY
+from ..sharded.exchange import BufferPool, OwnerExchange
+from ..sharded.overlap import SpeculativeMuon
+
+__all__ = ["OverlapHooks"]
+
+
+class OverlapHooks:
+    """The overlapped Muon step's hooks on DeepSpeed's ZeRO-3 optimizer (see the module docstring).
+
+    Attributes:
+        speculative: the :class:`~ds_muon.sharded.overlap.SpeculativeMuon`, or None (overlap off).
+        overlap_stats: ``{"commits": n, "fallback_clip": n, "fallback_overflow": n, "fallback_no_grad_block": n,
+            "fallback_not_ready": n}`` since construction (all zero with overlap off).
+    """
+
+    speculative: Optional[SpeculativeMuon] = None
+    _overlap_index: dict = {}
+    _overlap_clip: Optional[bool] = None
+
+    def _build_steps(self) -> None:
+        super()._build_steps()
+        self._build_overlap()
+
+    def _overlap_wanted(self) -> bool:
+        """``optimizer.params.overlap_backward``: True runs where the path applies (no optimizer offload, no ZenFlow,
+        Muon sub-groups present; on the CPU inline in backward), "auto" there and only on CUDA (side stream).
+
+        Raises:
+            ConfigError: True with optimizer offload.
+        """
+        setting = getattr(getattr(self.optimizer, "config", None), "overlap_backward", False)
+        if setting is False or not self.muon_steps or getattr(self, "zenflow", False):
+            return False  # ZenFlow rewrites the fp32 gradients in partition's caller: not the gradient speculated on
+        if setting == "auto" and self._device.type != "cuda":
+            return False  # no streams: the work would only move into backward, not overlap it
+        if self.offload_optimizer:
+            if setting is True:
+                raise ConfigError("ds_muon: optimizer.params.overlap_backward is true, but the overlapped Muon step "
+                                  "needs the optimizer state on the accelerator (zero_optimization.offload_optimizer "
+                                  "is set); use \"auto\" or false")
+            return False
+        return True
+
+    def _build_overlap(self) -> None:
+        """Build the speculative step once: on CUDA a side stream and, at W >= 2, a second communicator per
+        partition group (NCCL kernels of one communicator on two streams can deadlock); on the CPU inline on the
+        step's own groups."""
+        if not self._overlap_wanted():
+            return
+        cuda = self._device.type == "cuda"
+        groups: dict = {}
+        exchanges = {}
+        for i, step in self.muon_steps.items():
+            ex = step.exchange
+            group = ex.group
+            if cuda and ex.world_size > 1:
+                ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+                if len(ranks) != dist.get_world_size():  # new_group must be called by every rank for every group
+                    return  # e.g. expert-parallel groups: keep today's step (docs/design.md, "The overlapped step")
+                if ranks not in groups:
+                    groups[ranks] = dist.new_group(list(ranks))
+                group = groups[ranks]
+            exchanges[i] = OwnerExchange(group, ex.exchange_dtype, ex.compute_dtype, ex.device, BufferPool())
+        self._overlap_index = {p.ds_id: (i, k) for i in self.muon_steps for k, p in enumerate(self.fp16_groups[i])}
+        self.speculative = SpeculativeMuon(self.muon_steps, exchanges, torch.cuda.Stream() if cuda else None)
+
+    @property
+    def overlap_stats(self) -> dict:
+        return SpeculativeMuon({}, {}).stats() if self.speculative is None else self.speculative.stats()
+
+    # ---- backward ------------------------------------------------------------------------------
+    def partition_grads(self, params_to_release, grad_partitions):
+        """DeepSpeed's; then on the last micro-batch the Muon parameters passed are final: start every owner-plan
+        bucket now complete (:meth:`~ds_muon.sharded.overlap.SpeculativeMuon.mark_final`)."""
+        buffers = super().partition_grads(params_to_release, grad_partitions)
+        spec = self.speculative
+        if spec is not None:
+            if not self.is_gradient_accumulation_boundary():
+                spec.discard(None)  # an earlier boundary backward never reached a step
+            else:
+                finals = [self._overlap_index[p.ds_id] for p in params_to_release if p.ds_id in self._overlap_index]
+                if finals:
+                    spec.mark_final(finals, self._resident_grad, self._speculative_momentum, self._param_group,
+                                    float(self.loss_scale))
+        return buffers
+
+    def _speculative_momentum(self, i: int) -> Optional[torch.Tensor]:
+        return self.optimizer.state[self._fp32_partition(i)].get(MOMENTUM_KEY)
+
+    def zero_grad(self, *args, **kwargs):
+        """DeepSpeed's; outside a step it also drops any held speculation."""
+        if self.speculative is not None and not self._stepping:
+            self.speculative.discard(None)
+        return super().zero_grad(*args, **kwargs)
+
+    # ---- the step ------------------------------------------------------------------------------
+    def step(self, closure=None):
+        """DeepSpeed's, with the side stream joined first; a speculation left uncommitted (a step skipped for an
+        fp16 overflow) is dropped and counted."""
+        self._overlap_clip = None
+        if self.speculative is not None:
+            self.speculative.join()
+        try:
+            return super().step(closure)
+        finally:
+            if self.speculative is not None:
+                self.speculative.discard("overflow" if self.overflow else "not_ready")
+
+    def _clip_fired(self) -> bool:
+        """Whether DeepSpeed's ``unscale_and_clip_grads`` clips this step: its coefficient
+        ``clamp((norm + 1e-6) / clip_grad, min=1)`` is not 1 (the same expression on the same unscaled global norm;
+        one host sync per step)."""
+        if self._overlap_clip is None:
+            self._overlap_clip = bool(self.clip_grad > 0. and
+                                      (self._global_grad_norm + 1e-6) / self.clip_grad > 1.0)
+        return self._overlap_clip
+
+    def _muon_step(self, i: int) -> None:
+        """The speculation's commit where exact, else the ordinary Muon step (the same no-gradient flags)."""
+        if self.speculative is None:
+            return super()._muon_step(i)
+        fp32, group = self._fp32_partition(i), self._param_group(i)
+        momentum = self._momentum_of(fp32, group, self._momentum_in_memory)
+        had = self._blocks_with_gradient(i)
+        if not self.speculative.commit(i, fp32, fp32.grad, momentum, had, self._clip_fired(), group):
+            self.muon_steps[i].run(fp32, fp32.grad, momentum, had, group)

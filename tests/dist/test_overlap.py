@@ -1,0 +1,176 @@
+"""The overlapped Muon step (``optimizer.params.overlap_backward``, ds_muon/sharded/overlap.py) is exact.
+
+CPU, gloo: no streams, so the speculative step runs inline in the last micro-batch's backward, which tests its
+logic and its exactness (the GPU timing is the benchmark's). Each case trains the parity model with overlap on and
+with overlap off in the same process group and requires the two end states bit for bit equal (weights, momentum,
+AdamW state, step counts); the plain case also checks the oracle at test_zero3_parity.py's tolerances. The
+fallback counters say which path ran: clipping that fires on every step must fall back on every Muon sub-group
+step, clipping that never fires must commit the speculation. One process group per world size runs every case.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.support.harness import (PARITY_RTOL, build_engine, clone_tags, compare, ds_config, gathered_params,
+                                   reference_model, resume_phase, state_snapshot, train_engine, train_reference)
+from tests.support.spawn import run_distributed
+
+STEPS = 4
+
+CASES = [
+    {"name": "plain", "oracle": True},
+    {"name": "gas2", "gas": 2},
+    {"name": "bf16", "bf16": True, "params": {"ns_dtype": "bfloat16", "exchange_dtype": "bfloat16"}},
+    {"name": "clip_every_step", "clip": 1e-4},
+    {"name": "clip_never", "clip": 1e6},
+    {"name": "no_nesterov", "params": {"nesterov": False}},
+    {"name": "small_buckets", "params": {"exchange_bucket_mb": 1e-4}},
+    # many ipg flushes (partition_grads calls) and several sub-groups; the all-reduce path of DeepSpeed
+    {"name": "small_ipg_subgroups", "zero": {"reduce_bucket_size": 100, "sub_group_size": 500}},
+    {"name": "allreduce_gas2_clip", "gas": 2, "clip": 0.5,
+     "zero": {"reduce_scatter": False, "contiguous_gradients": False, "overlap_comm": True}},
+]
+
+
+def _train(rank: int, case: dict, overlap: bool, steps: int = STEPS):
+    cfg = ds_config(gas=case.get("gas", 1), clip=case.get("clip", 0.0), **case.get("zero", {}))
+    cfg["optimizer"]["params"].update(case.get("params", {}), overlap_backward=overlap)
+    if case.get("bf16"):
+        cfg["bf16"] = {"enabled": True}
+    torch.manual_seed(0)
+    engine, model = build_engine(cfg)
+    init, tags = gathered_params(model), clone_tags(model)
+    train_engine(engine, steps, rank, case.get("gas", 1))
+    state = state_snapshot(engine)
+    stats = dict(engine.optimizer.overlap_stats)
+    got = gathered_params(model)
+    engine.destroy()
+    return state, stats, init, tags, got, cfg
+
+
+def _cases(rank: int, world_size: int, ckpt_root: str) -> dict:
+    import ds_muon
+    from tests.support.harness import assert_same_state
+    out = {}
+    for case in CASES:
+        on, stats, init, tags, got, cfg = _train(rank, case, True)
+        off, off_stats, *_ = _train(rank, case, False)
+        assert_same_state(on, off, f"{case['name']} W={world_size}")
+        out[case["name"]] = {"stats": stats, "off_stats": off_stats}
+        if case.get("oracle") and rank == 0:
+            ref = reference_model(init, tags)
+            opt = ds_muon.MuonAdamW(ref.parameters(), **{k: v for k, v in cfg["optimizer"]["params"].items()
+                                                         if k != "overlap_backward"})
+            train_reference(ref, opt, STEPS, world_size, case.get("gas", 1), case.get("clip", 0.0))
+            out[case["name"]]["errors"] = compare(got, {n: p.detach() for n, p in ref.named_parameters()}, init)
+    # resume: save after 2 steps with overlap on, load into a fresh overlapped engine, 2 more steps == continuous
+    cfg = ds_config()
+    cfg["optimizer"]["params"]["overlap_backward"] = True
+    ckpt = os.path.join(ckpt_root, "resume")
+    snaps = {}
+    for mode in ("continuous", "save", "load"):
+        torch.manual_seed(0)
+        engine, _ = build_engine(cfg)
+        snaps[mode] = resume_phase(engine, rank, mode, ckpt, "t", 2, STEPS, 1, state_snapshot)
+        snaps[mode + "_stats"] = dict(engine.optimizer.overlap_stats)
+        engine.destroy()
+    assert_same_state(snaps["load"][1], snaps["continuous"], f"resume W={world_size}")
+    out["resume"] = {"stats": snaps["load_stats"]}
+    # a boundary backward never followed by a step (evaluation) leaves nothing behind: the next window is exact
+    from tests.support.models import batch, use_extra
+    on_off = []
+    for overlap in (True, False):
+        torch.manual_seed(0)
+        engine, _ = build_engine({**cfg, "optimizer": {"type": "Muon", "params": {**cfg["optimizer"]["params"],
+                                                                                  "overlap_backward": overlap}}})
+        tokens, targets = batch(99, rank, 0)
+        engine.backward(engine(tokens, targets, True))  # no step
+        engine.optimizer.zero_grad()
+        train_engine(engine, 2, rank, 1)
+        on_off.append(state_snapshot(engine))
+        out.setdefault("eval_stats", dict(engine.optimizer.overlap_stats))
+        engine.destroy()
+    assert_same_state(on_off[0], on_off[1], f"backward without step W={world_size}")
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_overlap_exact(world_size, tmp_path):
+    results = run_distributed(_cases, world_size, str(tmp_path), timeout=900)
+    r = results[0]
+    # which path ran: every case has two Muon-step kinds of window (the parity model's `extra` layer has no
+    # gradient on odd steps, so its sub-group cannot be speculated there)
+    assert r["plain"]["stats"]["commits"] > 0, r["plain"]["stats"]
+    assert r["plain"]["off_stats"]["commits"] == 0
+    assert r["clip_never"]["stats"]["commits"] > 0 and r["clip_never"]["stats"]["fallback_clip"] == 0, r["clip_never"]
+    every = r["clip_every_step"]["stats"]
+    assert every["commits"] == 0 and every["fallback_clip"] > 0, every
+    for name in ("gas2", "bf16", "no_nesterov", "small_buckets", "small_ipg_subgroups", "resume"):
+        assert r[name]["stats"]["commits"] > 0, (name, r[name])
+    assert r["eval_stats"]["commits"] > 0, r["eval_stats"]
+    for pname, err in r["plain"]["errors"].items():  # test_zero3_parity.py's tolerances
+        assert err["rel"] <= PARITY_RTOL, f"{pname} rel error {err['rel']:.2e}"
+        if err["moved"] > 0:
+            assert err["rel_update"] <= 1e-3, f"{pname} update rel error {err['rel_update']:.2e}"
+    # every rank took the same path
+    assert all(x["plain"]["stats"] == r["plain"]["stats"] for x in results)
+
+
+def _fp16_overflow(rank: int, world_size: int) -> dict:
+    """fp16, dynamic loss scale, step 2's loss times NaN (skipped): overlap on and off end bit for bit equal, and
+    the skipped step's speculation is dropped (counted as an overflow fallback)."""
+    from tests.support.harness import assert_same_state
+    from tests.support.models import batch, use_extra
+    states, stats = [], []
+    for overlap in (True, False):
+        cfg = ds_config()
+        cfg["optimizer"]["params"]["overlap_backward"] = overlap
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
+        torch.manual_seed(0)
+        engine, _ = build_engine(cfg)
+        for step in range(4):
+            tokens, targets = batch(step, rank, 0)
+            loss = engine(tokens, targets, use_extra(step))
+            engine.backward(loss * float("nan") if step == 2 else loss)
+            engine.step()
+        states.append(state_snapshot(engine))
+        stats.append(dict(engine.optimizer.overlap_stats))
+        engine.destroy()
+    assert_same_state(states[0], states[1], f"fp16 overflow W={world_size}")
+    return stats[0]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_overlap_fp16_overflow(world_size):
+    from tests.support.precision import FP16_SKIP, fp16_supported
+    if not fp16_supported():
+        pytest.skip(FP16_SKIP)
+    stats = run_distributed(_fp16_overflow, world_size, timeout=600)[0]
+    assert stats["fallback_overflow"] > 0 and stats["commits"] > 0, stats
+
+
+def _offload(rank: int, world_size: int) -> dict:
+    """CPU optimizer offload keeps today's step: "auto" builds no speculative step; true is refused."""
+    from ds_muon.errors import ConfigError
+    out = {}
+    for setting in ("auto", True):  # "auto" is off on the CPU anyway; offload must keep it off on CUDA too
+        cfg = ds_config(offload_optimizer={"device": "cpu"})
+        cfg["optimizer"]["params"]["overlap_backward"] = setting
+        try:
+            engine, _ = build_engine(cfg)
+        except ConfigError as exc:
+            out[str(setting)] = str(exc)
+            continue
+        train_engine(engine, 1, rank, 1)
+        out[str(setting)] = engine.optimizer.speculative
+        engine.destroy()
+    return out
+
+
+def test_overlap_offload_keeps_todays_step():
+    out = run_distributed(_offload, 1, timeout=600)[0]
+    assert out["auto"] is None, out
+    assert "overlap_backward is true" in out["True"] and "offload_optimizer" in out["True"], out
