@@ -83,7 +83,9 @@ def parse_arm(spec: str) -> tuple[str, dict]:
 def bench_options(spec: str) -> dict:
     """The arm's benchmark options (keys ``bench.*`` of its overrides, not ZeRO keys): ``bench.gc_freeze=true``
     runs ``gc.collect(); gc.freeze()`` in the worker after the warm-up steps (a diagnostic: how much of fwd+bwd is
-    Python's cyclic garbage collector walking long-lived objects, such as the ones torch.compile leaves)."""
+    Python's cyclic garbage collector walking long-lived objects, such as the ones torch.compile leaves);
+    ``bench.clip=X`` sets ``gradient_clipping`` to X (default 1.0; 0 turns clipping off: the regime where the
+    overlapped Muon step commits what it speculated)."""
     return {k[len("bench."):]: v for k, v in parse_arm(spec)[1].items() if k.startswith("bench.")}
 
 
@@ -105,13 +107,14 @@ def ds_config(kind: str, micro_batch: int, stage: int = 3) -> dict:
     """The DeepSpeed config of an arm (``kind``: an optimizer of ``OPTIMIZERS``, or an arm spec with
     ``zero_optimization`` overrides, :func:`parse_arm`)."""
     kind, zero = parse_arm(kind)
+    clip = zero.get("bench.clip", 1.0)
     zero = {k: v for k, v in zero.items() if not k.startswith("bench.")}
     # The built-in refuses reduce_scatter with Muon at stage 3 ("Muon and reduce scatter cannot be used together");
     # at stages 1/2 it takes it.
     cfg = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
+        "gradient_clipping": clip,
         "bf16": {"enabled": True},
         "steps_per_print": 1_000_000,
         "zero_optimization": {"stage": stage, "overlap_comm": True,
