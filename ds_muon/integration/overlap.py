@@ -48,7 +48,13 @@ class OverlapHooks:
         super()._build_steps()
         self._build_overlap()
 
-    def _overlap_wanted(self) -> bool:
+    def _bucket_order(self) -> str:
+        """``"reverse"`` where the overlapped step will run: a bucket then holds consecutive layers in the order
+        ZeRO-3 finalizes their gradients in backward, so the first bucket starts while the rest of backward runs
+        (with ``"cost"`` every bucket mixes all layers and is complete only when backward ends)."""
+        return "reverse" if self._overlap_wanted(plans_built=False) else super()._bucket_order()
+
+    def _overlap_wanted(self, plans_built: bool = True) -> bool:
         """``optimizer.params.overlap_backward``: True runs where the path applies (no optimizer offload, no ZenFlow,
         Muon sub-groups present; on the CPU inline in backward), "auto" there and only on CUDA (side stream).
 
@@ -56,7 +62,7 @@ class OverlapHooks:
             ConfigError: True with optimizer offload.
         """
         setting = getattr(getattr(self.optimizer, "config", None), "overlap_backward", False)
-        if setting is False or not self.muon_steps or getattr(self, "zenflow", False):
+        if setting is False or (plans_built and not self.muon_steps) or getattr(self, "zenflow", False):
             return False  # ZenFlow rewrites the fp32 gradients in partition's caller: not the gradient speculated on
         if setting == "auto" and self._device.type != "cuda":
             return False  # no streams: the work would only move into backward, not overlap it

@@ -178,7 +178,7 @@ class DsMuonZeroSteps:
         wire = resolve_exchange_dtype(group["exchange_dtype"], compute)
         bucket_elements = max(1, int(cfg.exchange_bucket_mb * 2**20) // wire.itemsize)
         plan = build_bucketed_plan(infos, world_size, bucket_elements, group["ns_steps"], group["ns_method"],
-                                   shard_numel=shard_numel)
+                                   shard_numel=shard_numel, order=self._bucket_order())
         exchange = OwnerExchange(process_group, wire, compute, self._device, self._pool)
         elementwise = use_compiled_elementwise(cfg.elementwise_compile, cfg.ns_compile,
                                                torch.device("cpu") if self._offloaded() else self._device)
@@ -187,6 +187,11 @@ class DsMuonZeroSteps:
         if exchange.rank == 0:
             logger.info("ds_muon %s: %s", name, plan.describe())
         return step
+
+    def _bucket_order(self) -> str:
+        """How the owner plans group matrices into exchange buckets (:func:`ds_muon.sharded.ownership.build_bucketed_plan`):
+        ``"cost"`` for the step after backward; the overlapped step asks for ``"reverse"``."""
+        return "cost"
 
     def _check_plans_agree(self) -> None:
         """Every rank built the same owner plans (:func:`ds_muon.sharded.plan_check.check_plans_agree`: one

@@ -425,20 +425,33 @@ class BucketedPlan:
 
 def build_bucketed_plan(params: Sequence[ParamInfo], world_size: int, bucket_elements: int, ns_steps: int = 5,
                         ns_method: str = "standard", policy: str = "lpt",
-                        shard_numel: Optional[int] = None) -> BucketedPlan:
+                        shard_numel: Optional[int] = None, order: str = "cost") -> BucketedPlan:
     """:func:`build_plan`, then cut into exchange buckets of at most ``bucket_elements`` matrix elements.
 
+    Args:
+        order: which matrices share a bucket. ``"cost"``: the owners' matrices, largest Newton–Schulz cost first,
+            interleaved over the owners (every bucket has work for every owner; the step after backward).
+        ``"reverse"``: the parameters in reverse order, the order ZeRO-3 finalizes their gradients in backward, so
+            that a bucket is complete as soon as its layers are reduced (the overlapped step,
+            :mod:`ds_muon.sharded.overlap`). The owners (LPT) and the bytes sent are the same either way.
+
     Raises:
-        ValueError: as :func:`build_plan`, or ``bucket_elements < 1``.
+        ValueError: as :func:`build_plan`, ``bucket_elements < 1`` or an unknown ``order``.
     """
     _check(world_size, policy)
     if bucket_elements < 1:
         raise ValueError(f"bucket_elements must be >= 1, got {bucket_elements}")
+    if order not in ("cost", "reverse"):
+        raise ValueError(f"order must be 'cost' or 'reverse', got {order!r}")
     infos, shard_numel = _infos(params, world_size, ns_steps, ns_method, shard_numel)
     owners = _assign_owners(infos, world_size, policy)
-    per_owner = [sorted((t for t in infos if owners[t.index] == r), key=lambda t: (-t.cost, t.index))
-                 for r in range(world_size)]
-    interleaved = [q[k] for k in range(max((len(q) for q in per_owner), default=0)) for q in per_owner if k < len(q)]
+    if order == "reverse":
+        interleaved = sorted(infos, key=lambda t: -t.index)
+    else:
+        per_owner = [sorted((t for t in infos if owners[t.index] == r), key=lambda t: (-t.cost, t.index))
+                     for r in range(world_size)]
+        interleaved = [q[k] for k in range(max((len(q) for q in per_owner), default=0)) for q in per_owner
+                       if k < len(q)]
     buckets, current, size = [], [], 0
     for t in interleaved:
         numel = t.param.numel

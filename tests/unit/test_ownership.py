@@ -288,6 +288,23 @@ def test_bucketed_plan_covers_every_matrix_once_within_bound(world_size, bucket_
         2 * (world_size - 1) * sum(s.chunk for s in whole.slots)
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_reverse_order_buckets_follow_backward(world_size):
+    """order="reverse" (the overlapped step): buckets hold the parameters last to first, as ZeRO-3 finalizes their
+    gradients in backward, each bucket a run of consecutive parameters; owners and bytes are those of "cost"."""
+    params = _mixed_params()
+    rev = build_bucketed_plan(params, world_size, 1500, order="reverse")
+    cost = build_bucketed_plan(params, world_size, 1500)
+    runs = [sorted(s.index for s in b.slots) for b in rev.buckets]
+    assert all(r == list(range(r[0], r[-1] + 1)) for r in runs), runs  # each bucket: consecutive parameters
+    assert [i for r in runs for i in reversed(r)] == list(range(len(params)))[::-1], runs  # last to first
+    assert len(runs) > 1
+    assert {s.index: s.owner for s in rev.slots} == {s.index: s.owner for s in cost.slots}
+    assert [rev.sent_elements(r) for r in range(world_size)] == [cost.sent_elements(r) for r in range(world_size)]
+    with pytest.raises(ValueError, match="order"):
+        build_bucketed_plan(params, world_size, 1500, order="forward")
+
+
 def test_buckets_interleave_owners():
     params = [ParamInfo(f"p{i}", (32, 32), 1024) for i in range(8)]
     plan = build_bucketed_plan(params, 4, bucket_elements=4096)
