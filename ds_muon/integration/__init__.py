@@ -11,6 +11,6 @@ name used and the releases it was checked against.
 """
 from __future__ import annotations
 
-from .hooks import AUTO_NOTICE, auto_enable, disable, enable, enabled, initialize, is_enabled
+from .hooks import AUTO_NOTICE, auto_enable, disable, enable, enable_scope, enabled, initialize, is_enabled
 
-__all__ = ["initialize", "enable", "disable", "enabled", "is_enabled", "auto_enable", "AUTO_NOTICE"]
+__all__ = ["initialize", "enable", "disable", "enable_scope", "is_enabled", "enabled", "auto_enable", "AUTO_NOTICE"]

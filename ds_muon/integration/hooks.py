@@ -409,13 +409,23 @@ def is_enabled() -> bool:
 
 
 @contextlib.contextmanager
-def enabled() -> Iterator[None]:
-    """``with ds_muon.enabled(): ...`` -- :func:`enable` for the duration of the block."""
+def enable_scope() -> Iterator[None]:
+    """``with ds_muon.enable_scope(): ...`` -- :func:`enable` for the duration of the block (:func:`disable` at its
+    end, also on an exception); nests like :func:`enable`. Whether ds_muon is enabled: :func:`is_enabled`."""
     enable()
     try:
         yield
     finally:
         disable()
+
+
+def enabled() -> contextlib.AbstractContextManager:
+    """Deprecated alias of :func:`enable_scope` (its name read as a predicate; the predicate is :func:`is_enabled`).
+
+    Warns with a ``DeprecationWarning`` and returns :func:`enable_scope`'s context manager."""
+    warnings.warn("ds_muon.enabled() is deprecated: use ds_muon.enable_scope() (the context manager) or "
+                  "ds_muon.is_enabled() (the predicate)", DeprecationWarning, stacklevel=2)
+    return enable_scope()
 
 
 def _find_config(args: Any, kwargs: dict) -> Any:
@@ -434,7 +444,7 @@ def initialize(args: Any = None, model=None, *rest: Any, **kwargs: Any):
     the key and the allowed values) before DeepSpeed allocates anything.
     """
     config = _find_config(args, kwargs)
-    with enabled(), validated_once(load_ds_config(config) if config is not None else None):
+    with enable_scope(), validated_once(load_ds_config(config) if config is not None else None):
         return deepspeed.initialize(args, model, *rest, **kwargs)
 
 

@@ -106,6 +106,40 @@ def test_hf_auto_placeholder_gets_a_hint():
     assert "Hugging Face" in msg
 
 
+@pytest.mark.parametrize("key", ["update_scale", "adjust_lr_fn"])
+@pytest.mark.parametrize("value,meaning", [("shape", "shape"), ("rms_match", "rms_match"), ("original", "shape"),
+                                           ("match_rms_adamw", "rms_match")])
+def test_update_scale_takes_torchs_adjust_lr_fn_names(key, value, meaning):
+    """torch.optim.Muon's and torchtitan's adjust_lr_fn ("original", "match_rms_adamw") are aliases of update_scale
+    ("shape", "rms_match"), key and values, read as ds_muon's names; in the committed JSON Schema too."""
+    assert parse_muon_params({key: value}).update_scale == meaning
+    assert parse_muon_params({key: value}).muon_group_defaults()["update_scale"] == meaning
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate({key: value}, json.loads((SCHEMA_DIR / PARAMS_SCHEMA_FILE).read_text(encoding="utf-8")))
+
+
+def test_update_scale_and_adjust_lr_fn_together_or_unknown_value_is_an_error():
+    msg = params_error({"update_scale": "shape", "adjust_lr_fn": "original"})
+    assert "optimizer.params.adjust_lr_fn" in msg and "both 'update_scale' and its alias 'adjust_lr_fn'" in msg
+    msg = params_error({"adjust_lr_fn": "match_rms"})
+    assert "optimizer.params.adjust_lr_fn: 'match_rms' is invalid" in msg
+    assert "'shape', 'rms_match', 'original', 'match_rms_adamw'" in msg, msg
+    schema = json.loads((SCHEMA_DIR / PARAMS_SCHEMA_FILE).read_text(encoding="utf-8"))
+    jsonschema = pytest.importorskip("jsonschema")
+    for bad in ({"update_scale": "shape", "adjust_lr_fn": "original"}, {"adjust_lr_fn": "match_rms"}):
+        assert list(jsonschema.Draft202012Validator(schema).iter_errors(bad)), bad
+
+
+def test_exchange_bucket_mb_says_mib_not_elements():
+    """exchange_bucket_mb is MiB, where DeepSpeed's *_bucket_size keys count elements: a value copied from
+    reduce_bucket_size (5e8 elements) is refused with a message that says so; the description says it too."""
+    msg = params_error({"exchange_bucket_mb": 5e8})
+    assert "optimizer.params.exchange_bucket_mb: 500000000.0 is invalid" in msg
+    assert "MiB, not elements" in msg and "*_bucket_size keys count elements" in msg, msg
+    description = MuonOptimizerParams.model_fields["exchange_bucket_mb"].description
+    assert "MiB" in description and "not elements" in description and "reduce_bucket_size" in description
+
+
 def test_betas_and_alias_together_is_an_error():
     msg = params_error({"betas": [0.9, 0.99], "adam_betas": [0.9, 0.95]})
     assert "optimizer.params.adam_betas" in msg
@@ -323,7 +357,7 @@ def test_committed_schemas_match_the_models():
 
 def test_schema_covers_every_field_and_alias():
     props = muon_params_schema()["properties"]
-    assert set(MuonOptimizerParams.model_fields) | {"adam_betas", "adam_eps"} == set(props)
+    assert set(MuonOptimizerParams.model_fields) | {"adam_betas", "adam_eps", "adjust_lr_fn"} == set(props)
     assert ds_config_schema()["$defs"]["MuonOptimizerParams"]["properties"] == props
 
 
