@@ -11,6 +11,10 @@ name used and the releases it was checked against.
 """
 from __future__ import annotations
 
-from .hooks import AUTO_NOTICE, auto_enable, disable, enable, enable_scope, enabled, initialize, is_enabled
+from .deepspeed_version import require_supported_deepspeed
+
+require_supported_deepspeed()  # an unsupported DeepSpeed: DeepSpeedVersionError here, not an AttributeError later
+
+from .hooks import AUTO_NOTICE, auto_enable, disable, enable, enable_scope, enabled, initialize, is_enabled  # noqa: E402
 
 __all__ = ["initialize", "enable", "disable", "enable_scope", "is_enabled", "enabled", "auto_enable", "AUTO_NOTICE"]

@@ -69,6 +69,7 @@ from ..model.param_groups import check_zero3_parameters, split_param_groups
 from ..model.selection import NO_MUON_WARNING, SelectionRules, tag_model
 from .autoep import engine_problem, transformers_problem
 from .checkpoint_hooks import install_load_checks
+from .deepspeed_version import require_supported_deepspeed
 from .frameworks import ZERO_STAGE_FIX, detect_framework, for_framework
 from .inner import DsMuonInner, FlatPartitionInner, ZeroAdamMiniInner, ZeroMuonInner
 from .parallelism import mpu_problem, qk_clip_sp_problem, sequence_parallel_size
@@ -205,8 +206,8 @@ def _engine_problem(engine: DeepSpeedEngine) -> tuple[Optional[str], bool]:
     use_instead = "Use stacked expert weights instead (e.g. a Hugging Face MoE model: each expert is a Muon matrix)"
     if native and engine.zero_optimization_stage() == 3:
         return (f"the model holds DeepSpeed's native MoE layers ({native[0]!r}{', ...' if len(native) > 1 else ''}), "
-                "which DeepSpeed 0.19.8 does not support with ZeRO stage 3 (\"Native DeepSpeed MoE is not supported "
-                f"with ZeRO Stage 3. Use AutoEP or choose ZeRO stage 1/2.\"). {use_instead}", False)
+                f"which DeepSpeed {deepspeed_version()} does not support with ZeRO stage 3 (\"Native DeepSpeed MoE is "
+                f"not supported with ZeRO Stage 3. Use AutoEP or choose ZeRO stage 1/2.\"). {use_instead}", False)
     if native:
         return (f"the model holds DeepSpeed's native MoE layers ({native[0]!r}{', ...' if len(native) > 1 else ''}), "
                 "whose expert-parallel partitions ds_muon does not serve yet (not parity-tested). "
@@ -338,13 +339,16 @@ def enable() -> None:
     uses ds_muon.
 
     For frameworks that call ``deepspeed.initialize`` themselves (HF Trainer, Accelerate). Other
-    configs are untouched. Calls nest: each ``enable()`` needs its ``disable()``. Also registers
+    configs are untouched. Calls nest: each ``enable()`` needs its ``disable()``. Raises
+    :class:`~ds_muon.errors.DeepSpeedVersionError` (patching nothing) where the installed DeepSpeed is outside
+    :data:`ds_muon.errors.SUPPORTED_DEEPSPEED`. Also registers
     ``attn_implementation="ds_muon_sdpa"`` (:func:`ds_muon.model.hf_attention.register_attention`; not undone
     by :func:`disable`): at once when transformers' modeling code (``transformers.modeling_utils``) is
     already imported, else right after its import. ``enable()`` never imports transformers itself
     (``import deepspeed`` runs it, from the start-up hook).
     """
     global _depth
+    require_supported_deepspeed()  # DeepSpeedVersionError naming the supported range, before anything is patched
     after_import("transformers.modeling_utils", _register_attention)
     after_import(FALCON_MODULE, _guard_falcon)
     with _lock:
@@ -441,7 +445,8 @@ def initialize(args: Any = None, model=None, *rest: Any, **kwargs: Any):
     Same signature and return value as ``deepspeed.initialize``:
     ``(engine, optimizer, training_dataloader, lr_scheduler)``. The config is validated first (once: the
     engine hooks reuse the result), so a bad key or value raises :class:`ds_muon.errors.ConfigError` (naming
-    the key and the allowed values) before DeepSpeed allocates anything.
+    the key and the allowed values) before DeepSpeed allocates anything; a DeepSpeed outside
+    :data:`ds_muon.errors.SUPPORTED_DEEPSPEED` raises :class:`ds_muon.errors.DeepSpeedVersionError` first.
     """
     config = _find_config(args, kwargs)
     with enable_scope(), validated_once(load_ds_config(config) if config is not None else None):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import subprocess
 import sys
 import warnings
@@ -13,11 +14,14 @@ import pytest
 from tests.support.tools import REPO  # noqa: E402
 
 from ds_muon.config import ConfigError, MuonOptimizerParams, load_ds_config, parse_muon_params  # noqa: E402
+from ds_muon.config.sections import deepspeed_version  # noqa: E402
 from ds_muon.config.schema import (DS_CONFIG_SCHEMA_FILE, PARAMS_SCHEMA_FILE, check_schemas, ds_config_schema,  # noqa: E402
                                    main as schema_main, muon_params_schema, render, write_schemas)
 from ds_muon.integration.validation import validate as validate_ds_config  # noqa: E402
 
 SCHEMA_DIR = REPO / "ds_config_schemas"
+#: the installed DeepSpeed's version as a regex: messages about DeepSpeed's behaviour name the release they describe
+DS_VERSION = re.escape(deepspeed_version())
 EXAMPLES = sorted((REPO / "examples").glob("ds_config_*.json"))
 
 
@@ -479,14 +483,14 @@ def test_nvme_parameter_offload_is_refused(tmp_path):
 
 @pytest.mark.parametrize("mutate, match", [
     (lambda c: c["zero_optimization"].update(offload_optimizer={"device": "cpu", "ratio": 0.5}),
-     r"offload_optimizer\.ratio: 0\.5 is invalid: DeepSpeed 0\.19\.8's ZeRO-3 partial optimizer offload runs only "
+     rf"offload_optimizer\.ratio: 0\.5 is invalid: DeepSpeed {DS_VERSION}'s ZeRO-3 partial optimizer offload runs only "
      r"with DeepSpeedCPUAdam.*remove ratio"),
     (lambda c: c.update(tensor_parallel={"autotp_size": 2}),
      r"tensor_parallel\.autotp_size: 2 with ZeRO stage 3 is not served by ds_muon yet.*stages 1 and 2.*set "
      r"zero_optimization\.stage to 1 or 2, or autotp_size to 1"),
     (lambda c: c["zero_optimization"].update(zenflow={"topk_ratio": 0.1}), r"zero_optimization\.zenflow"),
     (lambda c: c["zero_optimization"].update(offload_optimizer={"device": "cpu", "super_offload": True}),
-     r"offload_optimizer\.super_offload: true is invalid: DeepSpeed 0\.19\.8's SuperOffload.*no Muon step"),
+     rf"offload_optimizer\.super_offload: true is invalid: DeepSpeed {DS_VERSION}'s SuperOffload.*no Muon step"),
 ], ids=["partial-offload", "autotp", "zenflow", "super-offload"])
 def test_unsupported_combinations_are_named(mutate, match):
     cfg = muon_config()
