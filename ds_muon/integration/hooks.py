@@ -11,9 +11,9 @@ DeepSpeed hooks used (checked against deepspeed 0.19.8; docs/design.md, "Where D
   call refuses AutoEP with a transformers DeepSpeed's AutoEP cannot use
   (:func:`ds_muon.integration.autoep.transformers_problem`).
 * ``DeepSpeedEngine._configure_basic_optimizer`` builds the inner optimizer from the config.
-  For ``"Muon"`` ds_muon builds :class:`~ds_muon.integration.inner.ZeroMuonInner` at stage 3 and
-  :class:`~ds_muon.integration.inner.FlatPartitionInner` at stages 1/2 (not DeepSpeed's ``MuonWithAuxAdam``,
-  so the built-in Muon paths stay off), for ``"AdamMini"`` :class:`~ds_muon.integration.inner.ZeroAdamMiniInner`.
+  For ``"Muon"`` ds_muon builds :class:`~ds_muon.integration.inner.ZeroMuonInner` (not DeepSpeed's
+  ``MuonWithAuxAdam``, so the built-in ZeRO-3 Muon path stays off; at stages 1/2 ds_muon's ZeRO optimizer keeps
+  DeepSpeed's own Muon path off: :class:`~ds_muon.integration.builtin_muon.BuiltinMuonSwitch`), for ``"AdamMini"`` :class:`~ds_muon.integration.inner.ZeroAdamMiniInner`.
 * ``DeepSpeedEngine._configure_zero_optimizer`` builds the ZeRO optimizer: at stage 3 from
   ``deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3`` (imported function-locally), at stages 1/2
   from ``deepspeed.runtime.engine.DeepSpeedZeroOptimizer``. For the duration of that call only, and only when
@@ -71,7 +71,7 @@ from .autoep import engine_problem, transformers_problem
 from .checkpoint_hooks import install_load_checks
 from .deepspeed_version import require_supported_deepspeed
 from .frameworks import ZERO_STAGE_FIX, detect_framework, for_framework
-from .inner import DsMuonInner, FlatPartitionInner, ZeroAdamMiniInner, ZeroMuonInner
+from .inner import DsMuonInner, ZeroAdamMiniInner, ZeroMuonInner
 from .parallelism import mpu_problem, qk_clip_sp_problem, sequence_parallel_size
 from .schedulers import GroupRatioScheduler, broadcasts_one_lr
 from .validation import client_muon_problem, hand_over, is_parsed, parsed_config, validated_once
@@ -93,7 +93,7 @@ HANDOVER_NOTICE = ("ds_muon: this \"type\": \"Muon\" config runs DeepSpeed's bui
                    "because ds_muon does not serve it: {reasons}. (ds_muon was activated automatically because it is "
                    "installed; set DS_MUON=0 to silence this line; through ds_muon.initialize this is an error.)")
 #: The inner optimizers ds_muon builds (DeepSpeed asks for zero_allow_untested_optimizer for any other type).
-INNER_TYPES = (ZeroMuonInner, FlatPartitionInner, ZeroAdamMiniInner)
+INNER_TYPES = (ZeroMuonInner, ZeroAdamMiniInner)
 
 
 def _is_rank0() -> bool:
@@ -243,8 +243,7 @@ def _configure_basic_optimizer(self: DeepSpeedEngine, model_parameters):
         return ZeroAdamMiniInner(groups, adamw_factory, cfg.params)
     groups = split_param_groups(model_parameters, cfg.params.muon_group_defaults(), cfg.params.adamw_group_defaults(),
                                 decay_norms_and_biases=cfg.params.decay_norms_and_biases)
-    inner = ZeroMuonInner if self.zero_optimization_stage() == 3 else FlatPartitionInner
-    return inner(groups, adamw_factory, cfg.params)
+    return ZeroMuonInner(groups, adamw_factory, cfg.params)
 
 
 def _do_optimizer_sanity_check(self: DeepSpeedEngine, basic_optimizer):

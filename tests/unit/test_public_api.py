@@ -75,3 +75,16 @@ def test_exports_are_consistent_and_old_names_still_work():
     with scope:
         assert ds_muon.is_enabled()
     assert not ds_muon.is_enabled()
+
+
+def test_flat_partition_inner_is_a_deprecated_name_of_zero_muon_inner():
+    """The ZeRO-1/2 inner optimizer was FlatPartitionInner (a name without "muon", to keep DeepSpeed's own ZeRO-1/2 Muon
+    path off); ZeroMuonInner serves every stage now (the path is switched off by BuiltinMuonSwitch) and the old name
+    still imports, with a DeprecationWarning."""
+    from ds_muon.integration import inner
+    from ds_muon.integration.builtin_muon import BuiltinMuonSwitch
+    from ds_muon.integration.zero12 import MuonZero12Optimizer
+    with pytest.deprecated_call(match="FlatPartitionInner is deprecated: ZeroMuonInner"):
+        assert inner.FlatPartitionInner is inner.ZeroMuonInner
+    assert "muon" in inner.ZeroMuonInner.__name__.lower()
+    assert issubclass(MuonZero12Optimizer, BuiltinMuonSwitch) and MuonZero12Optimizer.builtin_muon is False
