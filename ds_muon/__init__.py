@@ -7,10 +7,15 @@ hook (``ds_muon_autoload.pth``, see :mod:`ds_muon._autoload`) enables it when a 
 
 * ``ds_muon.initialize(...)`` -- same signature and return value as ``deepspeed.initialize``;
 * ``ds_muon.enable()`` / ``ds_muon.disable()`` -- for frameworks (HF Trainer, Accelerate) that call
-  ``deepspeed.initialize`` themselves.
+  ``deepspeed.initialize`` themselves; ``with ds_muon.enable_scope(): ...`` for one block;
+  ``ds_muon.is_enabled()`` says whether it is in effect.
 
 The single-device reference optimizers are ``ds_muon.MuonAdamW`` and ``ds_muon.AdamMini``;
-the ZeRO-3 optimizer class is ``ds_muon.MuonZeroOptimizer``. docs/design.md maps the package.
+the ZeRO optimizer classes are ``ds_muon.MuonZeroOptimizer`` (stage 3) and ``ds_muon.MuonZero12Optimizer``
+(stages 1 and 2). docs/design.md maps the package.
+
+Deprecated (still working, with a ``DeprecationWarning`` when called): ``ds_muon.enabled()``, the old name of
+``enable_scope()``.
 """
 from __future__ import annotations
 
@@ -24,8 +29,11 @@ _LAZY = {
     "initialize": "ds_muon.integration",
     "enable": "ds_muon.integration",
     "disable": "ds_muon.integration",
-    "enabled": "ds_muon.integration",
+    "enable_scope": "ds_muon.integration",
+    "is_enabled": "ds_muon.integration",
+    "enabled": "ds_muon.integration",  # deprecated: enable_scope
     "MuonZeroOptimizer": "ds_muon.integration.zero3",
+    "MuonZero12Optimizer": "ds_muon.integration.zero12",
     "MuonOptimizerParams": "ds_muon.config",
     "ConfigError": "ds_muon.errors",
     "CheckpointError": "ds_muon.errors",

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Iterable, Optional, Union
 
-#: ds_muon's supported DeepSpeed releases: pyproject.toml's pin (a test checks they agree).
-SUPPORTED_DEEPSPEED = ">=0.18.9,<0.20"
+#: ds_muon's supported DeepSpeed releases: pyproject.toml's pin (a test checks they agree); outside it the
+#: integration layer raises DeepSpeedVersionError (ds_muon.integration.deepspeed_version says what was measured).
+SUPPORTED_DEEPSPEED = ">=0.19.8,<0.20"
 _MAX_CHECKPOINT_LINES = 25
 
 
@@ -74,6 +75,7 @@ class NvmeSwapError(RuntimeError):
 
 
 class DeepSpeedVersionError(RuntimeError):
-    """The installed DeepSpeed lacks an attribute ds_muon relies on (a release outside
-    :data:`SUPPORTED_DEEPSPEED` renamed or removed it); the message names the attribute, its owner,
-    the installed version and the supported range."""
+    """The installed DeepSpeed is outside :data:`SUPPORTED_DEEPSPEED` (raised when the integration layer is
+    imported, and by ``ds_muon.enable``/``ds_muon.initialize``), or lacks an attribute ds_muon relies on (a
+    release that renamed or removed it); the message names the installed version, the supported range and the
+    fix (and the attribute and its owner where one is missing)."""

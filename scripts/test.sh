@@ -46,7 +46,7 @@ if [[ ! -e /usr/include/libaio.h ]]; then
     fi
 fi
 echo ">> installing ds_muon (pip install -e .[test])"
-python -m pip install -q -U "setuptools>=70.1" wheel  # tests/e2e/test_autoload.py builds ds_muon without isolation
+python -m pip install -q -U "setuptools>=77" wheel  # tests/e2e/test_autoload.py builds ds_muon without isolation (77: the SPDX license and license-files keys)
 python -m pip install -q -e ".[test]"
 
 # Build DeepSpeed's JIT ops (shared-memory comm, CPU Adam, FusedAdam, pinned memory, async_io) once, here, with a

@@ -17,7 +17,8 @@ and ``adam_w_mode`` only accept ``true``, what ds_muon does). The one visible di
 ``ns_method``: DeepSpeed's is ``"gram"``, ours is ``"standard"`` until measurement picks one. ds_muon adds
 ``nesterov``, ``ns_steps``, ``ns_dtype``, ``update_scale``, ``adam_weight_decay``, ``exchange_dtype``,
 ``muon_params``, ``adamw_params``, ``muon_splits``, ``qk_clip`` and more, and accepts
-``adam_betas``/``adam_eps`` as aliases of ``betas``/``eps``.
+``adam_betas``/``adam_eps`` as aliases of ``betas``/``eps``, and torch's/torchtitan's ``adjust_lr_fn`` with
+``"original"``/``"match_rms_adamw"`` for ``update_scale`` ``"shape"``/``"rms_match"``.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from .messages import custom_error
 from .messages import error_lines
 
 __all__ = ["MuonSplit", "QKClipParams", "decay_norms_and_biases_field", "MuonOptimizerParams", "parse_muon_params", "OPTIMIZER_PARAMS_PATH",
-           "UNSUPPORTED_BUILTIN_KEYS", "ONLY_TRUE_REASONS"]
+           "UNSUPPORTED_BUILTIN_KEYS", "ONLY_TRUE_REASONS", "UPDATE_SCALE_ALIASES"]
 
 OPTIMIZER_PARAMS_PATH = "optimizer.params"
 
@@ -48,7 +49,10 @@ UNSUPPORTED_BUILTIN_KEYS: dict[str, str] = {
 _Beta = Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)]
 
 # name -> alias (accepted on input, not both at once).
-_ALIASES: dict[str, str] = {"betas": "adam_betas", "eps": "adam_eps"}
+_ALIASES: dict[str, str] = {"betas": "adam_betas", "eps": "adam_eps", "update_scale": "adjust_lr_fn"}
+#: update_scale's values under the names torch's ``torch.optim.Muon`` and torchtitan give them (their key:
+#: ``adjust_lr_fn``): accepted as aliases of ds_muon's names and stored as those.
+UPDATE_SCALE_ALIASES: dict[str, str] = {"original": "shape", "match_rms_adamw": "rms_match"}
 
 
 def _add_aliases_to_schema(schema: dict[str, Any]) -> None:
@@ -178,6 +182,8 @@ class MuonOptimizerParams(BaseModel):
     #: what a field accepts where its annotation says too little (ds_muon.config.messages)
     ALLOWED_TEXT: ClassVar[dict[str, str]] = {
         "betas": "a pair [beta1, beta2] of numbers, each in [0, 1)",
+        "exchange_bucket_mb": ("a number of MiB in (0, 1048576] (MiB, not elements: DeepSpeed's *_bucket_size keys "
+                               "count elements; 256 MiB is the default)"),
         "muon_splits": ("an object mapping glob patterns to a list of row block sizes (ints >= 1) or to "
                         "{\"rows\": [...], \"cols\": [...]}"),
     }
@@ -260,13 +266,16 @@ class MuonOptimizerParams(BaseModel):
                      "inductor's caches in $XDG_CACHE_HOME/ds_muon/torchinductor (~/.cache/...) unless "
                      "TORCHINDUCTOR_CACHE_DIR is set, so a second start with the same shapes skips the tuning. "
                      "Source: ds_muon, benchmarks/step_time.py --ns-micro."))
-    update_scale: Literal["shape", "rms_match"] = Field(
+    update_scale: Literal["shape", "rms_match", "original", "match_rms_adamw"] = Field(
         "shape",
+        validation_alias=AliasChoices("update_scale", "adjust_lr_fn"),
         description=("Dimensionless multiplier of the orthogonalized update of a (rows, cols) matrix (conv "
                      "weights as (out, in*k*k)): 'shape' = sqrt(max(1, rows/cols)); 'rms_match' = "
                      "0.2*sqrt(max(rows, cols)), which matches AdamW's update RMS so AdamW's lr and weight decay "
-                     "carry over. Source: 'shape' from Keller Jordan's Muon, 'rms_match' from Moonlight (Liu et "
-                     "al., arXiv:2502.16982)."))
+                     "carry over. torch.optim.Muon's and torchtitan's names are accepted as aliases: the key "
+                     "'adjust_lr_fn', and the values 'original' (= 'shape') and 'match_rms_adamw' (= 'rms_match'), "
+                     "read as ds_muon's names. Source: 'shape' from Keller Jordan's Muon, 'rms_match' from Moonlight "
+                     "(Liu et al., arXiv:2502.16982)."))
 
     # ---- weight decay ----------------------------------------------------------------------
     weight_decay: float = Field(
@@ -322,7 +331,8 @@ class MuonOptimizerParams(BaseModel):
                      "'auto': the Newton-Schulz compute dtype if that is bfloat16, else float32. Source: ds_muon."))
     exchange_bucket_mb: float = Field(
         256.0, gt=0, le=1_048_576, allow_inf_nan=False,
-        description=("Size of one owner-exchange bucket (unit: MiB of full Muon matrices in the exchange dtype; a "
+        description=("Size of one owner-exchange bucket (unit: MiB of full Muon matrices in the exchange dtype, not "
+                     "elements: DeepSpeed's *_bucket_size keys such as reduce_bucket_size count elements; a "
                      "matrix larger than this is a bucket of its own). A sub-group's matrices are exchanged and "
                      "orthogonalized bucket by bucket, the next bucket's all_to_all overlapping the current one's "
                      "Newton-Schulz; at most 3 buckets hold buffers at once. Per rank that is 3 x (this rank's chunks of "
@@ -419,6 +429,11 @@ class MuonOptimizerParams(BaseModel):
                         key=alias, value=data[alias],
                         allowed=f"one of '{name}' or '{alias}', not both (they mean the same)")
         return data
+
+    @field_validator("update_scale")
+    @classmethod
+    def _update_scale_by_ds_muons_name(cls, value: str) -> str:
+        return UPDATE_SCALE_ALIASES.get(value, value)
 
     @field_validator("adam_w_mode", "fp32_optimizer_states")
     @classmethod

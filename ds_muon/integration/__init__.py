@@ -15,6 +15,10 @@ from __future__ import annotations
 # its callback runs inside this import and imports .hooks itself, whole (not half-imported under this line).
 import deepspeed  # noqa: F401
 
-from .hooks import AUTO_NOTICE, auto_enable, disable, enable, enabled, initialize, is_enabled
+from .deepspeed_version import require_supported_deepspeed
 
-__all__ = ["initialize", "enable", "disable", "enabled", "is_enabled", "auto_enable", "AUTO_NOTICE"]
+require_supported_deepspeed()  # an unsupported DeepSpeed: DeepSpeedVersionError here, not an AttributeError later
+
+from .hooks import AUTO_NOTICE, auto_enable, disable, enable, enable_scope, enabled, initialize, is_enabled  # noqa: E402
+
+__all__ = ["initialize", "enable", "disable", "enable_scope", "is_enabled", "enabled", "auto_enable", "AUTO_NOTICE"]

@@ -11,9 +11,9 @@ DeepSpeed hooks used (checked against deepspeed 0.19.8; docs/design.md, "Where D
   call refuses AutoEP with a transformers DeepSpeed's AutoEP cannot use
   (:func:`ds_muon.integration.autoep.transformers_problem`).
 * ``DeepSpeedEngine._configure_basic_optimizer`` builds the inner optimizer from the config.
-  For ``"Muon"`` ds_muon builds :class:`~ds_muon.integration.inner.ZeroMuonInner` at stage 3 and
-  :class:`~ds_muon.integration.inner.FlatPartitionInner` at stages 1/2 (not DeepSpeed's ``MuonWithAuxAdam``,
-  so the built-in Muon paths stay off), for ``"AdamMini"`` :class:`~ds_muon.integration.inner.ZeroAdamMiniInner`.
+  For ``"Muon"`` ds_muon builds :class:`~ds_muon.integration.inner.ZeroMuonInner` (not DeepSpeed's
+  ``MuonWithAuxAdam``, so the built-in ZeRO-3 Muon path stays off; at stages 1/2 ds_muon's ZeRO optimizer keeps
+  DeepSpeed's own Muon path off: :class:`~ds_muon.integration.builtin_muon.BuiltinMuonSwitch`), for ``"AdamMini"`` :class:`~ds_muon.integration.inner.ZeroAdamMiniInner`.
 * ``DeepSpeedEngine._configure_zero_optimizer`` builds the ZeRO optimizer: at stage 3 from
   ``deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3`` (imported function-locally), at stages 1/2
   from ``deepspeed.runtime.engine.DeepSpeedZeroOptimizer``. For the duration of that call only, and only when
@@ -68,8 +68,9 @@ from ..model.param_groups import check_zero3_parameters, split_param_groups
 from ..model.selection import NO_MUON_WARNING, SelectionRules, tag_model
 from .autoep import engine_problem, transformers_problem
 from .checkpoint_hooks import install_load_checks
+from .deepspeed_version import require_supported_deepspeed
 from .frameworks import ZERO_STAGE_FIX, detect_framework, for_framework
-from .inner import DsMuonInner, FlatPartitionInner, ZeroAdamMiniInner, ZeroMuonInner
+from .inner import DsMuonInner, ZeroAdamMiniInner, ZeroMuonInner
 from .parallelism import mpu_problem, qk_clip_sp_problem, sequence_parallel_size
 from .schedulers import GroupRatioScheduler, broadcasts_one_lr
 from .validation import client_muon_problem, hand_over, is_parsed, parsed_config, validated_once
@@ -86,7 +87,7 @@ HANDOVER_NOTICE = ("ds_muon: this \"type\": \"Muon\" config runs DeepSpeed's bui
                    "because ds_muon does not serve it: {reasons}. (ds_muon was activated automatically because it is "
                    "installed; set DS_MUON=0 to silence this line; through ds_muon.initialize this is an error.)")
 #: The inner optimizers ds_muon builds (DeepSpeed asks for zero_allow_untested_optimizer for any other type).
-INNER_TYPES = (ZeroMuonInner, FlatPartitionInner, ZeroAdamMiniInner)
+INNER_TYPES = (ZeroMuonInner, ZeroAdamMiniInner)
 
 
 class _Patches:
@@ -312,8 +313,8 @@ def _engine_problem(engine: DeepSpeedEngine) -> tuple[Optional[str], bool]:
     use_instead = "Use stacked expert weights instead (e.g. a Hugging Face MoE model: each expert is a Muon matrix)"
     if native and engine.zero_optimization_stage() == 3:
         return (f"the model holds DeepSpeed's native MoE layers ({native[0]!r}{', ...' if len(native) > 1 else ''}), "
-                "which DeepSpeed 0.19.8 does not support with ZeRO stage 3 (\"Native DeepSpeed MoE is not supported "
-                f"with ZeRO Stage 3. Use AutoEP or choose ZeRO stage 1/2.\"). {use_instead}", False)
+                f"which DeepSpeed {deepspeed_version()} does not support with ZeRO stage 3 (\"Native DeepSpeed MoE is "
+                f"not supported with ZeRO Stage 3. Use AutoEP or choose ZeRO stage 1/2.\"). {use_instead}", False)
     if native:
         return (f"the model holds DeepSpeed's native MoE layers ({native[0]!r}{', ...' if len(native) > 1 else ''}), "
                 "whose expert-parallel partitions ds_muon does not serve yet (not parity-tested). "
@@ -349,8 +350,7 @@ def _configure_basic_optimizer(self: DeepSpeedEngine, model_parameters):
         return ZeroAdamMiniInner(groups, adamw_factory, cfg.params)
     groups = split_param_groups(model_parameters, cfg.params.muon_group_defaults(), cfg.params.adamw_group_defaults(),
                                 decay_norms_and_biases=cfg.params.decay_norms_and_biases)
-    inner = ZeroMuonInner if self.zero_optimization_stage() == 3 else FlatPartitionInner
-    return inner(groups, adamw_factory, cfg.params)
+    return ZeroMuonInner(groups, adamw_factory, cfg.params)
 
 
 def _do_optimizer_sanity_check(self: DeepSpeedEngine, basic_optimizer):
@@ -445,12 +445,15 @@ def enable() -> None:
     uses ds_muon.
 
     For frameworks that call ``deepspeed.initialize`` themselves (HF Trainer, Accelerate). Other
-    configs are untouched. Calls nest: each ``enable()`` needs its ``disable()``. Also registers
+    configs are untouched. Calls nest: each ``enable()`` needs its ``disable()``. Raises
+    :class:`~ds_muon.errors.DeepSpeedVersionError` (patching nothing) where the installed DeepSpeed is outside
+    :data:`ds_muon.errors.SUPPORTED_DEEPSPEED`. Also registers
     ``attn_implementation="ds_muon_sdpa"`` (:func:`ds_muon.model.hf_attention.register_attention`; not undone
     by :func:`disable`): at once when transformers' modeling code (``transformers.modeling_utils``) is
     already imported, else right after its import. ``enable()`` never imports transformers itself
     (``import deepspeed`` runs it, from the start-up hook).
     """
+    require_supported_deepspeed()  # DeepSpeedVersionError naming the supported range, before anything is patched
     after_import("transformers.modeling_utils", _register_attention)
     after_import(FALCON_MODULE, _guard_falcon)
     _PATCHES.enable()
@@ -480,13 +483,23 @@ def is_enabled() -> bool:
 
 
 @contextlib.contextmanager
-def enabled() -> Iterator[None]:
-    """``with ds_muon.enabled(): ...`` -- :func:`enable` for the duration of the block."""
+def enable_scope() -> Iterator[None]:
+    """``with ds_muon.enable_scope(): ...`` -- :func:`enable` for the duration of the block (:func:`disable` at its
+    end, also on an exception); nests like :func:`enable`. Whether ds_muon is enabled: :func:`is_enabled`."""
     enable()
     try:
         yield
     finally:
         disable()
+
+
+def enabled() -> contextlib.AbstractContextManager:
+    """Deprecated alias of :func:`enable_scope` (its name read as a predicate; the predicate is :func:`is_enabled`).
+
+    Warns with a ``DeprecationWarning`` and returns :func:`enable_scope`'s context manager."""
+    warnings.warn("ds_muon.enabled() is deprecated: use ds_muon.enable_scope() (the context manager) or "
+                  "ds_muon.is_enabled() (the predicate)", DeprecationWarning, stacklevel=2)
+    return enable_scope()
 
 
 def _find_config(args: Any, kwargs: dict) -> Any:
@@ -502,10 +515,11 @@ def initialize(args: Any = None, model=None, *rest: Any, **kwargs: Any):
     Same signature and return value as ``deepspeed.initialize``:
     ``(engine, optimizer, training_dataloader, lr_scheduler)``. The config is validated first (once: the
     engine hooks reuse the result), so a bad key or value raises :class:`ds_muon.errors.ConfigError` (naming
-    the key and the allowed values) before DeepSpeed allocates anything.
+    the key and the allowed values) before DeepSpeed allocates anything; a DeepSpeed outside
+    :data:`ds_muon.errors.SUPPORTED_DEEPSPEED` raises :class:`ds_muon.errors.DeepSpeedVersionError` first.
     """
     config = _find_config(args, kwargs)
-    with enabled(), validated_once(load_ds_config(config) if config is not None else None):
+    with enable_scope(), validated_once(load_ds_config(config) if config is not None else None):
         return deepspeed.initialize(args, model, *rest, **kwargs)
 
 

@@ -20,7 +20,7 @@ import torch
 
 from ..names import ADAMW, ALGORITHM_KEY, MOMENTUM_KEY, MUON, algorithm_of
 
-__all__ = ["DsMuonInner", "ZeroMuonInner", "FlatPartitionInner", "ZeroAdamMiniInner", "cast_momentum_"]
+__all__ = ["DsMuonInner", "ZeroMuonInner", "ZeroAdamMiniInner", "cast_momentum_"]
 
 AdamWFactory = Callable[[list[dict]], torch.optim.Optimizer]
 
@@ -119,20 +119,14 @@ class DsMuonInner(torch.optim.Optimizer):
 
 
 class ZeroMuonInner(DsMuonInner):
-    """The inner optimizer for ``"type": "Muon"``: Muon groups (from
+    """The inner optimizer for ``"type": "Muon"`` at every ZeRO stage: Muon groups (from
     :func:`ds_muon.model.param_groups.split_param_groups`) and the AdamW groups; ``config`` is the validated
-    :class:`ds_muon.config.MuonOptimizerParams`."""
+    :class:`ds_muon.config.MuonOptimizerParams`. (At stages 1/2 DeepSpeed's own Muon path, which it switches on by
+    this class's name, is kept off by :class:`~ds_muon.integration.builtin_muon.BuiltinMuonSwitch`.)"""
 
     optimizer_type = "Muon"
 
 
-class FlatPartitionInner(ZeroMuonInner):
-    """:class:`ZeroMuonInner` for ZeRO stages 1 and 2 (:class:`~ds_muon.integration.zero12.MuonZero12Optimizer`).
-
-    The same optimizer under a class name without "muon": DeepSpeed 0.19.8's ``DeepSpeedZeroOptimizer`` runs its
-    own Muon update inside gradient reduction whenever ``'muon' in type(optimizer).__name__.lower()``
-    (``_is_muon_group``), which must never run alongside ds_muon's step.
-    """
 
 
 class ZeroAdamMiniInner(DsMuonInner):
@@ -142,3 +136,14 @@ class ZeroAdamMiniInner(DsMuonInner):
     validated :class:`ds_muon.config.AdamMiniOptimizerParams`."""
 
     optimizer_type = "AdamMini"
+
+
+def __getattr__(name: str):
+    # FlatPartitionInner: the ZeRO-1/2 inner optimizer's name before the explicit switch (a name without "muon", to keep
+    # DeepSpeed's own ZeRO-1/2 Muon path off); now ZeroMuonInner serves every stage.
+    if name == "FlatPartitionInner":
+        import warnings
+        warnings.warn("ds_muon.integration.inner.FlatPartitionInner is deprecated: ZeroMuonInner is the inner "
+                      "optimizer at every ZeRO stage", DeprecationWarning, stacklevel=2)
+        return ZeroMuonInner
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,8 +21,9 @@ the parameters.
 
 DeepSpeed 0.19.8's own ZeRO-1/2 Muon path switches on when the inner optimizer's class name contains "muon"
 (``DeepSpeedZeroOptimizer._is_muon_group``); it then runs Newton–Schulz on every gradient partition it
-builds, per micro-batch. ds_muon's inner optimizer at these stages is
-:class:`~ds_muon.integration.inner.FlatPartitionInner`, whose name does not, so that path stays off.
+builds, per micro-batch. ds_muon keeps it off by an explicit switch,
+:class:`~ds_muon.integration.builtin_muon.BuiltinMuonSwitch` (``builtin_muon = False``), not by a class name: the
+inner optimizer is :class:`~ds_muon.integration.inner.ZeroMuonInner` at every stage.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from ..sharded.muon_step import MuonShardStep
 from ..sharded.exchange import BufferPool
 from ..partitions import Piece, flat_pieces
 from ..sharded.ownership import ParamInfo
+from .builtin_muon import BuiltinMuonSwitch
 from .inner import DsMuonInner
 from .tensor_parallel import TensorParallelLayout, autotp_world, tensor_parallel_split
 from .zero12_checkpoint import FlatCheckpointing
@@ -47,7 +49,7 @@ from .zero_common import AdamMiniSlot, DsMuonZeroSteps
 __all__ = ["MuonZero12Optimizer"]
 
 
-class MuonZero12Optimizer(FlatCheckpointing, DsMuonZeroSteps, DeepSpeedZeroOptimizer):
+class MuonZero12Optimizer(FlatCheckpointing, DsMuonZeroSteps, BuiltinMuonSwitch, DeepSpeedZeroOptimizer):
     """``DeepSpeedZeroOptimizer`` (ZeRO stage 1 or 2) with ds_muon's Muon and Adam-mini param-group steps.
 
     Per Muon param group and optimizer step, on this rank's flat fp32 partition ``(partition_size,)``: the
@@ -85,7 +87,7 @@ class MuonZero12Optimizer(FlatCheckpointing, DsMuonZeroSteps, DeepSpeedZeroOptim
                             "passes it")
         self.module = module
         if not isinstance(self.optimizer, DsMuonInner):
-            raise TypeError("MuonZero12Optimizer needs a ds_muon inner optimizer (FlatPartitionInner or "
+            raise TypeError("MuonZero12Optimizer needs a ds_muon inner optimizer (ZeroMuonInner or "
                             "ZeroAdamMiniInner); build the engine through ds_muon.initialize or ds_muon.enable()")
         # DeepSpeed replaces optimizer.param_groups by [group i] while it steps group i: read them once here.
         self._algorithms = [g[ALGORITHM_KEY] for g in self.optimizer.param_groups]

@@ -120,7 +120,7 @@ class ZeroCheckpointing:
             flat, state = load(i)
             if replace_state and state:
                 if i in self.muon_steps:
-                    cast_momentum_(state, self._group(i))
+                    cast_momentum_(state, self._param_group(i))
                 if self._momentum_in_memory and MOMENTUM_KEY in state:
                     state[MOMENTUM_KEY].swappable = False
                 if BLOCK_STATE_KEY in state:  # Adam-mini's per-block second moments: never swapped

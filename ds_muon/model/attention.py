@@ -10,6 +10,7 @@ recorder (:mod:`ds_muon.model.max_logits`). The rule itself is :mod:`ds_muon.cor
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -46,6 +47,8 @@ class HeadRows:
             interleaved ``query_key_value`` has ``3 * head_dim``, MLA's ``q_b_proj`` ``nope + rope``.
         plus_one: the parameter is a gain stored as ``w`` and applied as ``1 + w`` (Gemma's RMSNorm): scaling the
             gain by ``f`` sets ``w = f * w + (f - 1)``.
+        first_head: the head index of the block's head 0 among the target's heads (0 unless the heads are laid out
+            in several blocks: Falcon's new decoder architecture keeps each key head's query group apart).
     """
 
     param: nn.Parameter
@@ -56,6 +59,7 @@ class HeadRows:
     cols: int
     stride: int = 0
     plus_one: bool = False
+    first_head: int = 0
 
     def head_span(self, h: int) -> tuple[int, int]:
         """``[lo, hi)`` flat (row-major) element range of head ``h`` in the parameter."""
@@ -107,9 +111,9 @@ class ClipTarget:
 
 
 def _rows(p: nn.Parameter, name: str, start: int, head_dim: int, heads: int, where: str, stride: int = 0,
-          plus_one: bool = False) -> HeadRows:
+          plus_one: bool = False, first_head: int = 0) -> HeadRows:
     shape = param_shape(p)
-    hr = HeadRows(p, name, start, head_dim, heads, shape[1] if len(shape) == 2 else 1, stride, plus_one)
+    hr = HeadRows(p, name, start, head_dim, heads, shape[1] if len(shape) == 2 else 1, stride, plus_one, first_head)
     if len(shape) not in (1, 2) or shape[0] < hr.last_row:
         raise ConfigError(f"optimizer.params.qk_clip: {where}: parameter {name!r} of shape {shape} cannot hold "
                           f"{heads} heads of {head_dim} rows from row {start} every {stride or head_dim} rows "
@@ -171,16 +175,35 @@ def _name(p: nn.Parameter, names: dict[int, str], where: str) -> str:
 #: Attention implementations of transformers that record nothing (QK-clip needs ds_muon's: FIX_RECORDING).
 NON_RECORDING = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 #: Attention modules that compute their attention inline, not through transformers' attention functions: no
-#: ``attn_implementation`` can record their max logits.
+#: ``attn_implementation`` can record their max logits. Refused only where the installed forward really does
+#: (:func:`calls_attention_functions`: Falcon calls them from transformers 5.25 on).
 INLINE_ATTENTION = {
-    "FalconAttention": "Falcon computes its attention inline (torch's SDPA or its own matmul, ALiBi or RoPE), not "
-                       "through transformers' attention functions",
+    "FalconAttention": "Falcon computes its attention inline in this transformers release (torch's SDPA or its own "
+                       "matmul, ALiBi or RoPE), not through transformers' attention functions (transformers >= 5.25's "
+                       "Falcon does: upgrade transformers to use QK-clip on it)",
     "BloomAttention": "Bloom computes its attention inline (alibi.baddbmm of q.k plus a position bias), not "
                       "through transformers' attention functions",
 }
-#: Falcon's modeling file; its decoder layer picks the attention class from a dict keyed by attn_implementation
-#: (:func:`ds_muon.model.hf_attention.guard_falcon` wraps that dict, right after this module's import).
+#: Falcon's modeling file; before transformers 5.25 its decoder layer picks the attention class from a dict keyed by
+#: attn_implementation (:func:`ds_muon.model.hf_attention.guard_falcon` wraps that dict, right after this module's
+#: import); from 5.25 on FalconAttention calls transformers' attention functions and QK-clip serves it.
 FALCON_MODULE = "transformers.models.falcon.modeling_falcon"
+#: The global through which transformers' attention modules look up their attention function (``attn_implementation``).
+ATTENTION_FUNCTIONS = "ALL_ATTENTION_FUNCTIONS"
+
+
+def calls_attention_functions(module: Any) -> bool:
+    """Whether ``type(module).forward`` (``module.forward`` for a class), as installed, looks its attention function up in transformers'
+    ``ALL_ATTENTION_FUNCTIONS`` (so ``attn_implementation="ds_muon_sdpa"`` reaches it and records its max logits),
+    read from the global names its code loads; False where it computes its attention inline (Falcon before
+    transformers 5.25, Bloom) or has no Python code to read."""
+    cls = module if isinstance(module, type) else type(module)
+    forward = inspect.unwrap(getattr(cls, "forward", None) or (lambda: None))
+    code = getattr(forward, "__code__", None)
+    return code is not None and ATTENTION_FUNCTIONS in code.co_names
+#: Attention modules whose fused ``query_key_value`` layout ds_muon reads from the module's own flags
+#: (:func:`_falcon_target`), where their forward calls transformers' attention functions.
+FUSED_QKV_LAYOUTS = ("FalconAttention",)
 #: Interleaved fused QKV whose layout ds_muon knows: GPT-NeoX's query_key_value is viewed as (heads, 3*head_dim)
 #: and chunked into q, k, v (modeling_gpt_neox.GPTNeoXAttention.forward).
 PER_HEAD_QKV = ("GPTNeoXAttention",)
@@ -297,6 +320,30 @@ def _qk_norm_target(name, module, children, nh, nkv, hd, norms, names, where) ->
                    rule=rule)
 
 
+def _falcon_target(name: str, module: nn.Module, qkv: nn.Linear, names: dict[int, str], where: str) -> ClipTarget:
+    """Falcon's fused ``query_key_value`` (transformers >= 5.25, ``FalconAttention.forward``), by the module's own
+    flags, ``head_dim`` rows per head: the new decoder architecture (Falcon-40B/180B) per key head ``[its G query
+    heads; key; value]`` (``G = num_heads / num_kv_heads``); multi-query (Falcon-7B) ``[all query heads; key;
+    value]``; otherwise per head ``[q; k; v]``. Weight and bias (``bias: true``) alike."""
+    nh, nkv, hd = module.num_heads, module.num_kv_heads, module.head_dim
+    query, key = [], []
+    for p in (qkv.weight, qkv.bias):
+        if p is None:
+            continue
+        pname = _name(p, names, where)
+        if module.new_decoder_architecture:
+            group = nh // nkv
+            query += [_rows(p, pname, g * (group + 2) * hd, hd, group, where, first_head=g * group) for g in range(nkv)]
+            key.append(_rows(p, pname, group * hd, hd, nkv, where, stride=(group + 2) * hd))
+        elif module.multi_query:
+            query.append(_rows(p, pname, 0, hd, nh, where))
+            key.append(_rows(p, pname, nh * hd, hd, 1, where))
+        else:
+            query.append(_rows(p, pname, 0, hd, nh, where, stride=3 * hd))
+            key.append(_rows(p, pname, hd, hd, nh, where, stride=3 * hd))
+    return _target(module, name, nh, nkv, hd, query, key, names, where, rule="Falcon's fused query_key_value rows")
+
+
 def _hf_target(name: str, module: nn.Module, cfg: Any, names: dict[int, str]) -> Optional[ClipTarget]:
     children = dict(module.named_children())
     where = f"attention {type(module).__name__} {name!r}"
@@ -310,11 +357,13 @@ def _hf_target(name: str, module: nn.Module, cfg: Any, names: dict[int, str]) ->
     if not (separate or fused or interleaved is not None):
         return None
     kind = type(module).__name__
-    if kind in INLINE_ATTENTION:
+    if kind in INLINE_ATTENTION and not calls_attention_functions(module):
         raise ConfigError(f"optimizer.params.qk_clip: {where}: {INLINE_ATTENTION[kind]}, so no attn_implementation "
                           "can record its max logits and QK-clip cannot be used on it. Set "
                           "optimizer.params.qk_clip.enabled to false for this model")
     _check_recording(module, where)
+    if kind in FUSED_QKV_LAYOUTS and interleaved is not None:
+        return _falcon_target(name, module, interleaved, names, where)
     geometry = head_geometry(module, cfg)
     if geometry is None:
         raise ConfigError(f"optimizer.params.qk_clip: {where}: no head geometry (model.config with "
@@ -368,7 +417,8 @@ def find_clip_targets(model: nn.Module) -> list[ClipTarget]:
       ``"head_dim"``, and ``"q_row_offset"``/``"k_row_offset"`` for a fused weight);
     * it is MLA (``kv_a_proj_with_mqa``, ``kv_b_proj`` and ``q_proj`` or ``q_b_proj``: DeepSeek-V2/V3, Kimi K2):
       q_C, k_C by sqrt(gamma), q_R by gamma, the shared k_R kept (:func:`_mla_target`);
-    * it has an interleaved ``query_key_value`` of GPT-NeoX (per head ``[q; k; v]`` rows);
+    * it has an interleaved ``query_key_value`` of GPT-NeoX (per head ``[q; k; v]`` rows), or Falcon's fused one
+      (transformers >= 5.25, where FalconAttention calls transformers' attention functions: :func:`_falcon_target`);
     * it has ``nn.Linear`` children ``q_proj`` and ``k_proj`` (Llama, Qwen2, Mistral, Mixtral, GPT-OSS, ...) or a
       fused ``qkv_proj`` laid out ``[Q; K; V]`` (Phi-3), with the head geometry from the module or the
       model's config (``num_attention_heads``, ``num_key_value_heads``, ``head_dim``); with q/k norms after the
@@ -377,7 +427,7 @@ def find_clip_targets(model: nn.Module) -> list[ClipTarget]:
     Raises:
         ConfigError: no target at all (naming the fix); a Hugging Face attention whose ``attn_implementation``
             records nothing (``"sdpa"``, ``"eager"``, ...: use ``"ds_muon_sdpa"``/``"ds_muon_eager"``); an attention
-            computed inline (Falcon, Bloom); a fused QKV of unknown layout; a q/k norm without a gain the clip
+            computed inline (Bloom; Falcon before transformers 5.25: :func:`calls_attention_functions`); a fused QKV of unknown layout; a q/k norm without a gain the clip
             can scale; a geometry that does not fit the weights.
     """
     cfg = text_config(model)
@@ -467,7 +517,8 @@ def factor_spans(targets: Sequence[ClipTarget]) -> list[tuple[nn.Parameter, int,
     for t in targets:
         for rows_list, base in ((t.query, pos), (t.key, pos + t.num_heads), (t.query_full, pos + t.num_heads + t.num_kv_heads)):
             for hr in rows_list:
-                out.extend((hr.param, *hr.head_span(h), base + h, hr.plus_one) for h in range(hr.num_heads))
+                out.extend((hr.param, *hr.head_span(h), base + hr.first_head + h, hr.plus_one)
+                           for h in range(hr.num_heads))
         pos += t.num_factors
     return out
 

@@ -20,9 +20,9 @@ attention function of the module's own modeling file (``eager_attention_forward`
 with ``eager_mask`` registered as its mask builder, and records ``q·k·scaling`` over the positions the additive
 mask allows (a sink is a learned per-head logit, not ``q·k``: it is not part of the max).
 
-Models that compute attention inline instead of through transformers' attention functions (Falcon, Bloom)
-cannot use either name: :func:`guard_falcon` turns Falcon's bare ``KeyError: 'ds_muon_sdpa'`` into an error
-that says so. Importing this module imports transformers; ``import ds_muon`` does not.
+Models that compute attention inline instead of through transformers' attention functions (Bloom; Falcon before
+transformers 5.25, whose FalconAttention calls them from 5.25 on) cannot use either name: :func:`guard_falcon`
+turns such a Falcon's bare ``KeyError: 'ds_muon_sdpa'`` into an error that says so. Importing this module imports transformers; ``import ds_muon`` does not.
 """
 from __future__ import annotations
 
@@ -130,7 +130,8 @@ class _FalconAttentionClasses(dict):
 
 def guard_falcon() -> None:
     """Make Falcon's attention-class lookup name ds_muon's attention names in its error (no-op unless Falcon's
-    modeling file is imported; idempotent)."""
+    modeling file is imported and has that lookup, ``FALCON_ATTENTION_CLASSES``: transformers before 5.25;
+    idempotent)."""
     falcon = sys.modules.get(FALCON_MODULE)
     table = getattr(falcon, "FALCON_ATTENTION_CLASSES", None)
     if isinstance(table, dict) and not isinstance(table, _FalconAttentionClasses):

@@ -6,12 +6,12 @@ same functions).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Literal, Optional, Union
 
 import torch
 from torch import nn
 
-from ..config import parse_muon_params
+from ..config import MuonOptimizerParams, parse_muon_params
 from ..core.adam_update import adamw_update_
 from ..core.dtypes import resolve_ns_dtype
 from ..core.matrix import matrix_view, orthogonalize_blocks_
@@ -24,6 +24,10 @@ from ..model.param_groups import split_param_groups
 from ..model.selection import SelectionRules
 from ..model.structure import param_shape
 from ..names import MOMENTUM_KEY, MUON, QK_CLIP_STEPS_KEY, SPLIT_ATTR, algorithm_of
+
+#: MuonAdamW's keywords whose None means "the config's default" (not a value of the key: the default is mutable, or
+#: the key has an alias that must not be given together with it).
+DEFAULT_WHEN_NONE = ("update_scale", "betas", "eps", "muon_params", "adamw_params", "muon_splits", "qk_clip")
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -77,10 +81,23 @@ class MuonAdamW(torch.optim.Optimizer):
             ``adam_lr``, ``adam_weight_decay`` to one).
         model: the model whose attention modules QK-clip acts on (:func:`ds_muon.model.attention.find_clip_targets`);
             only with ``qk_clip`` enabled; defaults to ``params`` when that is an ``nn.Module``.
-        **hyperparameters: the keys of the ``"Muon"`` DeepSpeed optimizer config
-            (:class:`ds_muon.config.MuonOptimizerParams`): ``lr``, ``muon_lr``, ``momentum``,
-            ``nesterov``, ``ns_method``, ``ns_steps``, ``ns_dtype``, ``update_scale``,
-            ``weight_decay``, ``adam_lr``, ``betas``, ``eps``, ``adam_weight_decay``, ...
+        lr, muon_lr, ..., qk_clip: keyword-only, the keys of the ``"Muon"`` DeepSpeed optimizer config with the
+            same meaning, bounds and defaults (:class:`ds_muon.config.MuonOptimizerParams`; each key's unit and source
+            are in docs/configuration.md): ``lr`` shared learning rate, ``muon_lr``/``adam_lr`` per half (None: ``lr``),
+            ``momentum`` beta, ``momentum_dtype``, ``nesterov``, ``ns_method``/``ns_steps``/``ns_dtype`` (Newton–Schulz),
+            ``update_scale``, ``weight_decay`` (decoupled), ``adam_weight_decay`` (None: ``weight_decay``),
+            ``decay_norms_and_biases``, ``betas``/``eps`` (AdamW), ``muon_params``/``adamw_params`` (name globs),
+            ``per_head_muon``, ``muon_splits``, ``qk_clip`` (a dict of :class:`ds_muon.config.QKClipParams`'s keys).
+            ``ns_compile``, ``ns_autotune``, ``elementwise_compile``, ``overlap_backward``, ``exchange_dtype``, ``exchange_bucket_mb``, ``tp_mode``,
+            ``max_consecutive_skipped_steps``, ``torch_adam``, ``foreach``, ``adam_w_mode`` and
+            ``fp32_optimizer_states`` are accepted so that a config's params dict can be passed as ``**params``;
+            they have no effect on one device. A None for ``update_scale``, ``betas``, ``eps``, ``muon_params``,
+            ``adamw_params``, ``muon_splits`` or ``qk_clip`` means the config's default (``"shape"``, ``(0.9,
+            0.999)``, ``1e-8``, ``[]``, ``[]``, ``{}``, QK-clip off).
+        **aliases: the aliases the config accepts, ``adam_betas`` (``betas``), ``adam_eps`` (``eps``) and
+            ``adjust_lr_fn`` (``update_scale``; torch's ``"original"``/``"match_rms_adamw"`` are accepted as
+            ``"shape"``/``"rms_match"`` under either name). Any other keyword is refused with a
+            :class:`~ds_muon.config.ConfigError` that names it (with "did you mean"), as in a config.
 
     Raises:
         ds_muon.config.ConfigError: a bad hyperparameter (names the key and the allowed values);
@@ -95,8 +112,45 @@ class MuonAdamW(torch.optim.Optimizer):
     (:meth:`state_dict`).
     """
 
-    def __init__(self, params: Any, model: Optional[nn.Module] = None, **hyperparameters: Any) -> None:
-        cfg = parse_muon_params(hyperparameters, path="MuonAdamW")
+    def __init__(self, params: Any, model: Optional[nn.Module] = None, *,
+                 lr: float = 0.02,
+                 muon_lr: Optional[float] = None,
+                 adam_lr: Optional[float] = None,
+                 momentum: float = 0.95,
+                 momentum_dtype: Literal["float32", "bfloat16"] = "float32",
+                 nesterov: bool = True,
+                 ns_method: Literal["standard", "gram", "polar_express"] = "standard",
+                 ns_steps: int = 5,
+                 ns_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto",
+                 ns_compile: bool = True,
+                 ns_autotune: bool = False,
+                 elementwise_compile: Union[Literal["auto"], bool] = "auto",
+                 overlap_backward: Union[Literal["auto"], bool] = "auto",
+                 update_scale: Optional[Literal["shape", "rms_match", "original", "match_rms_adamw"]] = None,
+                 weight_decay: float = 0.0,
+                 adam_weight_decay: Optional[float] = None,
+                 decay_norms_and_biases: bool = False,
+                 betas: Optional[tuple[float, float]] = None,
+                 eps: Optional[float] = None,
+                 adam_w_mode: bool = True,
+                 torch_adam: bool = False,
+                 foreach: Optional[bool] = None,
+                 fp32_optimizer_states: bool = True,
+                 exchange_dtype: Literal["auto", "bfloat16", "float32"] = "auto",
+                 exchange_bucket_mb: float = 256.0,
+                 tp_mode: Literal["full", "shard"] = "full",
+                 max_consecutive_skipped_steps: int = 50,
+                 muon_params: Optional[list[str]] = None,
+                 adamw_params: Optional[list[str]] = None,
+                 per_head_muon: bool = False,
+                 muon_splits: Optional[dict[str, Any]] = None,
+                 qk_clip: Optional[dict[str, Any]] = None,
+                 **aliases: Any) -> None:
+        given = dict(locals())  # the keywords above by name (no other local exists yet)
+        # one dict of the keys given, validated exactly as a config's optimizer.params (ds_muon.config)
+        hyperparameters = {k: v for k, v in given.items() if k in MuonOptimizerParams.model_fields
+                           and not (v is None and k in DEFAULT_WHEN_NONE)}
+        cfg = parse_muon_params({**hyperparameters, **aliases}, path="MuonAdamW")
         if model is None and isinstance(params, nn.Module):
             model = params
         groups = split_param_groups(params, cfg.muon_group_defaults(), cfg.adamw_group_defaults(),

@@ -25,7 +25,7 @@ def test_import_patches_nothing_and_enable_disable_restore() -> None:
     assert not integ.is_enabled()
     assert (deepspeed.set_optimizer_flags, DeepSpeedEngine._configure_basic_optimizer,
             DeepSpeedEngine._configure_zero_optimizer) == originals
-    with ds_muon.enabled():
+    with ds_muon.enable_scope():
         assert DeepSpeedEngine._configure_zero_optimizer is integ._configure_zero_optimizer
     assert DeepSpeedEngine._configure_zero_optimizer is originals[2]
 

@@ -189,7 +189,7 @@ def _trainer_case(rank: int, world_size: int, name: str, tmp: str) -> dict:
     model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
     lrs = []
-    with ds_muon.enabled():
+    with ds_muon.enable_scope():
         args = TrainingArguments(output_dir=tmp, per_device_train_batch_size=2, learning_rate=0.02,
                                  max_steps=TRAINER_STEPS, warmup_steps=2, weight_decay=0.01, logging_steps=1, deepspeed=_load(name),
                                  use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True)

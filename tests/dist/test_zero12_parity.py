@@ -95,7 +95,7 @@ CASES = {
 
 def check(case: dict, per_rank: list[dict]) -> None:
     res, name = per_rank[0], case["name"]
-    assert res["type"] == "MuonZero12Optimizer" and res["inner"] == "FlatPartitionInner", (name, res["type"])
+    assert res["type"] == "MuonZero12Optimizer" and res["inner"] == "ZeroMuonInner", (name, res["type"])
     assert res["builtin_muon_off"], f"{name}: DeepSpeed's built-in ZeRO-1/2 Muon path is on"
     assert res["cpu_offload"] is ("offload_optimizer" in case["zero"]), name
     assert res["partition_gradients"] is (case["stage"] == 2), name

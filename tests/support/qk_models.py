@@ -186,6 +186,37 @@ def gpt_oss(**kw):
              sliding_window=4, layer_types=["sliding_attention", "full_attention"]), **kw))
 
 
+#: Falcon's three fused query_key_value layouts (the FalconConfig flags of each).
+FALCON_LAYOUTS = {"multi_query": dict(multi_query=True),
+                  "per_head": dict(multi_query=False, bias=True),
+                  "new_arch": dict(new_decoder_architecture=True, num_kv_heads=2)}
+
+
+def falcon(layout: str = "multi_query", **kw):
+    """Falcon with RoPE, 4 heads of 8, in one of its fused query_key_value layouts (:data:`FALCON_LAYOUTS`):
+    ``"multi_query"`` (Falcon-7B: all query heads, then one key head and one value head), ``"per_head"`` (per head
+    [q; k; v] rows, with biases), ``"new_arch"`` (Falcon-40B's new decoder architecture: per key head [its 2 query
+    heads; key; value]). QK-clip serves it where FalconAttention calls transformers' attention functions
+    (transformers >= 5.25: :func:`falcon_calls_attention_functions`)."""
+    import transformers
+    register_test_attention()
+    base = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, pad_token_id=0,
+                bos_token_id=1, eos_token_id=2, attn_implementation=TEST_ATTENTION, **FALCON_LAYOUTS[layout])
+    base.update(kw)
+    model = _lm(transformers.FalconForCausalLM)(transformers.FalconConfig(**base))
+    _boost_qk(model)
+    return model
+
+
+def falcon_calls_attention_functions() -> bool:
+    """Whether the installed transformers' FalconAttention calls transformers' attention functions (5.25 on), so
+    QK-clip can serve it; False where it computes its attention inline."""
+    from transformers.models.falcon.modeling_falcon import FalconAttention
+
+    from ds_muon.model.attention import calls_attention_functions
+    return calls_attention_functions(FalconAttention)
+
+
 #: The families with their own QK-clip rule: model name in MODELS -> (the start of the rule its attention targets
 #: carry, ds_muon.model.attention.ClipTarget.rule; the leaf modules whose parameters the clip scales).
 FAMILIES = {
@@ -196,7 +227,12 @@ FAMILIES = {
     "olmo2": ("q/k-norm gains, per head", {"q_norm", "k_norm"}),
     "gpt_neox": ("per head [q; k; v]", {"query_key_value"}),
     "gpt_oss": ("W_q/W_k rows per head", {"q_proj", "k_proj"}),
+    "falcon_multi_query": ("Falcon's fused query_key_value", {"query_key_value"}),
+    "falcon_per_head": ("Falcon's fused query_key_value", {"query_key_value"}),
+    "falcon_new_arch": ("Falcon's fused query_key_value", {"query_key_value"}),
 }
+#: The families QK-clip serves only where the installed transformers' attention calls its attention functions.
+NEEDS_ATTENTION_FUNCTIONS = {"falcon_multi_query", "falcon_per_head", "falcon_new_arch"}
 
 
 def _gathered(params):
@@ -275,4 +311,5 @@ def declared_wide() -> DeclaredNet:
 MODELS = {"llama": llama_gqa, "llama_ds_muon_sdpa": llama_ds_muon_sdpa, "qwen2": qwen2_bias, "phi3": phi3_fused, "declared": DeclaredNet,
           "declared_wide": declared_wide, "deepseek_v3": deepseek_v3,
           "deepseek_v3_q_lora": lambda **kw: deepseek_v3(q_lora_rank=12, **kw), "qwen3": qwen3_qk_norm,
-          "olmo2": olmo2_qk_norm, "gemma3": gemma3_qk_norm, "gpt_neox": gpt_neox, "gpt_oss": gpt_oss}
+          "olmo2": olmo2_qk_norm, "gemma3": gemma3_qk_norm, "gpt_neox": gpt_neox, "gpt_oss": gpt_oss,
+          **{f"falcon_{layout}": (lambda layout: lambda **kw: falcon(layout, **kw))(layout) for layout in FALCON_LAYOUTS}}

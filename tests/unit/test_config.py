@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import subprocess
 import sys
 import warnings
@@ -13,11 +14,14 @@ import pytest
 from tests.support.tools import REPO  # noqa: E402
 
 from ds_muon.config import ConfigError, MuonOptimizerParams, load_ds_config, parse_muon_params  # noqa: E402
+from ds_muon.config.sections import deepspeed_version  # noqa: E402
 from ds_muon.config.schema import (DS_CONFIG_SCHEMA_FILE, PARAMS_SCHEMA_FILE, check_schemas, ds_config_schema,  # noqa: E402
                                    main as schema_main, muon_params_schema, render, write_schemas)
 from ds_muon.integration.validation import validate as validate_ds_config  # noqa: E402
 
 SCHEMA_DIR = REPO / "ds_config_schemas"
+#: the installed DeepSpeed's version as a regex: messages about DeepSpeed's behaviour name the release they describe
+DS_VERSION = re.escape(deepspeed_version())
 EXAMPLES = sorted((REPO / "examples").glob("ds_config_*.json"))
 
 
@@ -104,6 +108,40 @@ def test_number_given_as_string_is_rejected():
 def test_hf_auto_placeholder_gets_a_hint():
     msg = params_error({"lr": "auto"})
     assert "Hugging Face" in msg
+
+
+@pytest.mark.parametrize("key", ["update_scale", "adjust_lr_fn"])
+@pytest.mark.parametrize("value,meaning", [("shape", "shape"), ("rms_match", "rms_match"), ("original", "shape"),
+                                           ("match_rms_adamw", "rms_match")])
+def test_update_scale_takes_torchs_adjust_lr_fn_names(key, value, meaning):
+    """torch.optim.Muon's and torchtitan's adjust_lr_fn ("original", "match_rms_adamw") are aliases of update_scale
+    ("shape", "rms_match"), key and values, read as ds_muon's names; in the committed JSON Schema too."""
+    assert parse_muon_params({key: value}).update_scale == meaning
+    assert parse_muon_params({key: value}).muon_group_defaults()["update_scale"] == meaning
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate({key: value}, json.loads((SCHEMA_DIR / PARAMS_SCHEMA_FILE).read_text(encoding="utf-8")))
+
+
+def test_update_scale_and_adjust_lr_fn_together_or_unknown_value_is_an_error():
+    msg = params_error({"update_scale": "shape", "adjust_lr_fn": "original"})
+    assert "optimizer.params.adjust_lr_fn" in msg and "both 'update_scale' and its alias 'adjust_lr_fn'" in msg
+    msg = params_error({"adjust_lr_fn": "match_rms"})
+    assert "optimizer.params.adjust_lr_fn: 'match_rms' is invalid" in msg
+    assert "'shape', 'rms_match', 'original', 'match_rms_adamw'" in msg, msg
+    schema = json.loads((SCHEMA_DIR / PARAMS_SCHEMA_FILE).read_text(encoding="utf-8"))
+    jsonschema = pytest.importorskip("jsonschema")
+    for bad in ({"update_scale": "shape", "adjust_lr_fn": "original"}, {"adjust_lr_fn": "match_rms"}):
+        assert list(jsonschema.Draft202012Validator(schema).iter_errors(bad)), bad
+
+
+def test_exchange_bucket_mb_says_mib_not_elements():
+    """exchange_bucket_mb is MiB, where DeepSpeed's *_bucket_size keys count elements: a value copied from
+    reduce_bucket_size (5e8 elements) is refused with a message that says so; the description says it too."""
+    msg = params_error({"exchange_bucket_mb": 5e8})
+    assert "optimizer.params.exchange_bucket_mb: 500000000.0 is invalid" in msg
+    assert "MiB, not elements" in msg and "*_bucket_size keys count elements" in msg, msg
+    description = MuonOptimizerParams.model_fields["exchange_bucket_mb"].description
+    assert "MiB" in description and "not elements" in description and "reduce_bucket_size" in description
 
 
 def test_betas_and_alias_together_is_an_error():
@@ -323,7 +361,7 @@ def test_committed_schemas_match_the_models():
 
 def test_schema_covers_every_field_and_alias():
     props = muon_params_schema()["properties"]
-    assert set(MuonOptimizerParams.model_fields) | {"adam_betas", "adam_eps"} == set(props)
+    assert set(MuonOptimizerParams.model_fields) | {"adam_betas", "adam_eps", "adjust_lr_fn"} == set(props)
     assert ds_config_schema()["$defs"]["MuonOptimizerParams"]["properties"] == props
 
 
@@ -445,14 +483,14 @@ def test_nvme_parameter_offload_is_refused(tmp_path):
 
 @pytest.mark.parametrize("mutate, match", [
     (lambda c: c["zero_optimization"].update(offload_optimizer={"device": "cpu", "ratio": 0.5}),
-     r"offload_optimizer\.ratio: 0\.5 is invalid: DeepSpeed 0\.19\.8's ZeRO-3 partial optimizer offload runs only "
+     rf"offload_optimizer\.ratio: 0\.5 is invalid: DeepSpeed {DS_VERSION}'s ZeRO-3 partial optimizer offload runs only "
      r"with DeepSpeedCPUAdam.*remove ratio"),
     (lambda c: c.update(tensor_parallel={"autotp_size": 2}),
      r"tensor_parallel\.autotp_size: 2 with ZeRO stage 3 is not served by ds_muon yet.*stages 1 and 2.*set "
      r"zero_optimization\.stage to 1 or 2, or autotp_size to 1"),
     (lambda c: c["zero_optimization"].update(zenflow={"topk_ratio": 0.1}), r"zero_optimization\.zenflow"),
     (lambda c: c["zero_optimization"].update(offload_optimizer={"device": "cpu", "super_offload": True}),
-     r"offload_optimizer\.super_offload: true is invalid: DeepSpeed 0\.19\.8's SuperOffload.*no Muon step"),
+     rf"offload_optimizer\.super_offload: true is invalid: DeepSpeed {DS_VERSION}'s SuperOffload.*no Muon step"),
 ], ids=["partial-offload", "autotp", "zenflow", "super-offload"])
 def test_unsupported_combinations_are_named(mutate, match):
     cfg = muon_config()
