@@ -68,7 +68,9 @@ class MuonShardStep:
 
     def _orthogonalizer(self, group: dict):
         """The owner-side function for the group's current ``ns_method``, ``ns_steps`` and ``update_scale``,
-        rebuilt only when one of them changed (a loaded checkpoint's param groups bring their own)."""
+        rebuilt only when one of them changed (a user editing ``param_groups``, a loaded checkpoint's groups): the
+        step follows the group, as torch optimizers do (tests/dist/test_ns_settings.py). The owner plan is not
+        rebuilt: it read ``ns_steps``/``ns_method`` at initialize for its LPT cost (load balance) only."""
         key = (group["ns_method"], group["ns_steps"], group["update_scale"])
         if key != self._ns_key:
             device = self.exchange.device

@@ -40,7 +40,7 @@ def _engine_run(rank: int, case: dict) -> dict:
     params = {**PARAMS, **case.get("params", {})}
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "gradient_clipping": CLIP,
            "optimizer": {"type": "Muon", "params": params}, "zero_optimization": {"stage": case["stage"]},
-           "tensor_parallel": {"autotp_size": TP}, "steps_per_print": 10_000}
+           "tensor_parallel": {"autotp_size": TP, **case.get("tp", {})}, "steps_per_print": 10_000}
     model = tiny_llama()
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     engine, _, _, _ = ds_muon.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -53,8 +53,12 @@ def _engine_run(rank: int, case: dict) -> dict:
             engine.backward(engine(input_ids=ids, labels=ids).loss)
             engine.step()
         norms.append(float(engine.get_global_grad_norm()))
-    out = {"type": type(opt).__name__, "norms": norms, "steps": opt.step_count, "exchange_bytes": opt.exchange_bytes(),
-           "exchange_world": next(iter(opt.muon_plans.values())).world_size, "got": full_params(model, TP),
+    # the Muon matrices AutoTP left whole: this rank's copy (every tensor-parallel rank must hold the same one)
+    from deepspeed.utils import safe_get_full_fp32_param
+    whole = {n: safe_get_full_fp32_param(p).detach().float().cpu().clone() for n, p in model.named_parameters()
+             if _muon(n) and not getattr(p, "tensor_model_parallel", False)}
+    out = {"type": type(opt).__name__, "whole": whole, "norms": norms, "steps": opt.step_count,
+           "exchange_bytes": opt.exchange_bytes(), "exchange_world": next(iter(opt.muon_plans.values())).world_size, "got": full_params(model, TP),
            "init": init}
     engine.destroy()
     return out
@@ -88,12 +92,19 @@ def worker(rank: int, world_size: int, cases: list[dict]) -> list[dict | None]:
             out["shard_errors"] = compare(out["got"], shard_ref, out["init"])
             out["shard_ref_vs_full"] = compare(shard_ref, full, out["init"])
         out.pop("got"), out.pop("init")
-        results.append(out if rank == 0 else {k: out[k] for k in ("type", "norms", "steps", "exchange_bytes")})
+        results.append(out if rank == 0 else {k: out[k] for k in ("type", "norms", "steps", "exchange_bytes", "whole")})
     return results
 
 
+# AutoTP told to split the attention only (partition_config, no default specs): the MLP's gate/up/down matrices
+# stay whole, replicated on both tensor-parallel ranks (one exchange slot per tensor-parallel rank each).
+ATTENTION_ONLY = {"partition_config": {"use_default_specs": False, "layer_specs": [
+    {"patterns": [r".*\.o_proj\.weight$"], "partition_type": "row"},
+    {"patterns": [r".*\.[qkv]_proj\.weight$"], "partition_type": "column"}]}}
+MLP = ("gate_proj", "up_proj", "down_proj")
 CASES = [dict(name="stage2-full", stage=2), dict(name="stage1-full", stage=1),
-         dict(name="stage2-shard", stage=2, params={"tp_mode": "shard"})]
+         dict(name="stage2-shard", stage=2, params={"tp_mode": "shard"}),
+         dict(name="stage2-full-mlp-whole", stage=2, tp=ATTENTION_ONLY)]
 
 
 def _muon(name: str) -> bool:
@@ -117,6 +128,13 @@ def test_autotp_parity_with_oracle() -> None:
         assert max(res["ref_norms"]) > CLIP, f"{name}: clipping was never active"
         assert res["exchange_world"] == (2 if shard else 4), (name, res["exchange_world"])
         assert sum(_muon(n) for n in errors) == 14, sorted(errors)
+        # which Muon matrices AutoTP left whole; each tensor-parallel rank's copy of them is the oracle's
+        expect_whole = {n for n in errors if _muon(n) and any(m in n for m in MLP)} if "tp" in case else set()
+        assert set(res["whole"]) == expect_whole and all(set(r[k]["whole"]) == expect_whole for r in results), (
+            name, sorted(res["whole"]))
+        differ = [(g, n) for g, r in enumerate(results) for n in expect_whole
+                  if not torch.equal(r[k]["whole"][n], res["whole"][n])]
+        assert not differ, f"{name}: tensor-parallel copies of a whole Muon matrix differ from rank 0's: {differ}"
         for pname, err in errors.items():
             assert err["rel"] <= PARITY_RTOL, f"{name}: {pname} rel error {err['rel']:.2e}"
             assert err["rel_update"] <= 1e-3, f"{name}: {pname} update rel error {err['rel_update']:.2e}"

@@ -144,3 +144,40 @@ def test_elementwise_kernel_choice_is_its_own_switch():
     assert MuonOptimizerParams(elementwise_compile=False).elementwise_compile is False
     with pytest.raises(Exception, match="elementwise_compile"):
         MuonOptimizerParams(elementwise_compile="sometimes")
+
+
+def test_apply_update_is_decoupled_weight_decay_then_the_step() -> None:
+    """``p <- p (1 - lr wd) - lr o`` (AdamW's decoupled decay, arXiv 1711.05101): the sign and the factor of each
+    term. (Found by mutation testing: the decay's or the step's sign flipped, or the step left out, passed the unit
+    tests.)"""
+    from ds_muon.core.muon_update import apply_update_
+    p0, o = _data()
+    p = p0.clone()
+    apply_update_(p, o, 0.02, 0.1)
+    torch.testing.assert_close(p, p0 * (1 - 0.02 * 0.1) - 0.02 * o, rtol=1e-6, atol=1e-7)
+    p = p0.clone()
+    apply_update_(p, o, 0.5, 0.0)  # no decay: the step alone, at a size where a wrong sign or factor is plain
+    torch.testing.assert_close(p, p0 - 0.5 * o, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("method, steps, dtype, mode, out_dtype", [
+    ("standard", 5, torch.float32, "shape", None),
+    ("polar_express", 3, torch.bfloat16, "rms_match", None),
+    ("gram", 4, torch.bfloat16, "shape", torch.float32),
+])
+def test_scaled_orthogonalizer_is_newton_schulz_times_the_update_scale(method, steps, dtype, mode, out_dtype) -> None:
+    """``scaled_orthogonalizer(...)(blocks) == orthogonalize(blocks, method, steps, dtype) * update_scale(rows, cols,
+    mode)``, in the compute dtype (or ``out_dtype``), for tall and wide blocks. (Found by mutation testing: the
+    method, steps, dtype or mode dropped on the way passed the unit tests.)"""
+    from ds_muon.core.matrix import update_scale
+    from ds_muon.core.muon_update import scaled_orthogonalizer
+    from ds_muon.core.newton_schulz import orthogonalize
+    g = torch.Generator().manual_seed(1)
+    fn = scaled_orthogonalizer(method, steps, dtype, mode, out_dtype=out_dtype)
+    for shape in ((3, 16, 6), (2, 5, 12)):
+        blocks = torch.randn(shape, generator=g)
+        want = orthogonalize(blocks, method, steps, dtype)
+        want = (want if out_dtype is None else want.to(out_dtype)) * update_scale(shape[-2], shape[-1], mode)
+        got = fn(blocks)
+        assert got.dtype == (out_dtype or dtype), (got.dtype, out_dtype, dtype)
+        assert torch.equal(got, want), (shape, (got.float() - want.float()).abs().max())

@@ -425,3 +425,22 @@ def test_flat_layout_single_process_exchange_matches_per_matrix(general, monkeyp
         t = u.narrow(0, p.shard_offset, info.numel).view(info.shape)
         torch.testing.assert_close(out.narrow(0, p.shard_offset, info.numel).view(info.shape), expected_update(t),
                                    rtol=1e-6, atol=1e-6, msg=info.name)
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_plan_summary_and_loads_of_an_empty_and_a_full_sub_group(world_size):
+    """A sub-group with no Muon matrix: no buckets, zero FLOPs on each of the W ranks, imbalance 1.0; a full one:
+    the per-rank loads in describe() are load()'s. (Found by mutation testing: ``[0] * W`` for the empty plan's
+    loads, and describe()'s text, were never read by a unit test.)"""
+    empty = build_bucketed_plan([], world_size, 4096)
+    assert empty.buckets == () and empty.load() == [0] * world_size and empty.imbalance() == 1.0
+    assert empty.describe() == (f"0 Muon matrices in 0 exchange buckets over W={world_size}; NS GFLOP per rank "
+                                f"[{', '.join(['0'] * world_size)}]; imbalance max/mean 1.000")
+    plan = build_bucketed_plan(_mixed_params(), world_size, 600)
+    loads = ", ".join(f"{x / 1e9:.3g}" for x in plan.load())
+    assert plan.describe() == (f"10 Muon matrices in {len(plan.buckets)} exchange buckets over W={world_size}; "
+                               f"NS GFLOP per rank [{loads}]; imbalance max/mean {plan.imbalance():.3f}")
+    whole = build_plan(_mixed_params(), world_size)
+    assert whole.describe() == (f"10 Muon matrices over W={world_size}; NS GFLOP per rank "
+                                f"[{', '.join(f'{x / 1e9:.3g}' for x in whole.load())}]; "
+                                f"imbalance max/mean {whole.imbalance():.3f}")

@@ -84,3 +84,71 @@ def test_a_damaged_file_is_named(tmp_path, monkeypatch):
     path.write_bytes(b"not a zip archive")
     with pytest.raises(CheckpointError, match="damaged.pt"):
         safe_load(str(path))
+
+
+class _Reduces:
+    """Pickles as whatever ``__reduce__`` tuple it is given (protocol 2: GLOBAL, then REDUCE; or, through
+    ``copyreg.__newobj__``, NEWOBJ, and BUILD when a state follows)."""
+
+    def __init__(self, reduced: tuple) -> None:
+        self.reduced = reduced
+
+    def __reduce__(self):
+        return self.reduced
+
+
+def _neighbours():
+    """``(id, the global refused, object to pickle)``: globals next to :data:`ALLOWED_GLOBALS` (same module, same
+    package; functions, an enum, classes), one per code path the weights-only unpickler accepts: REDUCE (a call),
+    NEWOBJ + BUILD (``cls.__new__``, then ``__setstate__`` / ``__dict__`` update)."""
+    from deepspeed.runtime.fp16 import loss_scaler
+    from deepspeed.runtime.zero import config, offload_config
+    import importlib
+    logging = importlib.import_module("deepspeed.utils.logging")
+    tensor_fragment = importlib.import_module("deepspeed.utils.tensor_fragment")  # (deepspeed.utils re-exports a class)
+    return [
+        # same module as LossScaler/DynamicLossScaler: a function, called through REDUCE
+        ("reduce-same-module-function", "deepspeed.runtime.fp16.loss_scaler.to_python_float",
+         _Reduces((loss_scaler.to_python_float, (1.0,)))),
+        # same module as fragment_address: the class whose method getattr fetches, called through REDUCE
+        ("reduce-same-module-method", "deepspeed.utils.tensor_fragment.tensor_fragment",
+         _Reduces((tensor_fragment.tensor_fragment.get_hp_fragment_address, (None,)))),
+        # same package as ZeroStageEnum (deepspeed.runtime.zero): an enum of the same kind, REDUCE (how Enums pickle)
+        ("reduce-same-package-enum", "deepspeed.runtime.zero.offload_config.OffloadDeviceEnum",
+         offload_config.OffloadDeviceEnum("cpu")),
+        # same package as fragment_address (deepspeed.utils), another module: a function
+        ("reduce-same-package-function", "deepspeed.utils.logging.log_dist", _Reduces((logging.log_dist, ("x", [0])))),
+        # same module as LossScaler, their base class: NEWOBJ, then BUILD with its __dict__
+        ("newobj-build-same-module-base-class", "deepspeed.runtime.fp16.loss_scaler.LossScalerBase",
+         loss_scaler.LossScalerBase(1.0)),
+        # same module as ZeroStageEnum: a pydantic model, NEWOBJ, then BUILD through its __setstate__
+        ("newobj-build-same-module-config", "deepspeed.runtime.zero.config.DeepSpeedZeroConfig",
+         config.DeepSpeedZeroConfig()),
+    ]
+
+
+CASES = ["reduce-same-module-function", "reduce-same-module-method", "reduce-same-package-enum",
+         "reduce-same-package-function", "newobj-build-same-module-base-class", "newobj-build-same-module-config"]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=CASES)
+def test_a_global_next_to_allowed_ones_is_refused_by_the_file_check(tmp_path, monkeypatch, case):
+    """A global that is not on the list but sits next to allowed ones (same module, same package; a function, an
+    enum, a class built through NEWOBJ and BUILD) is refused by the file check on its own -- the check that runs
+    before DeepSpeed loads a file with ``weights_only=False`` -- and by :func:`safe_load`, naming the file and the
+    global; each protocol-2 path that reaches code (REDUCE, NEWOBJ, BUILD). (Fails with the list widened to a
+    package, a module or a name prefix.)"""
+    from ds_muon.checkpoint.safe_load import check_file, file_code_problems
+    monkeypatch.delenv(TRUST_ENV, raising=False)
+    ident, name, payload = _neighbours()[case]
+    assert ident == CASES[case]
+    path = str(tmp_path / f"{ident}.pt")
+    torch.save({"param": torch.ones(2), "payload": payload}, path)
+    assert name in unsafe_globals(path), (name, unsafe_globals(path))
+    with pytest.raises(CheckpointError) as err:
+        check_file(path)
+    assert path in str(err.value) and name in str(err.value), str(err.value)
+    problems = file_code_problems([str(tmp_path)])
+    assert len(problems) == 1 and name in problems[0], problems
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
+        safe_load(path)
