@@ -848,6 +848,12 @@ def print_table(results: dict) -> None:
     for k, v in results.items():
         if "error" in v:
             print(f"| {k} | {v.get('settings', '')} | failed: {v['error']} | | | | | | | |")
+    base = next((v for k, v in ok.items() if parse_arm(k)[0] == "adamw"), None)
+    if base is not None:  # issue 40, item 1: the same fwd+bwd work in every arm at W=1 (target <= 1.02x)
+        print("fwd+bwd / AdamW's (wall clock; CUDA events): " + ", ".join(
+            f"{k} {v['fwd_bwd_s'] / base['fwd_bwd_s']:.3f}x"
+            + (f" ({v['fwd_bwd_s_events'] / base['fwd_bwd_s_events']:.3f}x)" if "fwd_bwd_s_events" in v
+               and "fwd_bwd_s_events" in base else "") for k, v in ok.items() if v is not base))
     for k, v in results.items():  # the overlapped Muon step: how often it committed, how often it fell back
         stats = [r["overlap_stats"] for r in v.get("round_results", ()) if r.get("overlap_stats")]
         if stats and any(stats[0].values()):

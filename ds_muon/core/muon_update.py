@@ -21,7 +21,7 @@ import torch
 from .dtypes import MOMENTUM_DTYPES
 from .matrix import update_scale
 from .newton_schulz import orthogonalize
-from .ns_compile import AUTOTUNE_COMPILE, compiled_orthogonalize
+from .ns_compile import AUTOTUNE_COMPILE, compile_in_process, compiled_orthogonalize
 
 
 # Elements per chunk when the momentum is stored in a narrower dtype than the gradient: the fp32
@@ -117,8 +117,9 @@ def _apply_update_graph_(param: torch.Tensor, update: torch.Tensor, decay: float
 @functools.lru_cache(maxsize=None)
 def _compiled(fn, backend: str):
     # dynamic=True: one graph for every shard length; the functions compiled take their floats as multiplicands
-    # (see _momentum_graph_), so a new lr or beta does not recompile either
-    return torch.compile(fn, dynamic=True, backend=backend)
+    # (see _momentum_graph_), so a new lr or beta does not recompile either; compiled in this process, without
+    # inductor's compile-worker pool (ns_compile.INDUCTOR_OPTIONS)
+    return compile_in_process(fn, backend, dynamic=True)
 
 
 def use_compiled_elementwise(setting, ns_compile: bool, device: torch.device) -> bool:

@@ -18,8 +18,8 @@ import torch
 from .newton_schulz import check_form, orthogonalize
 from .ns_cost import check_method, check_steps
 
-__all__ = ["COMPILE_MODE", "COMPILE_DYNAMIC", "AUTOTUNE_COMPILE", "COMPILE_GRAPH_LIMIT", "compiled_orthogonalize",
-           "AUTOTUNE_PROGRESS", "persistent_inductor_cache"]
+__all__ = ["COMPILE_MODE", "COMPILE_DYNAMIC", "AUTOTUNE_COMPILE", "COMPILE_GRAPH_LIMIT", "INDUCTOR_OPTIONS",
+           "compile_in_process", "compiled_orthogonalize", "AUTOTUNE_PROGRESS", "persistent_inductor_cache"]
 
 #: ``torch.compile`` ``mode`` and ``dynamic`` of ``compiled_orthogonalize`` when none is given (the
 #: owner step's Newton–Schulz). ``None``/``False``: inductor's default mode, static shapes (one graph per
@@ -47,6 +47,28 @@ COMPILE_GRAPH_LIMIT = 64
 
 
 _DEFAULT = "default"  # compiled_orthogonalize: "use the module-level setting"
+
+#: Inductor options of every graph ds_muon compiles in inductor's default mode: ``compile_threads`` 1, so inductor
+#: compiles ds_muon's few Triton kernels in the training process instead of starting its compile-worker pool (a
+#: sidecar process, ``python -m torch._inductor.compile_worker``, that forks one worker per core). ds_muon compiles
+#: on its first optimizer step, so that pool started in the middle of training and took a core while the next
+#: steps ran: on one H200 (934M, W=1; docs/benchmarks.md, "Issue 40, item 1") the sidecar used 100% of a core through
+#: every timed fwd+bwd in 3 of 5 runs of a compiled arm and none of the uncompiled ones, and those runs' fwd+bwd
+#: was 0.229-0.296 s against 0.184-0.225 s.
+INDUCTOR_OPTIONS: dict = {"compile_threads": 1}
+
+
+def compile_in_process(fn, backend: str = "inductor", mode: str | None = None, **kwargs):
+    """``torch.compile(fn, backend=backend, mode=mode, **kwargs)``; with inductor in its default mode (``mode`` None)
+    also ``options=INDUCTOR_OPTIONS`` (:data:`INDUCTOR_OPTIONS`: no compile-worker processes). A ``mode`` (the
+    opt-in ``ns_autotune``) keeps inductor's worker pool, which compiles the autotuning candidates in parallel.
+
+    Returns:
+        the compiled callable (compiles lazily, on its first call, as ``torch.compile`` does).
+    """
+    if backend == "inductor" and mode is None:
+        return torch.compile(fn, backend=backend, options=dict(INDUCTOR_OPTIONS), **kwargs)
+    return torch.compile(fn, backend=backend, mode=mode, **kwargs)
 
 #: Where inductor's caches go when ``ns_autotune`` is on and the user has not chosen
 #: (``TORCHINDUCTOR_CACHE_DIR`` unset): ``$XDG_CACHE_HOME/ds_muon/torchinductor`` (``~/.cache/...``), which
@@ -175,8 +197,8 @@ def _compiled(method: str, steps: int, dtype: torch.dtype | None, backend: str, 
     static_autotune = mode is not None and "autotune" in mode and not dynamic
     if static_autotune:
         persistent_inductor_cache()
-    compiled = torch.compile(functools.partial(orthogonalize, method=method, steps=steps, dtype=dtype, form=form),
-                             dynamic=dynamic, backend=backend, mode=mode)
+    compiled = compile_in_process(functools.partial(orthogonalize, method=method, steps=steps, dtype=dtype, form=form),
+                                  backend, mode, dynamic=dynamic)
 
     # torch < 2.7 calls the limit cache_size_limit
     limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
