@@ -347,10 +347,12 @@ class MuonOptimizerParams(BaseModel):
                      "gradients, and apply the kept update when the step commits. Exact: a step whose gradient clipping "
                      "fires, that is skipped for an fp16 overflow, or that has a Muon block without gradient recomputes "
                      "the sub-group as without overlap. Costs one buffer of the local Muon shard in the exchange dtype "
-                     "plus one fp32 buffer of the shard while a sub-group is speculated. 'auto': on where it applies "
-                     "(ZeRO-3, no optimizer offload) on a CUDA device, where it runs on a side stream; true: also on "
-                     "the CPU (inline in backward: exact, not faster), and refused with optimizer offload; false: "
-                     "off. Source: ds_muon."))
+                     "plus one fp32 buffer of the shard while a sub-group is speculated. 'auto': on where it is exact and "
+                     "measured faster, which is nowhere yet: on one H200 (934M, W=1, clipping off) it committed every "
+                     "step but made the whole step 1.12x slower (fwd+bwd +0.104 s, optimizer step -0.065 s; "
+                     "docs/benchmarks.md, 'Issue 40: the overlapped step'), so 'auto' is off; true: on where it "
+                     "applies (ZeRO-3, no optimizer offload; on CUDA on a side stream, on the CPU inline in backward: "
+                     "exact, not faster), refused with optimizer offload; false: off. Source: ds_muon."))
 
     tp_mode: Literal["full", "shard"] = Field(
         "full",

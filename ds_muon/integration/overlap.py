@@ -56,7 +56,7 @@ class OverlapHooks:
 
     def _overlap_wanted(self, plans_built: bool = True) -> bool:
         """``optimizer.params.overlap_backward``: True runs where the path applies (no optimizer offload, no ZenFlow,
-        Muon sub-groups present; on the CPU inline in backward), "auto" there and only on CUDA (side stream).
+        Muon sub-groups present; on the CPU inline in backward); "auto" is off (measured slower, see below).
 
         Raises:
             ConfigError: True with optimizer offload.
@@ -64,8 +64,10 @@ class OverlapHooks:
         setting = getattr(getattr(self.optimizer, "config", None), "overlap_backward", False)
         if setting is False or (plans_built and not self.muon_steps) or getattr(self, "zenflow", False):
             return False  # ZenFlow rewrites the fp32 gradients in partition's caller: not the gradient speculated on
-        if setting == "auto" and self._device.type != "cuda":
-            return False  # no streams: the work would only move into backward, not overlap it
+        if setting == "auto":
+            # on where exact and measured faster: nowhere yet (one H200, 934M, W=1: the whole step 1.12x slower with
+            # it, docs/benchmarks.md "Issue 40: the overlapped step"); on the CPU there are no streams at all
+            return False
         if self.offload_optimizer:
             if setting is True:
                 raise ConfigError("ds_muon: optimizer.params.overlap_backward is true, but the overlapped Muon step "
