@@ -103,6 +103,9 @@ def _split_schema(schema: dict[str, Any]) -> None:
          "description": "Row block sizes in order (the same as {\"rows\": [...]})."}, obj])
 
 
+#: a switch whose "auto" lets ds_muon decide where it applies (elementwise_compile, overlap_backward)
+AutoOrBool = Union[Literal["auto"], bool]
+
 class MuonSplit(BaseModel):
     """A declared split of each matrix of a parameter: contiguous row and/or column block sizes."""
 
@@ -247,7 +250,7 @@ class MuonOptimizerParams(BaseModel):
                      "shape) when it runs on a CUDA device; on CPU it runs eagerly. Whether the element-wise passes "
                      "are compiled too is elementwise_compile's choice (its 'auto' follows this key). Source: ds_muon; "
                      "the gains are measured by benchmarks/step_time.py."))
-    elementwise_compile: Union[Literal["auto"], bool] = Field(
+    elementwise_compile: AutoOrBool = Field(
         "auto",
         description=("Run the element-wise passes of the ZeRO Muon step (the momentum step with its Nesterov blend, "
                      "and the update apply with decoupled weight decay) as one torch.compile'd pass each over the "
@@ -340,7 +343,7 @@ class MuonOptimizerParams(BaseModel):
                      "about 6 x exchange_bucket_mb / W MiB when a bucket has at least W matrices, up to about "
                      "3 x exchange_bucket_mb MiB when it has few large ones. Source: ds_muon."))
 
-    overlap_backward: Union[Literal["auto"], bool] = Field(
+    overlap_backward: AutoOrBool = Field(
         "auto",
         description=("Run the Muon step's momentum, owner exchange and Newton-Schulz speculatively during the last "
                      "micro-batch's backward (ZeRO-3 without optimizer offload), bucket by bucket as ZeRO reduces the "

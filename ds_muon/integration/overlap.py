@@ -68,12 +68,10 @@ class OverlapHooks:
             # on where exact and measured faster: nowhere yet (one H200, 934M, W=1: the whole step 1.12x slower with
             # it, docs/benchmarks.md "Issue 40: the overlapped step"); on the CPU there are no streams at all
             return False
-        if self.offload_optimizer:
-            if setting is True:
-                raise ConfigError("ds_muon: optimizer.params.overlap_backward is true, but the overlapped Muon step "
-                                  "needs the optimizer state on the accelerator (zero_optimization.offload_optimizer "
-                                  "is set); use \"auto\" or false")
-            return False
+        if self.offload_optimizer:  # setting is True here: "auto" and False returned above
+            raise ConfigError("ds_muon: optimizer.params.overlap_backward is true, but the overlapped Muon step "
+                              "needs the optimizer state on the accelerator (zero_optimization.offload_optimizer "
+                              "is set); use \"auto\" or false")
         return True
 
     def _build_overlap(self) -> None:
