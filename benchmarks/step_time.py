@@ -41,6 +41,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -53,9 +54,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # ds_muon_bf16mom: momentum_dtype "bfloat16" (half the momentum memory, as the built-in keeps it)
 # ds_muon_autotune: ns_autotune true (Newton-Schulz compiled with max-autotune, static shapes)
 # ds_muon_nooverlap: overlap_backward false (the Muon step after backward, not speculated in it)
+# ds_muon_overlap: overlap_backward true (the Muon step speculated in the last backward, committed at the step)
 # adam_mini: ds_muon's ZeRO-3 Adam-mini ("type": "AdamMini", AdamW's hyperparameters), against adamw
 OPTIMIZERS = ("adamw", "builtin_muon", "ds_muon", "ds_muon_eager", "ds_muon_gram", "ds_muon_bf16mom", "ds_muon_autotune",
-              "ds_muon_nooverlap", "adam_mini")
+              "ds_muon_nooverlap", "ds_muon_overlap", "adam_mini")
 
 
 def parse_arm(spec: str) -> tuple[str, dict]:
@@ -136,6 +138,8 @@ def ds_config(kind: str, micro_batch: int, stage: int = 3) -> dict:
             cfg["optimizer"]["params"]["ns_autotune"] = True
         if kind == "ds_muon_nooverlap":
             cfg["optimizer"]["params"]["overlap_backward"] = False
+        if kind == "ds_muon_overlap":
+            cfg["optimizer"]["params"]["overlap_backward"] = True
     cfg["zero_optimization"].update(zero)
     return cfg
 
@@ -400,6 +404,28 @@ def profile_steps(engine, vocab: int, args, g, device, steps: int = 3) -> str:
             + "\nby self CPU time:\n" + table.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
 
 
+def trace_steps(engine, vocab: int, args, g, device, path: str, steps: int = 2) -> None:
+    """A Chrome trace (``path``, rank 0 only) of ``steps`` whole training steps (forward, backward, optimizer step,
+    no sync between them, as a training loop runs), with every stream and the host threads: where the GPU idles in
+    backward, and whether work on a side stream (the overlapped Muon step) runs alongside backward's kernels."""
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile, record_function
+    batches = [torch.randint(0, vocab, (args.micro_batch, args.seq_len + 1), generator=g).to(device)
+               for _ in range(steps)]
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for x in batches:
+            with record_function("bench/forward_backward"):
+                engine.backward(engine(x[:, :-1], x[:, 1:]))
+            with record_function("bench/optimizer_step"):
+                engine.step()
+        torch.cuda.synchronize()
+    if dist.get_rank() == 0:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        prof.export_chrome_trace(path)
+
+
 def _optimizer_state_bytes(engine) -> int:
     """Bytes of this rank's optimizer state (Adam moments, Muon momentum, Adam-mini block moments; not the fp32
     master weights or gradients), wherever it lives (accelerator or CPU)."""
@@ -563,6 +589,8 @@ def worker(args) -> None:
         torch.cuda.synchronize()
         syncs = {"fwd_bwd": sync_points(lambda: engine.backward(engine(x[:, :-1], x[:, 1:]))),
                  "step": sync_points(engine.step)}
+    if args.trace:
+        trace_steps(engine, vocab, args, g, device, os.path.join(args.trace, re.sub(r'[^A-Za-z0-9_.-]', '_', args.optimizer) + '.json'))
     profile = None
     if args.profile and kind in ("ds_muon", "adamw"):  # AdamW's profile is the fwd+bwd baseline
         profile = profile_steps(engine, vocab, args, g, device)
@@ -622,6 +650,9 @@ def main() -> None:
                          "wait for the GPU (torch.cuda.set_sync_debug_mode)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile 3 ds_muon and 3 AdamW steps with torch.profiler and print the summary tables")
+    ap.add_argument("--trace", default=None, metavar="DIR",
+                    help="after the timed steps of round 1, write a Chrome trace of 2 whole steps of each arm to "
+                         "DIR/<arm>.json (rank 0)")
     ap.add_argument("--ns-micro", action=argparse.BooleanOptionalAction, default=True,
                     help="also run the Newton-Schulz microbenchmark (one GPU)")
     ap.add_argument("--ns-shapes", default=",".join("x".join(map(str, s)) for s in NS_SHAPES),
@@ -664,6 +695,7 @@ def main() -> None:
                    "--seq-len", str(args.seq_len), "--warmup", str(args.warmup), "--steps", str(args.steps),
                    "--stage", str(args.stage), "--loop-steps", str(args.loop_steps),
                    *(["--sync-debug"] if args.sync_debug and rnd == 0 else []),
+                   *(["--trace", args.trace] if args.trace and rnd == 0 else []),
                    "--out", out] + (["--profile"] if args.profile and rnd == 0 else [])
             print(f">> round {rnd + 1}/{args.rounds}:", " ".join(cmd), flush=True)
             proc = subprocess.run(cmd)

@@ -256,8 +256,28 @@ def matrix_view(shape: Sequence[int], split: Optional[Split] = None) -> MatrixVi
     return MatrixView(shape, tuple(groups), split if keep else None)
 
 
+def view_blocks(flat: "torch.Tensor", view: MatrixView) -> list["torch.Tensor"]:
+    """The block groups of ``view`` in ``flat``, as strided views (one per group, shape ``(k, *batch, rows, cols)``):
+    writing into one writes into ``flat``.
+
+    Args:
+        flat: ``(k, L)`` with ``L >= prod(view.shape)`` and unit stride along dim 1: ``k`` parameters
+            of the same view, one flat (row-major) parameter per row (elements past the parameter
+            are not covered).
+        view: the parameters' :class:`MatrixView`.
+
+    Raises:
+        ValueError: ``flat`` is not 2-D with unit stride along dim 1.
+    """
+    if flat.dim() != 2 or flat.stride(1) != 1:
+        raise ValueError(f"expected a (k, L) tensor with unit stride along L, got shape {tuple(flat.shape)} "
+                         f"strides {flat.stride()}")
+    return [flat.as_strided((flat.shape[0],) + g.sizes, (flat.stride(0),) + g.strides, flat.storage_offset() + g.offset)
+            for g in view.groups]
+
+
 def orthogonalize_blocks_(flat: "torch.Tensor", view: MatrixView, fn: Callable[["torch.Tensor"], "torch.Tensor"]) -> None:
-    """In place: replace every block of ``view`` in ``flat`` by ``fn(block)``.
+    """In place: replace every block of ``view`` in ``flat`` by ``fn(block)`` (:func:`view_blocks`).
 
     Args:
         flat: ``(k, L)`` with ``L >= prod(view.shape)`` and unit stride along dim 1: ``k`` parameters
@@ -266,11 +286,9 @@ def orthogonalize_blocks_(flat: "torch.Tensor", view: MatrixView, fn: Callable[[
         view: the parameters' :class:`MatrixView`.
         fn: ``(k, *batch, rows, cols) -> same shape`` (any float dtype): the orthogonalization
             including the update scale of a ``rows x cols`` block. Called once per group.
+
+    Raises:
+        ValueError: as :func:`view_blocks`.
     """
-    if flat.dim() != 2 or flat.stride(1) != 1:
-        raise ValueError(f"expected a (k, L) tensor with unit stride along L, got shape {tuple(flat.shape)} "
-                         f"strides {flat.stride()}")
-    for g in view.groups:
-        blocks = flat.as_strided((flat.shape[0],) + g.sizes, (flat.stride(0),) + g.strides,
-                                 flat.storage_offset() + g.offset)
+    for blocks in view_blocks(flat, view):
         blocks.copy_(fn(blocks))

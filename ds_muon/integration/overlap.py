@@ -11,8 +11,8 @@
   rank, and :class:`~ds_muon.sharded.overlap.SpeculativeMuon` starts each owner-plan bucket's speculative step as
   soon as its parameters are all final.
 - ``step``: joins the side stream, and drops any speculation a skipped step (fp16 overflow) left.
-- ``_muon_step(i)``: commits sub-group ``i``'s speculation when exact (clip coefficient 1, every block had a
-  gradient, the speculation complete), else the ordinary step.
+- ``_commit_speculation(i, ...)``, asked by the base's ``_muon_step``: commits sub-group ``i``'s speculation when
+  exact (clip coefficient 1, every block had a gradient, the speculation complete), else the ordinary step runs.
 - ``zero_grad`` outside a step and a backward that is not the last micro-batch's: any speculation is dropped
   (a backward never followed by a step leaks nothing).
 """
@@ -148,12 +148,9 @@ class OverlapHooks:
                                       (self._global_grad_norm + 1e-6) / self.clip_grad > 1.0)
         return self._overlap_clip
 
-    def _muon_step(self, i: int) -> None:
-        """The speculation's commit where exact, else the ordinary Muon step (the same no-gradient flags)."""
-        if self.speculative is None:
-            return super()._muon_step(i)
-        fp32, group = self._fp32_partition(i), self._param_group(i)
-        momentum = self._momentum_of(fp32, group, self._momentum_in_memory)
-        had = self._blocks_with_gradient(i)
-        if not self.speculative.commit(i, fp32, fp32.grad, momentum, had, self._clip_fired(), group):
-            self.muon_steps[i].run(fp32, fp32.grad, momentum, had, group)
+    def _commit_speculation(self, i: int, fp32: torch.Tensor, momentum: torch.Tensor, had: Optional[torch.Tensor],
+                            group: dict) -> bool:
+        """Commit sub-group ``i``'s speculation where exact (:meth:`~ds_muon.sharded.overlap.SpeculativeMuon.commit`);
+        False: the ordinary Muon step runs (the same no-gradient flags)."""
+        return self.speculative is not None and self.speculative.commit(i, fp32, fp32.grad, momentum, had,
+                                                                        self._clip_fired(), group)

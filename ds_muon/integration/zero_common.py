@@ -337,11 +337,33 @@ class DsMuonZeroSteps:
             scale_shard_(self._fp32_partition(i).data, self._qk_ranges[i], self._qk_factors)
 
     def _muon_step(self, i: int) -> None:
-        """Sub-group ``i``'s Muon step (:meth:`ds_muon.sharded.muon_step.MuonShardStep.run`) on its fp32
-        partition, with its momentum and its no-gradient flags."""
-        fp32, group = self._fp32_partition(i), self._param_group(i)
+        """Sub-group ``i``'s Muon step on its fp32 partition, in place (under :meth:`_optimizer_step`'s no_grad),
+        with its momentum and its no-gradient flags: a speculation committed in its place
+        (:meth:`_commit_speculation`), or the three stages of its :class:`~ds_muon.sharded.muon_step.MuonShardStep`
+        on one buffer, the gradient's: g -> u (``prepare``), u -> o (``orthogonalize``: the owner exchange and
+        Newton–Schulz), apply o (``finalize``); blocks that had no gradient on any rank are set aside around them.
+        Collective over the sub-group's partition group (every rank holds the same flags, so all take the same
+        branches)."""
+        fp32, group, step = self._fp32_partition(i), self._param_group(i), self.muon_steps[i]
         momentum = self._momentum_of(fp32, group, self._momentum_in_memory)
-        self.muon_steps[i].run(fp32, fp32.grad, momentum, self._blocks_with_gradient(i), group)
+        had = self._blocks_with_gradient(i)
+        if self._commit_speculation(i, fp32, momentum, had, group):
+            return
+        if had is not None and not bool(had.any()):
+            return  # no block had a gradient on any rank: no exchange, nothing changes
+        put_back = step.set_aside(had, momentum, fp32)
+        g = o = fp32.grad
+        u = step.prepare(g, momentum, group)
+        step.orthogonalize(u, o, group)
+        step.finalize(fp32, o, group)
+        if put_back is not None:
+            put_back()
+
+    def _commit_speculation(self, i: int, fp32: torch.Tensor, momentum: torch.Tensor, had: Optional[torch.Tensor],
+                            group: dict) -> bool:
+        """Whether sub-group ``i``'s step was applied from a speculation made in backward (the overlapped step,
+        :class:`ds_muon.integration.overlap.OverlapHooks`); here never."""
+        return False
 
     def _blocks_with_gradient(self, i: int) -> torch.Tensor:
         """``(n_blocks,)`` bool: which blocks of Muon sub-group ``i`` had a gradient on any rank this step. The

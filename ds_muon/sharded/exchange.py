@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from ..core.matrix import matrix_view, orthogonalize_blocks_
-from .ownership import BucketedPlan, ExchangePlan, ShapeBatch
+from ..core.matrix import matrix_view, view_blocks
+from .ownership import BucketedPlan, ExchangePlan
 from .tensor_parallel import full_to_stacked_, stacked_to_full
 
 # Buckets holding exchange buffers at once: one computing, one returning, one arriving.
@@ -180,33 +180,31 @@ class OwnerExchange:
             received = [row[self.rank] for row in b.sends]
             starts = [sum(received[:s]) for s in range(W)]
         for batch in b.batches[self.rank]:
+            # assemble: the batch's whole parameters, one flat row each, in the assembly dtype
             if b.chunked:
                 k, c, numel = batch.count, batch.chunk, batch.numel
                 chunks = block[:, batch.start:batch.start + k * c].view(W, k, c).permute(1, 0, 2)
                 full = self.pool.get("matrix", k * W * c, self.assembly_dtype, device).view(k, W * c)
                 full.view(k, W, c).copy_(chunks)
-                _orthogonalize_batch_(full[:, :numel], batch, fn)
+                rows = full[:, :numel]
+            else:
+                full = rows = self.pool.get("matrix", batch.count * batch.numel, self.assembly_dtype, device).view(
+                    batch.count, batch.numel)
+                pieces = [(full[j].narrow(0, p.start, p.length),
+                           owner_side.narrow(0, starts[s] + slot.owner_offsets[s], p.length))
+                          for j, slot in enumerate(batch.members) for s, p in enumerate(slot.pieces) if p.length]
+                torch._foreach_copy_([f for f, _ in pieces], [w for _, w in pieces])
+            # orthogonalize every block of the view, one batched call per block group; a tensor-parallel batch
+            # (batch.tp) arrives in stacked form: rearranged into the full matrices and back
+            view = batch.view if batch.view is not None else matrix_view(batch.ns_shape)
+            matrices = rows if batch.tp is None else stacked_to_full(rows, batch.tp)
+            for blocks in view_blocks(matrices, view):  # as core.matrix.orthogonalize_blocks_, one frame less
+                blocks.copy_(fn(blocks))
+            if batch.tp is not None:
+                full_to_stacked_(rows, matrices, batch.tp)
+            # write back as pieces (chunked: the padding past numel zeroed)
+            if b.chunked:
                 full[:, numel:].zero_()
                 chunks.copy_(full.view(k, W, c))
-                continue
-            full = self.pool.get("matrix", batch.count * batch.numel, self.assembly_dtype, device).view(
-                batch.count, batch.numel)
-            pieces = [(full[j].narrow(0, p.start, p.length), owner_side.narrow(0, starts[s] + slot.owner_offsets[s],
-                                                                                 p.length))
-                      for j, slot in enumerate(batch.members) for s, p in enumerate(slot.pieces) if p.length]
-            torch._foreach_copy_([f for f, _ in pieces], [w for _, w in pieces])
-            _orthogonalize_batch_(full, batch, fn)
-            torch._foreach_copy_([w for _, w in pieces], [f for f, _ in pieces])
-
-
-def _orthogonalize_batch_(flat: torch.Tensor, batch: ShapeBatch, fn: OrthogonalizeFn) -> None:
-    """In place on ``flat`` ``(k, numel)``, a batch of whole parameters: every block of their matrix view
-    orthogonalized, one batched call per block group; a tensor-parallel batch (``batch.tp``) is in stacked form, so it
-    is rearranged into the full matrices first and back after (:mod:`ds_muon.sharded.tensor_parallel`)."""
-    view = batch.view if batch.view is not None else matrix_view(batch.ns_shape)
-    if batch.tp is None:
-        orthogonalize_blocks_(flat, view, fn)
-        return
-    full = stacked_to_full(flat, batch.tp)
-    orthogonalize_blocks_(full, view, fn)
-    full_to_stacked_(flat, full, batch.tp)
+            else:
+                torch._foreach_copy_([w for _, w in pieces], [f for f, _ in pieces])

@@ -15,7 +15,7 @@ Steps 1 and 3 run eagerly or as one compiled pass each over the shard, as the ca
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch.profiler import record_function
@@ -43,6 +43,11 @@ class MuonShardStep:
     - ``o``, the scaled orthogonalized update (:meth:`orthogonalize`): written over ``g``'s buffer by the owner
       exchange (every slot of ``u`` is read before the same slot of ``o`` is written, so ``u`` may be that
       buffer), then applied to the partition (:meth:`finalize`).
+
+    The caller runs the stages in order (:meth:`ds_muon.integration.zero_common.DsMuonZeroSteps._muon_step`):
+    ``put_back = set_aside(had, m, p)``; ``u = prepare(g, m, group)``; ``orthogonalize(u, g, group)``;
+    ``finalize(p, g, group)``; ``put_back()`` if set. The first three leave the partition untouched, so computing
+    ``o`` and applying it may happen at different times (the overlapped step, :mod:`ds_muon.sharded.overlap`).
 
     Args:
         name: how messages name the sub-group (e.g. ``"ZeRO sub-group 3"``).
@@ -110,33 +115,19 @@ class MuonShardStep:
             kernel = fused_apply_update_ if self.compiled_elementwise else apply_update_
             kernel(fp32, o, group["lr"], group["weight_decay"])
 
-    @torch.no_grad()
-    def run(self, fp32: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor, had: Optional[torch.Tensor],
-            group: dict) -> None:
-        """One Muon step of the sub-group, in place: :meth:`prepare`, :meth:`orthogonalize` into ``grad``'s
-        buffer, :meth:`finalize`. Collective over the partition group (the owner all_to_all); every rank must call
-        it with the same ``had``.
+    def set_aside(self, had: Optional[torch.Tensor], momentum: torch.Tensor,
+                  fp32: torch.Tensor) -> Optional[Callable[[], None]]:
+        """Copies of the momentum and weights of the blocks that had no gradient on any rank, so that the step
+        leaves them as they were (no momentum decay, no update, no weight decay).
 
         Args:
-            fp32: ``(n,)`` float32 local partition, updated in place.
-            grad: ``(n,)`` float32 local gradient ``g`` (final: accumulated, reduced, unscaled, clipped);
-                overwritten (it holds ``u`` and then ``o``).
-            momentum: ``(n,)`` float32 or bfloat16 momentum, updated in place.
             had: ``(n_blocks,)`` bool, which blocks had a gradient on any rank
-                (:meth:`ds_muon.sharded.no_grad.GradientFlags.take`); None: all did.
-            group: the param group (its current ``lr``, ``weight_decay``, ``momentum``, ``nesterov``).
+                (:meth:`ds_muon.sharded.no_grad.GradientFlags.take`; the same on every rank); None: all did.
+            momentum: ``(n,)`` float32 or bfloat16 momentum. fp32: ``(n,)`` float32 local partition.
 
-        Raises:
-            ds_muon.errors.CollectiveError: the all_to_all failed (a peer died), naming the sub-group.
+        Returns:
+            ``put_back()``, to call after :meth:`finalize`, or None where every block had a gradient.
         """
-        put_back = None
-        if had is not None and not bool(had.all()):  # every rank holds the same flags, so all take the same branch
-            if not bool(had.any()):
-                return  # no gradient anywhere in the sub-group: no exchange, nothing changes
-            put_back = set_aside(self.block_map.local_ranges(torch.nonzero(~had).flatten().tolist()), momentum, fp32)
-        g = o = grad  # one buffer: g, then (maybe) u, then o
-        u = self.prepare(g, momentum, group)
-        self.orthogonalize(u, o, group)
-        self.finalize(fp32, o, group)
-        if put_back is not None:  # blocks with no gradient: as they were
-            put_back()
+        if had is None or bool(had.all()):
+            return None
+        return set_aside(self.block_map.local_ranges(torch.nonzero(~had).flatten().tolist()), momentum, fp32)

@@ -1,0 +1,36 @@
+"""docs/design.md's walk of one Muon step holds: Newton–Schulz runs at most 6 frames below ``_optimizer_step`` (13
+before the dispatch moved into the shared base; issue 37 asked for at most half), and every ds_muon frame on the way
+is named in the walk's list, so the list cannot drift from the code.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.support.spawn import free_port
+from tests.support.tools import REPO
+
+MAX_FRAMES = 6
+
+
+def test_newton_schulz_is_six_frames_below_the_dispatch_and_the_design_walk_names_them():
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "step_walk.py"), "--json"], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    below = summary["below"]
+    assert below[-1] == ["ds_muon/core/newton_schulz.py", "orthogonalize"], below
+    assert summary["frames_below_optimizer_step"] <= MAX_FRAMES, below
+    walk = (REPO / "docs" / "design.md").read_text(encoding="utf-8").split("### The walk, file by file")[1]
+    walk = walk.split("### ")[0]
+    for where, name in below:
+        assert where.startswith("ds_muon/"), f"a frame outside ds_muon below the dispatch: {where} {name}"
+        assert where.removeprefix("ds_muon/") in walk, f"docs/design.md's walk does not name {where}"
+        assert f"{name}`" in walk or f"{name} " in walk or f".{name}" in walk, \
+            f"docs/design.md's walk does not name {where}: {name}"

@@ -1,0 +1,73 @@
+"""The Muon step of one sub-group as the stages its caller runs in order (:class:`ds_muon.sharded.muon_step.MuonShardStep`,
+docs/design.md "The walk, file by file"): ``set_aside``, ``prepare`` (g -> u) and ``orthogonalize`` (u -> o) leave the
+fp32 partition untouched, ``finalize`` applies o, ``put_back`` restores the blocks without gradient. W=1, no process
+group, against the update written out from the formulas."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds_muon.core.muon_update import scaled_orthogonalizer
+from ds_muon.sharded.blocks import build_block_map
+from ds_muon.sharded.exchange import OwnerExchange
+from ds_muon.sharded.muon_step import MuonShardStep
+from ds_muon.sharded.ownership import ParamInfo, build_bucketed_plan
+
+pytestmark = pytest.mark.unit
+
+GROUP = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.9, "nesterov": True, "ns_method": "standard",
+         "ns_steps": 5, "update_scale": "shape"}
+SHAPES = [(8, 4), (6, 6)]
+
+
+def one_rank_step() -> MuonShardStep:
+    infos = [ParamInfo(f"w{k}", shape, shape[0] * shape[1], None) for k, shape in enumerate(SHAPES)]
+    plan = build_bucketed_plan(infos, 1, 1 << 20)
+    exchange = OwnerExchange(None, torch.float32, torch.float32, torch.device("cpu"))
+    return MuonShardStep("sub-group 0", plan, build_block_map(plan.slots, 0, plan.shard_numel), exchange, GROUP,
+                         ns_compile=False, ns_autotune=False)
+
+
+def run_stages(step: MuonShardStep, p, g, m, had) -> None:
+    put_back = step.set_aside(had, m, p)
+    u = step.prepare(g, m, GROUP)
+    step.orthogonalize(u, g, GROUP)
+    assert put_back is not None or had is None or bool(had.all())
+    return put_back
+
+
+@pytest.mark.parametrize("without_grad", [None, 1])
+def test_stages_compute_o_first_and_only_finalize_writes_the_partition(without_grad) -> None:
+    step = one_rank_step()
+    n = step.plan.shard_numel
+    torch.manual_seed(0)
+    p, g, m = torch.randn(n), torch.randn(n), torch.randn(n)
+    p0, g0, m0 = p.clone(), g.clone(), m.clone()
+    had = None
+    if without_grad is not None:
+        had = torch.ones(step.block_map.n_blocks, dtype=torch.bool)
+        had[without_grad] = False
+    put_back = run_stages(step, p, g, m, had)
+    assert torch.equal(p, p0), "set_aside/prepare/orthogonalize wrote the partition"
+    step.finalize(p, g, GROUP)
+    if put_back is not None:
+        put_back()
+
+    m_want = m0 * 0.9 + g0 * 0.1
+    u_want = g0.lerp(m_want, 0.9)
+    ns = scaled_orthogonalizer("standard", 5, torch.float32, "shape")
+    sizes = [r * c for r, c in SHAPES]
+    o_want = torch.cat([ns(seg.view(shape)).flatten() for seg, shape in zip(u_want.split(sizes), SHAPES)])
+    p_want = p0 * (1 - 0.02 * 0.1) - 0.02 * o_want
+    if without_grad is not None:  # that block (parameter w1): momentum and weights as they were
+        lo, hi = sizes[0], sizes[0] + sizes[1]
+        m_want[lo:hi], p_want[lo:hi] = m0[lo:hi], p0[lo:hi]
+    torch.testing.assert_close(m, m_want)
+    torch.testing.assert_close(p, p_want)
+
+
+def test_every_block_with_gradient_sets_nothing_aside() -> None:
+    step = one_rank_step()
+    n = step.plan.shard_numel
+    assert step.set_aside(None, torch.zeros(n), torch.zeros(n)) is None
+    assert step.set_aside(torch.ones(step.block_map.n_blocks, dtype=torch.bool), torch.zeros(n), torch.zeros(n)) is None
