@@ -22,9 +22,12 @@ ds_muon's handling of it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import sys
+import traceback
 
 import torch
 
@@ -53,9 +56,11 @@ CASES = [
     # one rank skips (partition_parameters.py, all_gather_coalesced: world size 1 -> no gather), so W >= 2; qgZ only
     # across nodes (stage3.py, __avg_scatter_grads: W // device_count() > 1, else the plain reduce-scatter), and there
     # only for gradients of >= 2 dims whose numel divides by 2 W. On one host --one-gpu-per-node makes each rank a
-    # node of one GPU. bf16 (DeepSpeed's quantizer kernels take half precision). ``role`` and ``control``: the
-    # summary divides each quantized run's errors by those of its control, the same run unquantized (with and
-    # without zero.Init, as qwZ and qgZ run), per optimizer.
+    # node of one GPU. bf16; DeepSpeed's quantizer kernels read their input as fp16 (``__half*``): qwZ converts to
+    # fp16 first (CUDAQuantizer.quantize), qgZ does not (all_to_all_quant_reduce hands swizzle_quant the gradients in
+    # the communication dtype, bf16 here), so qgZ is also run with ``communication_data_type: fp16``. ``role`` and
+    # ``control``: the summary divides each quantized run's errors by those of its control, the same run unquantized
+    # (with and without zero.Init, as qwZ and qgZ run), per optimizer.
     dict(name="qwZ/qgZ control: bf16, no quantization", gas=2, clip=0.5, params={}, zero={},
          top=dict(bf16={"enabled": True}), zero_init=True, strict=False, role="control"),
     dict(name="qgZ control: bf16, no quantization, no zero.Init", gas=2, clip=0.5, params={}, zero={},
@@ -66,6 +71,11 @@ CASES = [
     dict(name="qgZ (zero_quantized_gradients) bf16", gas=2, clip=0.5, params={},
          zero=dict(zero_quantized_gradients=True), top=dict(bf16={"enabled": True}), strict=False, role="qgZ",
          control="control, no zero.Init"),
+    dict(name="qgZ control: bf16, fp16 communication, no quantization", gas=2, clip=0.5, params={}, zero={},
+         top=dict(bf16={"enabled": True}, communication_data_type="fp16"), strict=False, role="control, fp16 comm"),
+    dict(name="qgZ (zero_quantized_gradients) bf16, fp16 communication", gas=2, clip=0.5, params={},
+         zero=dict(zero_quantized_gradients=True), top=dict(bf16={"enabled": True}, communication_data_type="fp16"),
+         strict=False, role="qgZ, fp16 comm", control="control, fp16 comm"),
 ]
 
 
@@ -134,11 +144,39 @@ def untag(model: torch.nn.Module) -> None:
             del p.use_muon
 
 
+@contextlib.contextmanager
+def counting_quantization(counts: dict):
+    """While in the block, counts DeepSpeed's quantizing calls into ``counts``: ``qgz_calls`` (qgZ's
+    ``all_to_all_quant_reduce``, stage3.py; inside it 1-D gradients and those whose numel does not divide by 2 W go
+    through the plain reduce-scatter) and ``qwz_quantizations`` (qwZ's ``CUDAQuantizer.quantize``)."""
+    from deepspeed.runtime.zero import partition_parameters, stage3
+    reduce, quantize = stage3.all_to_all_quant_reduce, partition_parameters.CUDAQuantizer.quantize
+    counts.update(qgz_calls=0, qwz_quantizations=0)
+
+    def counted_reduce(*args, **kwargs):
+        counts["qgz_calls"] += 1
+        return reduce(*args, **kwargs)
+
+    def counted_quantize(*args, **kwargs):
+        counts["qwz_quantizations"] += 1
+        return quantize(*args, **kwargs)
+
+    stage3.all_to_all_quant_reduce, partition_parameters.CUDAQuantizer.quantize = counted_reduce, counted_quantize
+    try:
+        yield
+    finally:
+        stage3.all_to_all_quant_reduce, partition_parameters.CUDAQuantizer.quantize = reduce, quantize
+
+
 def worst(errs: dict) -> dict:
     """The largest of :func:`compare`'s errors and the parameter it is on: ``max_rel`` (relative to the parameter's
-    norm, over every parameter) and ``max_rel_update`` (relative to how far it moved, over those that moved)."""
-    rel = max(errs, key=lambda n: errs[n]["rel"])
-    upd = max((n for n in errs if errs[n]["moved"] > 0), key=lambda n: errs[n]["rel_update"])
+    norm, over every parameter) and ``max_rel_update`` (relative to how far it moved, over those that moved); a NaN
+    error is the largest."""
+    def size(name: str, key: str) -> float:
+        return math.inf if math.isnan(errs[name][key]) else errs[name][key]
+
+    rel = max(errs, key=lambda n: size(n, "rel"))
+    upd = max((n for n in errs if not errs[n]["moved"] <= 0), key=lambda n: size(n, "rel_update"))
     return dict(max_rel=errs[rel]["rel"], worst_param=rel, max_rel_update=errs[upd]["rel_update"],
                 worst_update_param=upd)
 
@@ -157,17 +195,19 @@ def run_case(case: dict, optimizer: str, rank: int, world: int) -> dict | None:
                else {"type": "AdamW", "params": dict(ADAMW_PARAMS)})
     cfg = ds_config(gas=case["gas"], clip=case["clip"], optimizer=opt_cfg, **case["zero"])
     cfg.update(case.get("top", {}))
-    if optimizer == "muon":
-        engine, model = build_engine(cfg, zero_init=case.get("zero_init", False))
-    else:
-        engine, model = build_engine(cfg, zero_init=case.get("zero_init", False), before=untag,
-                                     initialize=deepspeed.initialize)
+    counts: dict = {}
+    with counting_quantization(counts):
+        if optimizer == "muon":
+            engine, model = build_engine(cfg, zero_init=case.get("zero_init", False))
+        else:
+            engine, model = build_engine(cfg, zero_init=case.get("zero_init", False), before=untag,
+                                         initialize=deepspeed.initialize)
+        init, tags = gathered_params(model), clone_tags(model)
+        norms = train_engine(engine, STEPS, rank, case["gas"])
     classes = dict(engine_optimizer=class_name(engine.optimizer),
                    inner_optimizer=class_name(engine.optimizer.optimizer))
     if optimizer == "adamw" and any(c.startswith("ds_muon") for c in classes.values()):
         raise SystemExit(f"the AdamW arm must run DeepSpeed's optimizers, got {classes}")
-    init, tags = gathered_params(model), clone_tags(model)
-    norms = train_engine(engine, STEPS, rank, case["gas"])
     got, master = gathered_params(model), fp32_master_params(model)
     engine.destroy()
     if rank != 0:
@@ -195,22 +235,23 @@ def run_case(case: dict, optimizer: str, rank: int, world: int) -> dict | None:
           flush=True)
     return dict(case=case["name"], optimizer=optimizer, role=case.get("role"), control=case.get("control"), world=world,
                 **model_err, **master_err, grad_norm_rel=abs(norms[-1] - ref_norms[-1]) / ref_norms[-1], passed=ok,
-                **classes)
+                **classes, **counts)
 
 
 def summary(rows: list[dict], world: int) -> list[dict]:
     """Prints one table of the configuration rows (case, optimizer, worst error relative to the parameter's norm and
     to its update for the model's weights and for the fp32 master weights, the last step's global grad norm relative
-    to the reference's, the parameters the master errors are on) and, per optimizer, the qwZ and qgZ errors divided
-    by those of its unquantized bf16 control. Returns those ratios as rows (``case`` e.g. ``"qgZ / control, no
+    to the reference's, DeepSpeed's quantizing calls (:func:`counting_quantization`), the parameters the master errors
+    are on) and, per optimizer, the qwZ and qgZ errors divided by those of their unquantized bf16 controls. Returns those ratios as rows (``case`` e.g. ``"qgZ / control, no
     zero.Init"``, ``optimizer``, ``<error>_ratio`` for each of the four errors; only runs whose control ran)."""
-    print(f"[parity W={world}] {'case':<50} {'optimizer':<9} {'rel err':>9} {'rel-upd':>9} {'master rel':>10} "
-          f"{'master rel-upd':>14} {'grad-norm rel':>13}  worst master params (rel / rel-upd)")
+    print(f"[parity W={world}] {'case':<56} {'optimizer':<9} {'rel err':>9} {'rel-upd':>9} {'master rel':>10} "
+          f"{'master rel-upd':>14} {'grad-norm rel':>13} {'qwZ/qgZ calls':>13}  worst master params (rel / rel-upd)")
+    rows = [r for r in rows if "error" not in r]
     for r in rows:
-        print(f"[parity W={world}] {r['case']:<50} {r['optimizer']:<9} {r['max_rel']:>9.2e} "
-              f"{r['max_rel_update']:>9.2e} "
-              f"{r['master_max_rel']:>10.2e} {r['master_max_rel_update']:>14.2e} {r['grad_norm_rel']:>13.2e}  "
-              f"{r['master_worst_param']} / {r['master_worst_update_param']}")
+        calls = f"{r['qwz_quantizations']}/{r['qgz_calls']}"
+        print(f"[parity W={world}] {r['case']:<56} {r['optimizer']:<9} {r['max_rel']:>9.2e} "
+              f"{r['max_rel_update']:>9.2e} {r['master_max_rel']:>10.2e} {r['master_max_rel_update']:>14.2e} "
+              f"{r['grad_norm_rel']:>13.2e} {calls:>13}  {r['master_worst_param']} / {r['master_worst_update_param']}")
     ratios = []
     by_role = {(r["optimizer"], r["role"]): r for r in rows if r["role"]}
     for r in rows:
@@ -252,7 +293,13 @@ def main() -> None:
     wanted = args.cases.split(",")
     for case in [c for c in CASES if any(w in c["name"] for w in wanted)]:
         for optimizer in optimizers:
-            row = run_case(case, optimizer, rank, world)
+            try:
+                row = run_case(case, optimizer, rank, world)
+            except Exception as err:  # noqa: BLE001 - one case failing (a quantizer kernel's error) keeps the others
+                traceback.print_exc()
+                print(f"[parity W={world}] {case['name']} [{optimizer}] FAIL: {type(err).__name__}: {err}", flush=True)
+                row = dict(case=case["name"], optimizer=optimizer, world=world, passed=False,
+                           error=f"{type(err).__name__}: {err}") if rank == 0 else None
             if row is not None:
                 rows.append(row)
     if rank == 0 and rows:
