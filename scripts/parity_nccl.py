@@ -242,8 +242,9 @@ def summary(rows: list[dict], world: int) -> list[dict]:
     """Prints one table of the configuration rows (case, optimizer, worst error relative to the parameter's norm and
     to its update for the model's weights and for the fp32 master weights, the last step's global grad norm relative
     to the reference's, DeepSpeed's quantizing calls (:func:`counting_quantization`), the parameters the master errors
-    are on) and, per optimizer, the qwZ and qgZ errors divided by those of their unquantized bf16 controls. Returns those ratios as rows (``case`` e.g. ``"qgZ / control, no
-    zero.Init"``, ``optimizer``, ``<error>_ratio`` for each of the four errors; only runs whose control ran)."""
+    are on) and, per optimizer, the qwZ and qgZ errors divided by those of their unquantized bf16 controls. Returns
+    those ratios as rows (``case`` e.g. ``"qgZ / control, no zero.Init"``, ``optimizer``, ``<error>_ratio`` for each
+    of the four errors; only runs whose control ran; failed cases are left out)."""
     print(f"[parity W={world}] {'case':<56} {'optimizer':<9} {'rel err':>9} {'rel-upd':>9} {'master rel':>10} "
           f"{'master rel-upd':>14} {'grad-norm rel':>13} {'qwZ/qgZ calls':>13}  worst master params (rel / rel-upd)")
     rows = [r for r in rows if "error" not in r]
