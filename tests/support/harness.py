@@ -56,10 +56,12 @@ def fp32_master_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def build_engine(config: dict, zero_init: bool = False, model_fn: Callable = ParityNet, model_parameters=None,
-                 before: Callable | None = None):
-    """Seeded model -> ``ds_muon.initialize``. Returns ``(engine, model)``."""
+                 before: Callable | None = None, initialize: Callable | None = None):
+    """Seeded model -> ``initialize`` (default ``ds_muon.initialize``; ``deepspeed.initialize`` builds a non-Muon
+    config with DeepSpeed alone). Returns ``(engine, model)``."""
     import deepspeed
     import ds_muon
+    initialize = initialize or ds_muon.initialize
     torch.manual_seed(0)
     if zero_init:
         with deepspeed.zero.Init(config_dict_or_path=config):
@@ -69,7 +71,7 @@ def build_engine(config: dict, zero_init: bool = False, model_fn: Callable = Par
     if before is not None:
         before(model)
     params = model_parameters(model) if model_parameters else model.parameters()
-    engine, _, _, _ = ds_muon.initialize(model=model, model_parameters=params, config=config)
+    engine, _, _, _ = initialize(model=model, model_parameters=params, config=config)
     return engine, model
 
 
@@ -165,15 +167,19 @@ def reference_model(init: dict[str, torch.Tensor], tags: dict[str, bool], model_
 def train_reference(model, optimizer, steps: int, world_size: int, gas: int, clip: float,
                     micro_batch: int = 2, data: Callable = batch, skip: frozenset = frozenset(),
                     before_step: Callable[[int], None] | None = None,
-                    after_step: Callable | None = None) -> list[float]:
+                    after_step: Callable | None = None, stale_grads: bool = False) -> list[float]:
     """The oracle loop: mean gradient over every rank's micro-batches, raw-norm clip, one step.
 
     ``data(step, rank, micro, micro_batch) -> (tokens, targets)`` is what each rank trains on
     (default :func:`tests.models.batch`). Steps in ``skip`` are left out entirely (an fp16 overflow
     step: no update, momentum untouched; their norm is reported as nan). ``before_step(step)`` runs
     right before each ``optimizer.step()`` (an lr schedule sets the groups' lrs there);
-    ``after_step()`` runs after it, where DeepSpeed steps its lr scheduler."""
+    ``after_step()`` runs after it, where DeepSpeed steps its lr scheduler. ``stale_grads``: a parameter without
+    gradient in a step gets its last gradient again (before clipping; zeros before its first), which is what
+    DeepSpeed's ZeRO-3 optimizer alone does (``partition_grads`` only overwrites the gradient partitions of parameters
+    that got one; ds_muon zeroes them after each step)."""
     norms = []
+    last: dict[torch.nn.Parameter, torch.Tensor] = {}
     trainable = [p for p in model.parameters() if p.requires_grad]
     for step in range(steps):
         if step in skip:
@@ -186,7 +192,9 @@ def train_reference(model, optimizer, steps: int, world_size: int, gas: int, cli
                 (model(tokens, targets, use_extra(step)) / (world_size * gas)).backward()
         for p in trainable:
             if p.grad is None:
-                p.grad = torch.zeros_like(p)
+                p.grad = last[p].clone() if p in last else torch.zeros_like(p)
+            if stale_grads:
+                last[p] = p.grad.clone()
         norm = torch.nn.utils.clip_grad_norm_(trainable, clip if clip > 0 else float("inf"))
         norms.append(float(norm))
         if before_step is not None:
