@@ -71,6 +71,7 @@ class SpeculativeMuon:
         self.commits = 0
         self.fallbacks: Counter = Counter({r: 0 for r in FALLBACK_REASONS})
         self._state: dict[int, _SubGroupState] = {}
+        self._run_cache: dict[tuple[int, int], list[tuple[int, int]]] = {}
 
     def stats(self) -> dict:
         """``{"commits": int, "fallback_<reason>": int, ...}`` since construction (for the monitor and benchmarks)."""
@@ -143,16 +144,13 @@ class SpeculativeMuon:
             st.stash = torch.zeros(n, dtype=exchange.exchange_dtype, device=grad.device)
         bucket = step.plan.buckets[k]
         with record_function("ds_muon/speculative_momentum"):
-            for slot in bucket.slots:
-                piece = slot.pieces[exchange.rank]
-                if piece.sent == 0:
-                    continue
-                g = st.u.narrow(0, piece.shard_offset, piece.sent)
-                g.copy_(grad.narrow(0, piece.shard_offset, piece.sent))
+            for lo, length in self._runs(i, k):  # a handful of launches per bucket, not a handful per matrix
+                g = st.u.narrow(0, lo, length)
+                g.copy_(grad.narrow(0, lo, length))
                 if loss_scale != 1.0:
                     g.mul_(1. / loss_scale)  # DeepSpeed's unscale with clip coefficient 1 (stage3 unscale_and_clip_grads)
-                m = (torch.zeros(piece.sent, dtype=getattr(torch, group["momentum_dtype"]), device=g.device)
-                     if momentum is None else momentum.narrow(0, piece.shard_offset, piece.sent).clone())
+                m = (torch.zeros(length, dtype=getattr(torch, group["momentum_dtype"]), device=g.device)
+                     if momentum is None else momentum.narrow(0, lo, length).clone())
                 u = step.prepare(g, m, group)
                 if u.data_ptr() != g.data_ptr():
                     g.copy_(u)
@@ -160,6 +158,25 @@ class SpeculativeMuon:
             exchange.run(bucket, st.u, st.stash, step._orthogonalizer(group))
         if all(st.started):
             st.u = None  # the scratch is free once every bucket is exchanged
+
+    def _runs(self, i: int, k: int) -> list[tuple[int, int]]:
+        """``[(shard offset, length), ...]``: this rank's pieces of bucket ``k`` of sub-group ``i``, adjacent pieces
+        merged (a bucket of consecutive layers is one run), built once. Element-wise work on a run equals the same
+        work piece by piece."""
+        key = (i, k)
+        runs = self._run_cache.get(key)
+        if runs is None:
+            rank = self.exchanges[i].rank
+            pieces = sorted((s.pieces[rank].shard_offset, s.pieces[rank].sent)
+                            for s in self.steps[i].plan.buckets[k].slots if s.pieces[rank].sent)
+            runs = []
+            for lo, length in pieces:
+                if runs and runs[-1][0] + runs[-1][1] == lo:
+                    runs[-1] = (runs[-1][0], runs[-1][1] + length)
+                else:
+                    runs.append((lo, length))
+            self._run_cache[key] = runs
+        return runs
 
     def join(self) -> None:
         """Make the current stream wait for the speculative work (call before the first commit)."""
