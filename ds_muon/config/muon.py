@@ -351,9 +351,11 @@ class MuonOptimizerParams(BaseModel):
                      "fires, that is skipped for an fp16 overflow, or that has a Muon block without gradient recomputes "
                      "the sub-group as without overlap. Costs one buffer of the local Muon shard in the exchange dtype "
                      "plus one fp32 buffer of the shard while a sub-group is speculated. 'auto': on where it is exact and "
-                     "measured faster, which is nowhere yet: on one H200 (934M, W=1, clipping off) it committed every "
-                     "step but made the whole step 1.12x slower (fwd+bwd +0.104 s, optimizer step -0.065 s; "
-                     "docs/benchmarks.md, 'Issue 40: the overlapped step'), so 'auto' is off; true: on where it "
+                     "measured faster, which is nowhere yet: on one H200 (934M, W=1, clipping off, 3 rounds) it "
+                     "committed every step but made the whole step 1.20x slower (fwd+bwd +0.125 s, optimizer step "
+                     "-0.065 s: its kernel launches run on backward's host thread; docs/benchmarks.md, 'Issue 40: why "
+                     "the overlapped step loses'), so 'auto' is off; with it on, a zero_optimization."
+                     "reduce_bucket_size near 5e7 lets it start early in backward; true: on where it "
                      "applies (ZeRO-3, no optimizer offload; on CUDA on a side stream, on the CPU inline in backward: "
                      "exact, not faster), refused with optimizer offload; false: off. Source: ds_muon."))
 

@@ -1,0 +1,78 @@
+"""Where does the overlapped Muon step run? Reads a Chrome trace of ``benchmarks/step_time.py --trace DIR`` (two whole
+steps, rank 0) and prints, for the second step's fwd+bwd:
+
+- the busy milliseconds of each CUDA stream in 10 ms bins from the start of forward (the main stream against the
+  side stream the speculative Muon work runs on): whether the side stream fills backward's idle GPU time, or the
+  main stream idles while the host launches speculative work;
+- the side stream's work left after the main stream's last backward kernel (the spill into the step);
+- the host milliseconds and calls of every ``ds_muon/...`` record_function range inside fwd+bwd (the speculation's
+  launches run on backward's thread).
+
+    python benchmarks/trace_streams.py TRACE.json[.gz] [--bin-ms 10]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+
+
+def load(path: str) -> list[dict]:
+    """The trace's complete events (``ph == "X"``)."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+
+
+def report(events: list[dict], bin_ms: float = 10.0) -> str:
+    steps = sorted((e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("bench/")),
+                   key=lambda e: e["ts"])
+    fwd_bwd = [e for e in steps if e["name"] == "bench/forward_backward"][-1]
+    after = [e for e in steps if e["ts"] > fwd_bwd["ts"]]
+    t0, t1 = fwd_bwd["ts"], fwd_bwd["ts"] + fwd_bwd["dur"]
+    t_end = after[0]["ts"] + after[0]["dur"] if after else t1
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and t0 <= e["ts"] <= t_end]
+    by_stream = collections.defaultdict(list)
+    for k in kernels:
+        by_stream[k["args"].get("stream")].append(k)
+    main = max(by_stream, key=lambda s: sum(1 for k in by_stream[s] if k["ts"] <= t1))
+    lines = [f"fwd+bwd host window {(t1 - t0) / 1e3:.1f} ms; streams (kernels): "
+             + ", ".join(f"{s}{' (main)' if s == main else ''}: {len(v)}" for s, v in sorted(by_stream.items()))]
+    main_end = max(k["ts"] + k["dur"] for k in by_stream[main] if k["ts"] <= t1)
+    lines.append(f"main stream's last fwd+bwd kernel ends at {(main_end - t0) / 1e3:.1f} ms")
+    for s, v in sorted(by_stream.items()):
+        if s == main:
+            continue
+        spill = sum(min(k["dur"], k["ts"] + k["dur"] - main_end) for k in v if k["ts"] + k["dur"] > main_end)
+        lines.append(f"stream {s}: first kernel at {(min(k['ts'] for k in v) - t0) / 1e3:.1f} ms, busy "
+                     f"{sum(k['dur'] for k in v) / 1e3:.1f} ms, of it {spill / 1e3:.1f} ms after the main stream's end")
+    width = bin_ms * 1e3
+    bins = {s: collections.Counter() for s in by_stream}
+    for s, v in by_stream.items():
+        for k in v:
+            bins[s][int((k["ts"] - t0) // width)] += k["dur"]
+    last = int((max(k["ts"] + k["dur"] for k in kernels) - t0) // width)
+    order = [main] + sorted(s for s in by_stream if s != main)
+    lines.append(f"busy ms per {bin_ms:g} ms bin from forward's start, streams {' / '.join(map(str, order))}:")
+    lines.append(" ".join(f"{b}:" + "/".join(f"{bins[s][b] / 1e3:.1f}" for s in order) for b in range(last + 1)))
+    host = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.get("cat") == "user_annotation" and e["name"].startswith("ds_muon/") and t0 <= e["ts"] <= t1:
+            host[e["name"]][0] += 1
+            host[e["name"]][1] += e["dur"] / 1e3
+    for name, (n, ms) in sorted(host.items()):
+        lines.append(f"host {name}: {n} calls, {ms:.1f} ms")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace")
+    ap.add_argument("--bin-ms", type=float, default=10.0)
+    args = ap.parse_args()
+    print(report(load(args.trace), args.bin_ms))
+
+
+if __name__ == "__main__":
+    main()
