@@ -4,8 +4,9 @@
 #   scripts/test.sh                 # all tests
 #   scripts/test.sh -k parity -x    # extra arguments go to pytest
 #
-# Creates .venv (or $VENV) if missing, installs torch (the CPU build torch==2.13.0 when there is no nvidia-smi,
-# so pip does not pull a multi-GB CUDA build) unless torch is already importable, installs ds_muon with its
+# Creates .venv (or $VENV) if missing, installs torch (torch==2.13.0 when there is no nvidia-smi: PyPI's Linux
+# wheel of it is the multi-GB CUDA build, so set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu for the CPU
+# one) unless torch is already importable, installs ds_muon with its
 # test extra (pip install -e ".[test]"), installs libaio-dev with apt-get when missing (as root), then runs pytest. Multi-rank tests start 1-8 CPU processes on gloo.
 # pytest's exit code is the script's, so "no tests collected" (5) fails too.
 set -euo pipefail

@@ -4,8 +4,9 @@
 #   scripts/train.sh                          # tiny model, 2 processes (CPU or GPUs), examples/ds_config_cpu.json
 #   NPROC=8 scripts/train.sh --model small --deepspeed_config examples/ds_config_gpu_bf16.json
 #
-# What it does: creates .venv (or uses $VENV) if missing; installs torch (the CPU build torch==2.13.0 when there
-# is no nvidia-smi, so pip does not pull a multi-GB CUDA build) unless torch is already importable; installs
+# What it does: creates .venv (or uses $VENV) if missing; installs torch (torch==2.13.0 when there is no
+# nvidia-smi: PyPI's Linux wheel of it is the multi-GB CUDA build, so set
+# TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu for the CPU one) unless torch is already importable; installs
 # this package (pip install -e .); then runs `deepspeed --num_gpus $NPROC examples/train.py "$@"`.
 # On a CPU-only machine DeepSpeed picks its CPU accelerator and gloo by itself; nothing else is needed.
 set -euo pipefail

@@ -8,7 +8,7 @@ experts of width 16, top 2, ``ds_muon_sdpa`` attention; ``tests/support/autoep.p
 group ({0, 2} and {1, 3}; expert-parallel groups {0, 1}, {2, 3}). 3 local experts over 2 partitions: a ZeRO-3 chunk
 is not a whole expert, so an exchange over the wrong ranks cannot come out right by accident. In order:
 
-1. Without the test-only transformers shim (CI's transformers 5.24): DeepSpeed alone, with its AdamW, fails inside
+1. Without the test-only transformers shim (CI's transformers 5.25.0, the test extra's pin): DeepSpeed alone, with its AdamW, fails inside
    ``deepspeed.initialize`` with its ``TypeError`` (the ``_CanRecordRegistry.get`` incompatibility), and
    ``ds_muon.initialize`` refuses first with a ``ConfigError`` naming it and the transformers releases that work.
    (With a transformers whose registry is a plain dict, both build instead; asserted too. Passes with 5.22.2.)
@@ -202,7 +202,7 @@ def test_autoep_matches_oracle_at_zero_1_2_3_and_resumes_exactly(tmp_path) -> No
 
     # 1. the refusal without the shim, and DeepSpeed's own failure it stands for
     refusals = first["refusals"]
-    if first["shimmed"]:  # transformers >= 5.23 (CI: 5.24)
+    if first["shimmed"]:  # transformers >= 5.23 (CI: 5.25.0)
         assert TYPE_ERROR in refusals["deepspeed"], refusals
         msg = refusals["ds_muon"]
         assert "expert_parallel" in msg and TYPE_ERROR in msg and "transformers>=5.2,<5.23" in msg, msg

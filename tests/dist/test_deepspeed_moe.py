@@ -70,7 +70,7 @@ def test_autoep_is_served_and_what_is_not_is_refused_naming_why():
     """AutoEP (DeepSpeed's expert parallelism) is served (parity with the oracle: tests/dist/test_autoep.py). Refused,
     each naming the key and why: AutoEP with sequence parallelism (an engine check; a hand-over to the built-in on the
     zero-code path: ``builtin could``); with Adam-mini, AutoTP or ``load_universal`` (the config); and with a
-    transformers whose output-capture registry DeepSpeed 0.19.8's AutoEP cannot use (transformers >= 5.23, CI's 5.24:
+    transformers whose output-capture registry DeepSpeed 0.19.8's AutoEP cannot use (transformers >= 5.23, CI's 5.25.0:
     a ``ConfigError`` before the engine, naming DeepSpeed's TypeError and the releases that work), but only for a
     model DeepSpeed would fail on: not with the test-only shim, not for a preset that does not retarget the
     router-logit recorders (DeepSeek-V3), not with AutoEP off."""

@@ -38,7 +38,7 @@ def qwen3_moe():
 def registry_shim() -> Iterator[bool]:
     """TEST-ONLY compatibility shim for the one incompatibility between DeepSpeed 0.19.8's AutoEP and transformers
     >= 5.23 (``ds_muon.integration.autoep.transformers_problem``), so the tests can run AutoEP under CI's
-    transformers 5.24. ds_muon itself does not do this: it refuses (docs/parallelism.md, "AutoEP").
+    transformers 5.25.0. ds_muon itself does not do this: it refuses (docs/parallelism.md, "AutoEP").
 
     DeepSpeed (``auto_ep_presets/base.py``) treats ``transformers.utils.output_capturing._CAN_RECORD_REGISTRY`` as
     the plain ``{str(model class): outputs}`` dict it was up to transformers 5.22: ``get(key, default)`` to save an
