@@ -87,7 +87,7 @@ def main() -> None:
             "weight_change": change,  # ||w_after - w_before|| / ||w_before||
         }), flush=True)
     ds_muon.disable()
-    if torch.distributed.is_initialized():  # a clean teardown: gloo can abort at interpreter exit otherwise
+    if torch.distributed.is_initialized():  # a clean teardown (docs/troubleshooting.md, "terminate called ...")
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 

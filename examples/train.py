@@ -407,8 +407,11 @@ def main() -> None:
     if args.save_dir and train_losses:
         save(args.steps)
         log(f"saved checkpoint to {os.path.abspath(args.save_dir)}")
+    # every rank done, then the process group torn down while Python is fully alive: a gloo worker thread that
+    # releases a collective's tensors after interpreter finalization began aborts the process (SIGABRT, "terminate
+    # called without an active exception"; docs/troubleshooting.md). tests/e2e/test_clean_exit.py checks it
     dist.barrier()
-    dist.destroy_process_group()                     # a clean teardown avoids aborts at interpreter exit
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -70,7 +70,8 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
         pickle.dump(result, f)
     if result[0] == "error":
         os._exit(1)  # don't wait in a collective for peers that will never come
-    try:  # leave together, then skip interpreter teardown (gloo/DeepSpeed destructors can abort there)
+    try:  # leave together, then skip interpreter finalization: a gloo worker thread releasing a collective's tensors
+        # then is ended by CPython with pthread_exit, and std::terminate aborts the rank (docs/troubleshooting.md)
         import torch.distributed as dist
         if dist.is_initialized():
             dist.barrier()
