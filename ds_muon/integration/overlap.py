@@ -151,6 +151,7 @@ class OverlapHooks:
     def _commit_speculation(self, i: int, fp32: torch.Tensor, momentum: torch.Tensor, had: Optional[torch.Tensor],
                             group: dict) -> bool:
         """Commit sub-group ``i``'s speculation where exact (:meth:`~ds_muon.sharded.overlap.SpeculativeMuon.commit`);
-        False: the ordinary Muon step runs (the same no-gradient flags)."""
+        False: the ordinary Muon step runs (the same no-gradient flags). Arguments as
+        :meth:`ds_muon.integration.zero_common.DsMuonZeroSteps._commit_speculation`."""
         return self.speculative is not None and self.speculative.commit(i, fp32, fp32.grad, momentum, had,
                                                                         self._clip_fired(), group)

@@ -362,7 +362,12 @@ class DsMuonZeroSteps:
     def _commit_speculation(self, i: int, fp32: torch.Tensor, momentum: torch.Tensor, had: Optional[torch.Tensor],
                             group: dict) -> bool:
         """Whether sub-group ``i``'s step was applied from a speculation made in backward (the overlapped step,
-        :class:`ds_muon.integration.overlap.OverlapHooks`); here never."""
+        :class:`ds_muon.integration.overlap.OverlapHooks`); here never.
+
+        Args:
+            fp32: ``(n,)`` float32 partition (its ``.grad`` the final gradient). momentum: ``(n,)`` float32 or
+                bfloat16. had: ``(n_blocks,)`` bool agreed no-gradient flags, or None (all had). group: the param group.
+        """
         return False
 
     def _blocks_with_gradient(self, i: int) -> torch.Tensor:

@@ -126,7 +126,8 @@ class MuonShardStep:
             momentum: ``(n,)`` float32 or bfloat16 momentum. fp32: ``(n,)`` float32 local partition.
 
         Returns:
-            ``put_back()``, to call after :meth:`finalize`, or None where every block had a gradient.
+            ``put_back()``, to call after :meth:`finalize`, or None where every block had a gradient. Where no block
+            had one, every block is set aside: the caller skips the step instead (no exchange).
         """
         if had is None or bool(had.all()):
             return None

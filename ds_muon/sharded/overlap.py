@@ -14,8 +14,9 @@ every rank), so the buckets' collectives are issued in the same order everywhere
 
 Memory per rank: one stash of the local Muon shard per speculated sub-group in the exchange dtype
 (``shard_numel * exchange_dtype.itemsize`` bytes, bf16 by default off the CPU), plus one fp32 scratch of the
-shard (``4 * shard_numel`` bytes) while a sub-group's buckets are being speculated, plus the exchange's own bucket
-buffers (its own :class:`~ds_muon.sharded.exchange.BufferPool`).
+shard (``4 * shard_numel`` bytes) while a sub-group's buckets are being speculated, plus a momentum copy of at most
+:data:`RUN_ELEMENTS` elements at a time, plus the exchange's own bucket buffers (its own
+:class:`~ds_muon.sharded.exchange.BufferPool`).
 """
 from __future__ import annotations
 
@@ -28,7 +29,11 @@ from torch.profiler import record_function
 from .muon_step import MuonShardStep
 from .exchange import OwnerExchange
 
-__all__ = ["SpeculativeMuon", "FALLBACK_REASONS"]
+__all__ = ["SpeculativeMuon", "FALLBACK_REASONS", "RUN_ELEMENTS"]
+
+#: the longest stretch of the shard one speculative momentum call covers (elements): its momentum copy, a
+#: temporary of ``RUN_ELEMENTS * 4`` bytes at most (64 MiB), lives on the side stream during backward.
+RUN_ELEMENTS = 1 << 24
 
 #: why a sub-group's step fell back to the ordinary path: the clip coefficient was not 1, the step was skipped for
 #: an fp16 overflow (or never came), a block had no gradient on any rank, the sub-group's speculation was not
@@ -161,20 +166,22 @@ class SpeculativeMuon:
 
     def _runs(self, i: int, k: int) -> list[tuple[int, int]]:
         """``[(shard offset, length), ...]``: this rank's pieces of bucket ``k`` of sub-group ``i``, adjacent pieces
-        merged (a bucket of consecutive layers is one run), built once. Element-wise work on a run equals the same
-        work piece by piece."""
+        merged (a bucket of consecutive layers is a few runs), each at most :data:`RUN_ELEMENTS` long (the momentum
+        copy of a run is a temporary), built once. Element-wise work on a run equals the same work piece by piece."""
         key = (i, k)
         runs = self._run_cache.get(key)
         if runs is None:
             rank = self.exchanges[i].rank
             pieces = sorted((s.pieces[rank].shard_offset, s.pieces[rank].sent)
                             for s in self.steps[i].plan.buckets[k].slots if s.pieces[rank].sent)
-            runs = []
+            merged: list[tuple[int, int]] = []
             for lo, length in pieces:
-                if runs and runs[-1][0] + runs[-1][1] == lo:
-                    runs[-1] = (runs[-1][0], runs[-1][1] + length)
+                if merged and merged[-1][0] + merged[-1][1] == lo:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + length)
                 else:
-                    runs.append((lo, length))
+                    merged.append((lo, length))
+            runs = [(lo + start, min(RUN_ELEMENTS, length - start))
+                    for lo, length in merged for start in range(0, length, RUN_ELEMENTS)]
             self._run_cache[key] = runs
         return runs
 

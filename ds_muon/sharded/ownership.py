@@ -103,7 +103,7 @@ class MatrixSlot:
 @dataclass(frozen=True)
 class ShapeBatch:
     """Parameters with the same matrix view, which one owner orthogonalizes together: one batched
-    Newton–Schulz call per block group of the view (:func:`ds_muon.core.matrix.orthogonalize_blocks_`).
+    Newton–Schulz call per block group of the view (:func:`ds_muon.core.matrix.view_blocks`).
 
     Attributes:
         members: the slots, in exchange order; in the chunked layout their chunks are adjacent in the owner's

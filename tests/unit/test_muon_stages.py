@@ -1,7 +1,8 @@
 """The Muon step of one sub-group as the stages its caller runs in order (:class:`ds_muon.sharded.muon_step.MuonShardStep`,
 docs/design.md "The walk, file by file"): ``set_aside``, ``prepare`` (g -> u) and ``orthogonalize`` (u -> o) leave the
 fp32 partition untouched, ``finalize`` applies o, ``put_back`` restores the blocks without gradient. W=1, no process
-group, against the update written out from the formulas."""
+group, against the update written out from the formulas. The caller's sequence itself
+(``DsMuonZeroSteps._muon_step``) is guarded by tests/dist/test_no_grad.py and the parity tests."""
 from __future__ import annotations
 
 import pytest
@@ -28,7 +29,7 @@ def one_rank_step() -> MuonShardStep:
                          ns_compile=False, ns_autotune=False)
 
 
-def run_stages(step: MuonShardStep, p, g, m, had) -> None:
+def run_stages(step: MuonShardStep, p, g, m, had):
     put_back = step.set_aside(had, m, p)
     u = step.prepare(g, m, GROUP)
     step.orthogonalize(u, g, GROUP)
@@ -71,3 +72,30 @@ def test_every_block_with_gradient_sets_nothing_aside() -> None:
     n = step.plan.shard_numel
     assert step.set_aside(None, torch.zeros(n), torch.zeros(n)) is None
     assert step.set_aside(torch.ones(step.block_map.n_blocks, dtype=torch.bool), torch.zeros(n), torch.zeros(n)) is None
+
+
+def test_speculative_runs_tile_exactly_the_pieces_and_are_capped(monkeypatch) -> None:
+    """``SpeculativeMuon._runs``: adjacent pieces merged, a gap kept (never covering what lies between), no run
+    longer than ``RUN_ELEMENTS``."""
+    import ds_muon.sharded.overlap as overlap
+    monkeypatch.setattr(overlap, "RUN_ELEMENTS", 40)
+    infos = [ParamInfo(f"w{k}", shape, shape[0] * shape[1], None) for k, shape in enumerate([(8, 4), (6, 6), (4, 4)])]
+    plan = build_bucketed_plan(infos, 1, 1 << 20)
+    exchange = OwnerExchange(None, torch.float32, torch.float32, torch.device("cpu"))
+    step = MuonShardStep("sub-group 0", plan, build_block_map(plan.slots, 0, plan.shard_numel), exchange, GROUP,
+                         ns_compile=False, ns_autotune=False)
+    spec = overlap.SpeculativeMuon({0: step}, {0: exchange})
+    covered = []
+    for k in range(len(plan.buckets)):
+        runs = spec._runs(0, k)
+        assert all(0 < length <= 40 for _, length in runs), runs
+        covered += [x for lo, length in runs for x in range(lo, lo + length)]
+    pieces = [x for b in plan.buckets for s in b.slots
+              for x in range(s.pieces[0].shard_offset, s.pieces[0].shard_offset + s.pieces[0].sent)]
+    assert sorted(covered) == sorted(pieces) and len(covered) == len(set(covered))
+
+
+def test_view_blocks_refuses_a_layout_it_cannot_stride() -> None:
+    from ds_muon.core.matrix import matrix_view, view_blocks
+    with pytest.raises(ValueError, match="unit stride"):
+        view_blocks(torch.zeros(12, 2).t(), matrix_view((3, 4)))
