@@ -30,7 +30,7 @@ from tests.support.tools import REPO
 TRAIN = str(REPO / "examples" / "train.py")
 ARGS = ["--steps", "1", "--eval-every", "0", "--eval-batches", "1", "--max-bytes", "100000", "--seq-len", "32",
         "--save-dir", ""]
-RUNS = 2
+RUNS = 1  # the teardown check is deterministic (the exit probe); the abort itself is intermittent and upstream
 
 # Runs examples/train.py as `python examples/train.py ...` would, after registering the exit probe.
 WRAPPER = textwrap.dedent('''
