@@ -87,7 +87,8 @@ def bench_options(spec: str) -> dict:
     runs ``gc.collect(); gc.freeze()`` in the worker after the warm-up steps (a diagnostic: how much of fwd+bwd is
     Python's cyclic garbage collector walking long-lived objects, such as the ones torch.compile leaves);
     ``bench.clip=X`` sets ``gradient_clipping`` to X (default 1.0; 0 turns clipping off: the regime where the
-    overlapped Muon step commits what it speculated)."""
+    overlapped Muon step commits what it speculated). Keys ``opt.*`` set the optimizer's params
+    (``ds_muon_overlap:opt.overlap_cuda_graphs=false``)."""
     return {k[len("bench."):]: v for k, v in parse_arm(spec)[1].items() if k.startswith("bench.")}
 
 
@@ -110,7 +111,8 @@ def ds_config(kind: str, micro_batch: int, stage: int = 3) -> dict:
     ``zero_optimization`` overrides, :func:`parse_arm`)."""
     kind, zero = parse_arm(kind)
     clip = zero.get("bench.clip", 1.0)
-    zero = {k: v for k, v in zero.items() if not k.startswith("bench.")}
+    opt = {k[len("opt."):]: v for k, v in zero.items() if k.startswith("opt.")}
+    zero = {k: v for k, v in zero.items() if not k.startswith(("bench.", "opt."))}
     # The built-in refuses reduce_scatter with Muon at stage 3 ("Muon and reduce scatter cannot be used together");
     # at stages 1/2 it takes it.
     cfg = {
@@ -140,6 +142,7 @@ def ds_config(kind: str, micro_batch: int, stage: int = 3) -> dict:
             cfg["optimizer"]["params"]["overlap_backward"] = False
         if kind == "ds_muon_overlap":
             cfg["optimizer"]["params"]["overlap_backward"] = True
+    cfg["optimizer"]["params"].update(opt)
     cfg["zero_optimization"].update(zero)
     return cfg
 

@@ -350,7 +350,7 @@ class MuonOptimizerParams(BaseModel):
                      "gradients, and apply the kept update when the step commits. Exact: a step whose gradient clipping "
                      "fires, that is skipped for an fp16 overflow, or that has a Muon block without gradient recomputes "
                      "the sub-group as without overlap. Costs one buffer of the local Muon shard in the exchange dtype "
-                     "plus one fp32 buffer of the shard while a sub-group is speculated. 'auto': on where it is exact and "
+                     "plus an fp32 scratch of one owner-plan bucket's stretch of the shard while it is speculated. 'auto': on where it is exact and "
                      "measured faster, which is nowhere yet: on one H200 (934M, W=1, clipping off, 3 rounds) it "
                      "committed every step but made the whole step 1.20x slower (fwd+bwd +0.125 s, optimizer step "
                      "-0.065 s: its kernel launches run on backward's host thread; docs/benchmarks.md, 'Issue 40: why "
@@ -358,6 +358,17 @@ class MuonOptimizerParams(BaseModel):
                      "reduce_bucket_size near 5e7 lets it start early in backward; true: on where it "
                      "applies (ZeRO-3, no optimizer offload; on CUDA on a side stream, on the CPU inline in backward: "
                      "exact, not faster), refused with optimizer offload; false: off. Source: ds_muon."))
+
+    overlap_cuda_graphs: bool = Field(
+        True,
+        description=("With overlap_backward on CUDA, where a Muon sub-group's owner exchange is one rank (W=1): run each "
+                     "owner-plan bucket's speculative step (momentum, Newton-Schulz) eagerly once, then capture it as "
+                     "one CUDA graph and replay that, so that the speculation costs backward's host thread one launch "
+                     "per bucket instead of a few hundred. Exact (the same kernels on the same buffers); a graph is "
+                     "captured again when a buffer or the loss scale it was captured with changes. Costs one memory "
+                     "pool of about one bucket's working set, and keeps the stash of the local Muon shard (exchange "
+                     "dtype) across steps. false: eager launches. No effect without overlap_backward. Source: "
+                     "ds_muon; see docs/design.md, 'The overlapped step'."))
 
     tp_mode: Literal["full", "shard"] = Field(
         "full",

@@ -37,7 +37,8 @@ class OverlapHooks:
     Attributes:
         speculative: the :class:`~ds_muon.sharded.overlap.SpeculativeMuon`, or None (overlap off).
         overlap_stats: ``{"commits": n, "fallback_clip": n, "fallback_overflow": n, "fallback_no_grad_block": n,
-            "fallback_not_ready": n}`` since construction (all zero with overlap off).
+            "fallback_not_ready": n, "fallback_loss_scale": n, "graph_captures": n, "graph_replays": n}`` since construction (all zero with
+            overlap off).
     """
 
     speculative: Optional[SpeculativeMuon] = None
@@ -95,7 +96,9 @@ class OverlapHooks:
                 group = groups[ranks]
             exchanges[i] = OwnerExchange(group, ex.exchange_dtype, ex.compute_dtype, ex.device, BufferPool())
         self._overlap_index = {p.ds_id: (i, k) for i in self.muon_steps for k, p in enumerate(self.fp16_groups[i])}
-        self.speculative = SpeculativeMuon(self.muon_steps, exchanges, torch.cuda.Stream() if cuda else None)
+        graphs = bool(getattr(self.optimizer.config, "overlap_cuda_graphs", True))
+        self.speculative = SpeculativeMuon(self.muon_steps, exchanges, torch.cuda.Stream() if cuda else None,
+                                           graphs=cuda and graphs)
 
     @property
     def overlap_stats(self) -> dict:
@@ -154,4 +157,5 @@ class OverlapHooks:
         False: the ordinary Muon step runs (the same no-gradient flags). Arguments as
         :meth:`ds_muon.integration.zero_common.DsMuonZeroSteps._commit_speculation`."""
         return self.speculative is not None and self.speculative.commit(i, fp32, fp32.grad, momentum, had,
-                                                                        self._clip_fired(), group)
+                                                                        self._clip_fired(), group,
+                                                                        float(self.loss_scale))

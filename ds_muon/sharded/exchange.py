@@ -97,7 +97,7 @@ class OwnerExchange:
         return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
 
     def run(self, plan: Union[ExchangePlan, BucketedPlan], u: torch.Tensor, out: torch.Tensor,
-            fn: OrthogonalizeFn) -> None:
+            fn: OrthogonalizeFn, u_offset: int = 0) -> None:
         """Orthogonalize every matrix of the sub-group and write this rank's chunks of the result.
 
         Buckets are pipelined: while the owner runs Newton–Schulz on bucket ``k``, bucket ``k+1``'s
@@ -108,19 +108,24 @@ class OwnerExchange:
         Args:
             plan: the sub-group's plan (same on every rank); an :class:`ExchangePlan` is one bucket.
             u: ``(plan.shard_numel,)`` local flat shard of the pre-orthogonalization update
-                (momentum or its Nesterov blend), any float dtype, any device.
+                (momentum or its Nesterov blend), any float dtype, any device; or, with ``u_offset``, the
+                stretch ``[u_offset, u_offset + u.numel())`` of it that holds every piece of ``plan`` on this rank
+                (the overlapped step's per-bucket scratch).
             out: ``(plan.shard_numel,)`` local flat shard receiving the scaled orthogonalized
                 update (may alias ``u``: every slot of ``u`` is read before the same slot is written).
             fn: the owner-side orthogonalization, see ``OrthogonalizeFn``.
+            u_offset: the shard offset of ``u[0]`` (elements; 0: ``u`` is the whole shard).
 
         Raises:
-            ValueError: the plan's world size or shard size does not match.
+            ValueError: the plan's world size or shard size does not match (or ``u`` does not fit in the shard).
         """
         W = self.world_size
         buckets = plan.buckets if isinstance(plan, BucketedPlan) else (plan,)
-        if plan.world_size != W or u.numel() != plan.shard_numel or out.numel() != plan.shard_numel:
+        if (plan.world_size != W or out.numel() != plan.shard_numel or u_offset < 0
+                or u_offset + u.numel() > plan.shard_numel or (u_offset == 0 and u.numel() < plan.shard_numel
+                                                               and isinstance(plan, BucketedPlan))):
             raise ValueError(f"plan for W={plan.world_size}, shard {plan.shard_numel} does not match "
-                             f"W={W}, u {u.numel()}, out {out.numel()}")
+                             f"W={W}, u {u.numel()} at offset {u_offset}, out {out.numel()}")
         device = self.device or u.device
         in_flight: dict[int, tuple] = {}   # bucket -> (work handle, shard_side, owner_side)
 
@@ -131,7 +136,7 @@ class OwnerExchange:
             owner_side = self.pool.get(f"owner_side{slot}", sum(out_splits), self.exchange_dtype, device)
             mine = [s.pieces[self.rank] for s in b.slots]
             torch._foreach_copy_(list(shard_side.split([p.sent for p in mine])),
-                                 [u.narrow(0, p.shard_offset, p.sent) for p in mine])
+                                 [u.narrow(0, p.shard_offset - u_offset, p.sent) for p in mine])
             in_flight[k] = (self._all_to_all(owner_side, shard_side, out_splits, in_splits), shard_side, owner_side)
 
         def finish_out(k: int) -> None:

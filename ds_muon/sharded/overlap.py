@@ -13,13 +13,27 @@ they were. Every rank marks the same parameters in the same order (ZeRO's reduce
 every rank), so the buckets' collectives are issued in the same order everywhere.
 
 Memory per rank: one stash of the local Muon shard per speculated sub-group in the exchange dtype
-(``shard_numel * exchange_dtype.itemsize`` bytes, bf16 by default off the CPU), plus one fp32 scratch of the
-shard (``4 * shard_numel`` bytes) while a sub-group's buckets are being speculated, plus a momentum copy of at most
-:data:`RUN_ELEMENTS` elements at a time, plus the exchange's own bucket buffers (its own
+(``shard_numel * exchange_dtype.itemsize`` bytes, bf16 by default off the CPU), plus, while a bucket is
+speculated, an fp32 scratch of this rank's stretch of the shard that the bucket covers (``4 * span`` bytes: a
+bucket of consecutive layers is a stretch about its own size) and a momentum copy of at most :data:`RUN_ELEMENTS`
+elements at a time, plus the exchange's own bucket buffers (its own
 :class:`~ds_muon.sharded.exchange.BufferPool`).
+
+CUDA graphs (``graphs=True``, a side stream, a sub-group whose exchange is one rank): the W=1 backward is
+host-bound, so the speculation's own kernel launches (a few hundred per bucket: the momentum runs, the copies,
+Newton–Schulz's iterations per batch of matrices) would lengthen it (docs/benchmarks.md, "Issue 40: why the
+overlapped step loses"). Each owner-plan bucket's work is therefore run eagerly once (which compiles its kernels),
+captured as one CUDA graph the next time and replayed from then on: one launch per bucket. A graph reads and
+writes fixed addresses, so it is captured again whenever the gradient buffer, the momentum, the stash or the loss
+scale it was captured with changed, and run eagerly once more when the momentum or Newton–Schulz settings
+changed. Everything a graph allocates (its scratch, its exchange buffers, Newton–Schulz's temporaries) lives in
+one memory pool shared by all the graphs, which run one at a time on the side stream: about one bucket's worth,
+held for the optimizer's life; the stash of a sub-group with graphs is kept across steps (its address is one of
+the graph's).
 """
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from typing import Callable, Iterable, Optional
 
@@ -27,7 +41,7 @@ import torch
 from torch.profiler import record_function
 
 from .muon_step import MuonShardStep
-from .exchange import OwnerExchange
+from .exchange import BufferPool, OwnerExchange
 
 __all__ = ["SpeculativeMuon", "FALLBACK_REASONS", "RUN_ELEMENTS"]
 
@@ -37,20 +51,33 @@ RUN_ELEMENTS = 1 << 24
 
 #: why a sub-group's step fell back to the ordinary path: the clip coefficient was not 1, the step was skipped for
 #: an fp16 overflow (or never came), a block had no gradient on any rank, the sub-group's speculation was not
-#: complete (a parameter without gradient, or a gradient reduced again after its bucket started).
-FALLBACK_REASONS = ("clip", "overflow", "no_grad_block", "not_ready")
+#: complete (a parameter without gradient, or a gradient reduced again after its bucket started), the loss scale
+#: the step unscales by is not the one the speculation divided by (fp16's dynamic scale grew at this step:
+#: DeepSpeed updates it before unscaling).
+FALLBACK_REASONS = ("clip", "overflow", "no_grad_block", "not_ready", "loss_scale")
 
 
 class _SubGroupState:
-    """One Muon sub-group's speculation in one step: buckets still waiting, the scratch ``u`` and the stash ``o``."""
+    """One Muon sub-group's speculation in one step: buckets still waiting and the stash ``o``."""
 
     def __init__(self, step: MuonShardStep) -> None:
         self.waiting = [{s.index for s in b.slots} for b in step.plan.buckets]
         self.started = [False] * len(self.waiting)
         self.stale = False
-        self.u: Optional[torch.Tensor] = None
         self.stash: Optional[torch.Tensor] = None
         self.loss_scale: Optional[float] = None
+
+    @property
+    def complete(self) -> bool:
+        return not self.stale and all(self.started)
+
+
+class _Captured:
+    """One owner-plan bucket's speculative work as a CUDA graph, with the addresses and loss scale it was captured
+    with (``key``)."""
+
+    def __init__(self, key: tuple, graph) -> None:
+        self.key, self.graph = key, graph
 
     @property
     def complete(self) -> bool:
@@ -65,22 +92,35 @@ class SpeculativeMuon:
         exchanges: ``{sub_group: OwnerExchange}`` for the speculative exchange: same plan, its own process group
             where the step's runs on a communicator that may be in use on another stream (CUDA), and its own pool.
         stream: the side stream the speculative work runs on (CUDA), or None (inline: CPU, or no streams).
+        graphs: capture each bucket's work as a graph where its exchange is one rank (see the module docstring;
+            the caller sets it on CUDA only, with a side stream), or False.
+        capture: how a graph is captured, ``capture(work) -> replay`` (tests give one that replays ``work`` itself
+            over the same tensors); None: :func:`torch.cuda.CUDAGraph` capture into one shared pool.
 
     Attributes:
         commits: sub-group steps that applied a stash. fallbacks: ``Counter`` over :data:`FALLBACK_REASONS`.
+        captures, replays: buckets captured as a graph, and bucket speculations run by replaying one.
     """
 
     def __init__(self, steps: dict[int, MuonShardStep], exchanges: dict[int, OwnerExchange],
-                 stream: Optional[torch.cuda.Stream] = None) -> None:
+                 stream: Optional[torch.cuda.Stream] = None, graphs: bool = False,
+                 capture: Optional[Callable[[Callable[[], None]], Callable[[], None]]] = None) -> None:
         self.steps, self.exchanges, self.stream = steps, exchanges, stream
-        self.commits = 0
+        self.graphs, self._capture = graphs, capture or self._cuda_graph
+        self.commits = self.captures = self.replays = 0
         self.fallbacks: Counter = Counter({r: 0 for r in FALLBACK_REASONS})
         self._state: dict[int, _SubGroupState] = {}
         self._run_cache: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        self._captured: dict[tuple[int, int], _Captured] = {}
+        self._warm: dict[tuple[int, int], tuple] = {}  # bucket -> the settings it last ran eagerly with
+        self._stashes: dict[int, torch.Tensor] = {}  # sub-group -> its stash, kept across steps (graphs)
+        self._pool = None
 
     def stats(self) -> dict:
-        """``{"commits": int, "fallback_<reason>": int, ...}`` since construction (for the monitor and benchmarks)."""
-        return {"commits": self.commits, **{f"fallback_{r}": n for r, n in self.fallbacks.items()}}
+        """``{"commits": int, "fallback_<reason>": int, ..., "graph_captures": int, "graph_replays": int}`` since
+        construction (for the monitor and benchmarks)."""
+        return {"commits": self.commits, **{f"fallback_{r}": n for r, n in self.fallbacks.items()},
+                "graph_captures": self.captures, "graph_replays": self.replays}
 
     def active(self) -> bool:
         """Whether some speculation of this step is held (started, not yet committed or discarded)."""
@@ -143,26 +183,77 @@ class SpeculativeMuon:
         elif st.loss_scale != loss_scale:
             st.stale = True
             return
-        n, exchange = step.plan.shard_numel, self.exchanges[i]
-        if st.u is None:
-            st.u = torch.zeros(n, dtype=torch.float32, device=grad.device)
-            st.stash = torch.zeros(n, dtype=exchange.exchange_dtype, device=grad.device)
-        bucket = step.plan.buckets[k]
+        exchange = self.exchanges[i]
+        graphs = self.graphs and exchange.world_size == 1
+        if st.stash is None:
+            st.stash = self._stashes.get(i) if graphs else None
+            if st.stash is None:
+                st.stash = torch.zeros(step.plan.shard_numel, dtype=exchange.exchange_dtype, device=grad.device)
+                if graphs:
+                    self._stashes[i] = st.stash
+        orthogonalize = step._orthogonalizer(group)
+
+        def work(pool: Optional[BufferPool] = None) -> None:
+            self._bucket_update(i, k, grad, momentum, group, loss_scale, st.stash, orthogonalize, pool)
+
+        settings = (group["momentum"], group["nesterov"], group["momentum_dtype"], step._ns_key)
+        if not graphs or momentum is None:
+            work()
+            self._warm[i, k] = settings
+            return
+        key = (grad.data_ptr(), momentum.data_ptr(), st.stash.data_ptr(), loss_scale, settings)
+        captured = self._captured.get((i, k))
+        if captured is None or captured.key != key:
+            self._captured.pop((i, k), None)
+            if self._warm.get((i, k)) != settings:  # first run with these settings: eagerly (compiles kernels)
+                work()
+                self._warm[i, k] = settings
+                return
+            # every buffer the graph allocates comes from the graphs' pool: a pool of its own for the exchange
+            captured = self._captured[i, k] = _Captured(key, self._capture(lambda: work(BufferPool())))
+            self.captures += 1
+        captured.graph()
+        self.replays += 1
+
+    def _bucket_update(self, i: int, k: int, grad: torch.Tensor, momentum: Optional[torch.Tensor], group: dict,
+                       loss_scale: float, stash: torch.Tensor, orthogonalize, pool: Optional[BufferPool]) -> None:
+        """Bucket ``k`` of sub-group ``i``: ``u`` (the speculative momentum and Nesterov blend of this rank's pieces,
+        into a scratch of the bucket's stretch of the shard), its owner exchange and Newton–Schulz into ``stash``.
+        Reads ``grad`` and ``momentum`` only. ``pool``: the exchange's buffers (None: the exchange's own pool)."""
+        runs = self._runs(i, k)
+        lo0 = runs[0][0] if runs else 0
+        u = torch.empty((runs[-1][0] + runs[-1][1] - lo0) if runs else 0, dtype=torch.float32, device=grad.device)
         with record_function("ds_muon/speculative_momentum"):
-            for lo, length in self._runs(i, k):  # a handful of launches per bucket, not a handful per matrix
-                g = st.u.narrow(0, lo, length)
+            for lo, length in runs:  # a handful of launches per bucket, not a handful per matrix
+                g = u.narrow(0, lo - lo0, length)
                 g.copy_(grad.narrow(0, lo, length))
                 if loss_scale != 1.0:
                     g.mul_(1. / loss_scale)  # DeepSpeed's unscale with clip coefficient 1 (stage3 unscale_and_clip_grads)
                 m = (torch.zeros(length, dtype=getattr(torch, group["momentum_dtype"]), device=g.device)
                      if momentum is None else momentum.narrow(0, lo, length).clone())
-                u = step.prepare(g, m, group)
-                if u.data_ptr() != g.data_ptr():
-                    g.copy_(u)
+                out = self.steps[i].prepare(g, m, group)
+                if out.data_ptr() != g.data_ptr():
+                    g.copy_(out)
+        exchange = self.exchanges[i]
+        if pool is not None:
+            exchange = copy.copy(exchange)
+            exchange.pool = pool
         with record_function("ds_muon/speculative_exchange_and_newton_schulz"):
-            exchange.run(bucket, st.u, st.stash, step._orthogonalizer(group))
-        if all(st.started):
-            st.u = None  # the scratch is free once every bucket is exchanged
+            exchange.run(self.steps[i].plan.buckets[k], u, stash, orthogonalize, u_offset=lo0)
+
+    def _cuda_graph(self, work: Callable[[], None]) -> Callable[[], None]:
+        """Capture ``work`` on the current (side) stream as a CUDA graph in the graphs' shared pool; returns its
+        replay. Capture does not run the work: the caller replays it at once. ``"thread_local"``: backward's other
+        threads (DeepSpeed's, NCCL's watchdog) may keep using CUDA meanwhile; this thread makes no sync in ``work``."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+        try:
+            work()
+        finally:
+            graph.capture_end()
+        return graph.replay
 
     def _runs(self, i: int, k: int) -> list[tuple[int, int]]:
         """``[(shard offset, length), ...]``: this rank's pieces of bucket ``k`` of sub-group ``i``, adjacent pieces
@@ -192,11 +283,11 @@ class SpeculativeMuon:
 
     @torch.no_grad()
     def commit(self, i: int, fp32: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor,
-               had: Optional[torch.Tensor], clipped: bool, group: dict) -> bool:
+               had: Optional[torch.Tensor], clipped: bool, group: dict, loss_scale: float = 1.0) -> bool:
         """Apply sub-group ``i``'s speculation if that is exact, else count why not and leave the step to the caller.
 
-        Exact when the speculation is complete, ``clipped`` is False (DeepSpeed's combined scale was the loss scale
-        the speculation divided by) and every block had a gradient: then ``m <- beta*m + (1-beta)*g`` (the same
+        Exact when the speculation is complete, ``clipped`` is False and ``loss_scale`` is the scale the speculation
+        divided by (DeepSpeed's combined scale was that loss scale) and every block had a gradient: then ``m <- beta*m + (1-beta)*g`` (the same
         kernel as :meth:`MuonShardStep.prepare`, on the final ``g``) and ``p <- p*(1-lr*wd) - lr*o`` with the stash
         (:meth:`MuonShardStep.finalize`, lr and weight decay read now). The same decision on every rank (its inputs
         are agreed: the global norm, the agreed flags, the same reduce sequence).
@@ -205,6 +296,7 @@ class SpeculativeMuon:
             fp32: ``(n,)`` float32 partition. grad: ``(n,)`` float32 final gradient (overwritten).
             momentum: ``(n,)`` momentum. had: the agreed no-gradient flags (None: all had).
             clipped: whether the gradient clipping fired this step.
+            loss_scale: the loss scale the step unscaled ``grad`` by (1.0 without fp16).
 
         Returns:
             True: committed (the caller must not step); False: the caller runs the ordinary step.
@@ -214,6 +306,8 @@ class SpeculativeMuon:
             reason = "not_ready"
         elif clipped:
             reason = "clip"
+        elif st.loss_scale is not None and st.loss_scale != loss_scale:
+            reason = "loss_scale"
         elif had is not None and not bool(had.all()):
             reason = "no_grad_block"
         else:

@@ -132,7 +132,7 @@ def _fp16_overflow(rank: int, world_size: int) -> dict:
         torch.manual_seed(0)
         engine, _ = build_engine(cfg)
         for step in range(4):
-            tokens, targets = batch(step, rank, 0)
+            tokens, targets = (t.to(engine.device) for t in batch(step, rank, 0))
             loss = engine(tokens, targets, use_extra(step))
             engine.backward(loss * float("nan") if step == 2 else loss)
             engine.step()

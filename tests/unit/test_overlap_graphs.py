@@ -1,0 +1,105 @@
+"""The overlapped step's graph capture (``SpeculativeMuon(graphs=True)``, ds_muon/sharded/overlap.py), on the CPU.
+
+A CUDA graph replays the kernels it captured on the buffers it captured them with. Here ``capture`` returns the
+captured work itself, bound to the tensors of the capture, so a replay reads exactly what a CUDA graph would read:
+if the speculation replayed a graph after its gradient buffer, momentum or settings had changed, the result would
+differ from the eager speculation's. W=1, several owner-plan buckets, one sub-group; every step is compared bit for
+bit with ``graphs=False`` (which is itself the ordinary step: tests/dist/test_overlap.py). The real CUDA graphs run
+in scripts/overlap_nccl.py on a GPU.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds_muon.sharded.blocks import build_block_map
+from ds_muon.sharded.exchange import OwnerExchange
+from ds_muon.sharded.muon_step import MuonShardStep
+from ds_muon.sharded.overlap import SpeculativeMuon
+from ds_muon.sharded.ownership import ParamInfo, build_bucketed_plan
+
+pytestmark = pytest.mark.unit
+
+GROUP = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.9, "nesterov": True, "ns_method": "standard",
+         "ns_steps": 5, "update_scale": "shape", "momentum_dtype": "float32"}
+SHAPES = [(8, 4), (6, 6), (4, 4), (8, 4), (5, 3)]
+
+
+def _speculative(graphs: bool) -> tuple[SpeculativeMuon, MuonShardStep]:
+    infos = [ParamInfo(f"w{k}", shape, shape[0] * shape[1], None) for k, shape in enumerate(SHAPES)]
+    plan = build_bucketed_plan(infos, 1, 40, order="reverse")  # 40 elements: one matrix or two per bucket
+    exchange = OwnerExchange(None, torch.float32, torch.float32, torch.device("cpu"))
+    step = MuonShardStep("sub-group 0", plan, build_block_map(plan.slots, 0, plan.shard_numel), exchange, GROUP,
+                         ns_compile=False, ns_autotune=False)
+    spec = SpeculativeMuon({0: step}, {0: exchange}, graphs=graphs, capture=lambda work: work)
+    return spec, step
+
+
+def _train(graphs: bool, steps: int, events: dict) -> tuple[list[torch.Tensor], SpeculativeMuon]:
+    """``steps`` optimizer steps, all speculated and committed; ``events[t]`` changes something before step ``t``:
+    ``"new_grad_buffer"`` (DeepSpeed reallocating its gradient buffer), ``"beta"`` (a momentum schedule),
+    ``"loss_scale"``. Returns the partition after every step."""
+    spec, step = _speculative(graphs)
+    n, group = step.plan.shard_numel, dict(GROUP)
+    gen = torch.Generator().manual_seed(0)
+    p, grad, momentum, scale = torch.randn(n, generator=gen), torch.empty(n), None, 1.0
+    finals = [(0, s.index) for b in reversed(step.plan.buckets) for s in b.slots]
+    history = []
+    for t in range(steps):
+        event = events.get(t)
+        if event == "new_grad_buffer":
+            grad = torch.empty(n)
+        elif event == "beta":
+            group["momentum"] = 0.8
+        elif event == "loss_scale":
+            scale = 4.0
+        grad.copy_(torch.randn(n, generator=gen) * scale)
+        spec.mark_final(finals, lambda i: grad, lambda i: momentum, lambda i: group, scale)
+        if momentum is None:
+            momentum = torch.zeros(n)
+        spec.join()
+        assert spec.commit(0, p, grad.clone().div_(scale), momentum, None, False, group, loss_scale=scale)
+        history.append(p.clone())
+    return history, spec
+
+
+@pytest.mark.parametrize("events", [{}, {3: "new_grad_buffer"}, {3: "beta"}, {2: "loss_scale"}],
+                         ids=["steady", "new_grad_buffer", "beta", "loss_scale"])
+def test_graph_replays_equal_the_eager_speculation(events) -> None:
+    want, _ = _train(False, 6, events)
+    got, spec = _train(True, 6, events)
+    for t, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"step {t}: the replayed speculation differs from the eager one ({events})"
+    buckets = len(spec.steps[0].plan.buckets)
+    assert buckets >= 3
+    # step 0 has no momentum (eager), step 1 captures every bucket, later steps replay; an event that changes an
+    # address or the loss scale captures again at once; one that changes the settings runs eagerly once first
+    recaptures = {"new_grad_buffer": 1, "loss_scale": 1, "beta": 1}.get(next(iter(events.values()), None), 0)
+    assert spec.captures == buckets * (1 + recaptures)
+    eager_steps = 1 + (1 if "beta" in events.values() else 0)
+    assert spec.replays == buckets * (6 - eager_steps)
+    assert spec.stats()["graph_replays"] == spec.replays and spec.commits == 6
+
+
+def test_stash_is_kept_across_steps_with_graphs() -> None:
+    """Its address is one of the graph's: a fresh stash every step would mean a capture every step."""
+    _, spec = _train(True, 4, {})
+    assert set(spec._stashes) == {0}
+    assert spec.captures == len(spec.steps[0].plan.buckets)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_commit_falls_back_when_the_step_unscales_by_another_loss_scale(graphs) -> None:
+    """fp16's dynamic loss scale grows at a step without overflow after ``loss_scale_window`` steps, and DeepSpeed
+    updates it before unscaling: the gradient is then divided by the new scale, the speculation by the old one.
+    The commit must leave such a step to the ordinary path (counted as "loss_scale")."""
+    spec, step = _speculative(graphs)
+    n, group = step.plan.shard_numel, dict(GROUP)
+    grad, p = torch.randn(n) * 8.0, torch.randn(n)
+    finals = [(0, s.index) for b in reversed(step.plan.buckets) for s in b.slots]
+    spec.mark_final(finals, lambda i: grad, lambda i: None, lambda i: group, 8.0)
+    before = p.clone()
+    assert not spec.commit(0, p, grad / 16.0, torch.zeros(n), None, False, group, loss_scale=16.0)
+    assert spec.fallbacks["loss_scale"] == 1 and spec.commits == 0 and torch.equal(p, before)
+    spec.mark_final(finals, lambda i: grad, lambda i: None, lambda i: group, 8.0)
+    assert spec.commit(0, p, grad / 8.0, torch.zeros(n), None, False, group, loss_scale=8.0)
