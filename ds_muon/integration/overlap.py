@@ -1,7 +1,9 @@
 """The DeepSpeed hooks of the overlapped Muon step (ZeRO-3, no optimizer offload): docs/design.md, "The overlapped step".
 
 :class:`OverlapHooks` is a mixin of :class:`~ds_muon.integration.zero3.MuonZeroOptimizer` (before
-``DsMuonZeroSteps`` in its bases). It hooks DeepSpeed 0.19.8's ZeRO-3 optimizer at:
+``DsMuonZeroSteps`` in its bases), and the base of ZeRO-1/2's :class:`~ds_muon.integration.overlap12.FlatOverlapHooks`,
+which keeps everything here but the backward hook (``partition_grads`` is ZeRO-3's alone). It hooks DeepSpeed
+0.19.8's ZeRO-3 optimizer at:
 
 - ``partition_grads(params, grad_partitions)``: called by ``__reduce_and_partition_ipg_grads`` for each gradient
   bucket once it is reduce-scattered (on ``reduce_and_partition_stream`` on CUDA), with the bucket's parameters
@@ -68,7 +70,7 @@ class OverlapHooks:
             # on where exact and measured faster: nowhere yet (one H200, 934M, W=1: the whole step 1.12x slower with
             # it, docs/benchmarks.md "Issue 40: the overlapped step"); on the CPU there are no streams at all
             return False
-        if self.offload_optimizer:  # setting is True here: "auto" and False returned above
+        if self._offloaded():  # setting is True here: "auto" and False returned above
             raise ConfigError("ds_muon: optimizer.params.overlap_backward is true, but the overlapped Muon step "
                               "needs the optimizer state on the accelerator (zero_optimization.offload_optimizer "
                               "is set); use \"auto\" or false")
@@ -94,8 +96,13 @@ class OverlapHooks:
                     groups[ranks] = dist.new_group(list(ranks))
                 group = groups[ranks]
             exchanges[i] = OwnerExchange(group, ex.exchange_dtype, ex.compute_dtype, ex.device, BufferPool())
-        self._overlap_index = {p.ds_id: (i, k) for i in self.muon_steps for k, p in enumerate(self.fp16_groups[i])}
+        self._overlap_index = self._overlap_keys()
         self.speculative = SpeculativeMuon(self.muon_steps, exchanges, torch.cuda.Stream() if cuda else None)
+
+    def _overlap_keys(self) -> dict:
+        """``{ds_id: (sub-group, index in the sub-group)}`` of every Muon parameter (the key the backward hook finds
+        a parameter by; ZeRO-1/2's mixin keys by ``id``)."""
+        return {p.ds_id: (i, k) for i in self.muon_steps for k, p in enumerate(self.fp16_groups[i])}
 
     @property
     def overlap_stats(self) -> dict:
