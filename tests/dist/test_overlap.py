@@ -88,10 +88,19 @@ def check_oracle(errors: dict) -> None:
 
 
 def _cases(rank: int, world_size: int, ckpt_root: str) -> dict:
-    from tests.support.harness import assert_same_state
     out = train_on_off(rank, world_size, CASES)
+    out.update(resume_and_evaluation(rank, world_size, ckpt_root))
+    return out
+
+
+def resume_and_evaluation(rank: int, world_size: int, ckpt_root: str, zero: dict | None = None) -> dict:
+    """With overlap on (``zero``: the ``zero_optimization`` keys, ZeRO-3 by default): a resumed run ends as the
+    continuous one, and a boundary backward never followed by a step leaves nothing behind (the next window ends
+    as with overlap off); bit for bit, else AssertionError. Returns ``{"resume": {"stats": ...}, "eval_stats": ...}``."""
+    from tests.support.harness import assert_same_state
+    out = {}
     # resume: save after 2 steps with overlap on, load into a fresh overlapped engine, 2 more steps == continuous
-    cfg = ds_config()
+    cfg = ds_config(**(zero or {}))
     cfg["optimizer"]["params"]["overlap_backward"] = True
     ckpt = os.path.join(ckpt_root, "resume")
     snaps = {}

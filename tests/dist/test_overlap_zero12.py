@@ -11,13 +11,14 @@ DeepSpeed's reduce paths are covered: reduce-scatter into ``grads_in_partition``
 parameters larger than a reduce bucket (reduced alone), DeepSpeed's own fp32 accumulation partition (bf16 model);
 and ZeRO stage 1 with ``overlap_comm`` (reduced in the last micro-batch's backward, the same hook). Stage 1 without
 ``overlap_comm`` (reduced after backward) refuses ``overlap_backward: true`` naming the fix; "auto" builds nothing
-there. One process group per world size runs every case.
+there. A resumed run and a boundary backward never followed by a step (evaluation) are exact too (test_overlap's
+checks at stage 2). One process group per world size runs every case.
 """
 from __future__ import annotations
 
 import pytest
 
-from tests.dist.test_overlap import _train, check_oracle, train_on_off
+from tests.dist.test_overlap import _train, check_oracle, resume_and_evaluation, train_on_off
 from tests.support.spawn import run_distributed
 
 STAGE2 = {"stage": 2}
@@ -63,21 +64,23 @@ def _stage1(rank: int) -> dict:
     return out
 
 
-def _cases(rank: int, world_size: int) -> dict:
+def _cases(rank: int, world_size: int, ckpt_root: str) -> dict:
     out = train_on_off(rank, world_size, CASES)
+    out.update(resume_and_evaluation(rank, world_size, ckpt_root, STAGE2))
     out["stage1"] = _stage1(rank)
     return out
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_overlap_zero2_exact(world_size):
-    results = run_distributed(_cases, world_size, timeout=900)
+def test_overlap_zero2_exact(world_size, tmp_path):
+    results = run_distributed(_cases, world_size, str(tmp_path), timeout=900)
     r = results[0]
     # which path ran (ParityNet's `extra` layer has no gradient on odd steps: its param group falls back there)
     assert r["plain"]["off_stats"]["commits"] == 0
     for name in ("plain", "gas2", "clip_never", "overlap_comm_small_buckets", "contiguous_small_buckets", "bf16",
                  "bf16_fp32_accumulation", "stage1_overlap_comm", "stage1_overlap_comm_allreduce"):
         assert r[name]["stats"]["commits"] > 0 and r[name]["stats"]["fallback_clip"] == 0, (name, r[name])
+    assert r["resume"]["stats"]["commits"] > 0 and r["eval_stats"]["commits"] > 0, (r["resume"], r["eval_stats"])
     every = r["clip_every_step"]["stats"]
     assert every["commits"] == 0 and every["fallback_clip"] > 0, every
     assert r["allreduce_clip"]["stats"]["fallback_clip"] > 0, r["allreduce_clip"]  # 0.5 clips the parity model
