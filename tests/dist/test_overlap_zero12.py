@@ -11,7 +11,7 @@ DeepSpeed's reduce paths are covered: reduce-scatter into ``grads_in_partition``
 parameters larger than a reduce bucket (reduced alone), DeepSpeed's own fp32 accumulation partition (bf16 model);
 and ZeRO stage 1 with ``overlap_comm`` (reduced in the last micro-batch's backward, the same hook). Stage 1 without
 ``overlap_comm`` (reduced after backward) refuses ``overlap_backward: true`` naming the fix; "auto" builds nothing
-there. A resumed run and a boundary backward never followed by a step (evaluation) are exact too (test_overlap's
+there, and so does stage 2 with CPU optimizer offload. A resumed run and a boundary backward never followed by a step (evaluation) are exact too (test_overlap's
 checks at stage 2). One process group per world size runs every case.
 """
 from __future__ import annotations
@@ -50,24 +50,27 @@ CASES = [
 ]
 
 
-def _stage1(rank: int) -> dict:
-    """ZeRO stage 1 without ``overlap_comm`` (DeepSpeed reduces after backward): ``overlap_backward`` true is a
-    ConfigError; "auto" builds no speculative step."""
+def _refusals(rank: int) -> dict:
+    """ZeRO stage 1 without ``overlap_comm`` (DeepSpeed reduces after backward) and stage 2 with CPU optimizer
+    offload: ``overlap_backward`` true is a ConfigError (its message, by setting); "auto" builds no speculative step
+    (its all-zero counters)."""
     from ds_muon.errors import ConfigError
     out = {}
-    for setting in (True, "auto"):
-        try:
-            _, stats, *_ = _train(rank, {"zero": {"stage": 1, "overlap_comm": False}}, setting, steps=1)
-            out[str(setting)] = stats
-        except ConfigError as exc:
-            out[str(setting)] = str(exc)
+    for name, zero in (("stage1", {"stage": 1, "overlap_comm": False}),
+                       ("stage2_offload", {"stage": 2, "offload_optimizer": {"device": "cpu"}})):
+        for setting in (True, "auto"):
+            try:
+                _, stats, *_ = _train(rank, {"zero": zero}, setting, steps=1)
+                out.setdefault(name, {})[str(setting)] = stats
+            except ConfigError as exc:
+                out.setdefault(name, {})[str(setting)] = str(exc)
     return out
 
 
 def _cases(rank: int, world_size: int, ckpt_root: str) -> dict:
     out = train_on_off(rank, world_size, CASES)
     out.update(resume_and_evaluation(rank, world_size, ckpt_root, STAGE2))
-    out["stage1"] = _stage1(rank)
+    out.update(_refusals(rank))
     return out
 
 
@@ -92,3 +95,6 @@ def test_overlap_zero2_exact(world_size, tmp_path):
     assert isinstance(refused, str) and "overlap_backward is true" in refused, refused
     assert "overlap_comm true" in refused, refused  # the message names the fix
     assert r["stage1"]["auto"]["commits"] == 0 and sum(r["stage1"]["auto"].values()) == 0, r["stage1"]
+    refused = r["stage2_offload"]["True"]
+    assert isinstance(refused, str) and "overlap_backward is true" in refused and "offload_optimizer" in refused
+    assert sum(r["stage2_offload"]["auto"].values()) == 0, r["stage2_offload"]
