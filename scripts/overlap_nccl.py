@@ -1,10 +1,11 @@
 """The overlapped Muon step on GPUs (the CUDA twin of tests/dist/test_overlap.py, which runs inline on CPU/gloo).
 
     torchrun --standalone --nproc_per_node 1 scripts/overlap_nccl.py [--steps 6] [--out results.json]
+    torchrun --standalone --nproc_per_node 1 scripts/overlap_nccl.py --suite zero12   # ZeRO-1/2's cases
 
 On CUDA the speculation runs on a side stream and, where a sub-group's owner exchange is one rank, as one CUDA graph
 per owner-plan bucket (``optimizer.params.overlap_cuda_graphs``). For each case of tests/dist/test_overlap.py's
-list (and the fp16 overflow case) this trains the parity model three ways in one process group: overlap with
+list (or tests/dist/test_overlap_zero12.py's with ``--suite zero12``; and the fp16 overflow case) this trains the parity model three ways in one process group: overlap with
 graphs, overlap without graphs, and no overlap, and checks:
 
 - graphs == no graphs, bit for bit (weights, momentum, AdamW state, step counts): a replayed graph runs the kernels
@@ -43,6 +44,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6, help="optimizer steps per run (graphs replay from the third)")
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     ap.add_argument("--out", default="", help="write the results as JSON here (rank 0)")
+    ap.add_argument("--suite", choices=("zero3", "zero12"), default="zero3",
+                    help="the cases of tests/dist/test_overlap.py (ZeRO-3) or test_overlap_zero12.py (ZeRO-1/2)")
     args = ap.parse_args()
     torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -50,7 +53,11 @@ def main() -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     wanted = [c for c in args.cases.split(",") if c]
     results, failed = {}, []
-    for case in CASES:
+    if args.suite == "zero12":
+        from tests.dist.test_overlap_zero12 import CASES as cases
+    else:
+        cases = CASES
+    for case in cases:
         if wanted and case["name"] not in wanted:
             continue
         runs = {}
@@ -66,7 +73,7 @@ def main() -> int:
         if rank == 0:
             print(f"{case['name']:>22}: graphs == eager: {'bit for bit' if same == 0 else f'NO ({same:.2e})'}; "
                   f"overlap vs off: {results[case['name']]['overlap_vs_off']:.2e}; {runs['graphs'][1]}", flush=True)
-    if not wanted or "fp16_overflow" in wanted:
+    if (not wanted and args.suite == "zero3") or "fp16_overflow" in wanted:
         try:
             results["fp16_overflow"] = {"stats": _fp16_overflow(rank, world), "overlap_vs_off": 0.0}
         except AssertionError as exc:  # overlap on != off: reported, not asserted (see the docstring)

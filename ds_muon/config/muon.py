@@ -346,18 +346,22 @@ class MuonOptimizerParams(BaseModel):
     overlap_backward: AutoOrBool = Field(
         "auto",
         description=("Run the Muon step's momentum, owner exchange and Newton-Schulz speculatively during the last "
-                     "micro-batch's backward (ZeRO-3 without optimizer offload), bucket by bucket as ZeRO reduces the "
-                     "gradients, and apply the kept update when the step commits. Exact: a step whose gradient clipping "
-                     "fires, that is skipped for an fp16 overflow, or that has a Muon block without gradient recomputes "
-                     "the sub-group as without overlap. Costs one buffer of the local Muon shard in the exchange dtype "
-                     "plus an fp32 scratch of one owner-plan bucket's stretch of the shard while it is speculated. 'auto': on where it is exact and "
-                     "measured faster, which is nowhere yet: on one H200 (934M, W=1, clipping off, 3 rounds) it "
-                     "committed every step but made the whole step 1.20x slower (fwd+bwd +0.125 s, optimizer step "
-                     "-0.065 s: its kernel launches run on backward's host thread; docs/benchmarks.md, 'Issue 40: why "
-                     "the overlapped step loses'), so 'auto' is off; with it on, a zero_optimization."
-                     "reduce_bucket_size near 5e7 lets it start early in backward; true: on where it "
-                     "applies (ZeRO-3, no optimizer offload; on CUDA on a side stream, on the CPU inline in backward: "
-                     "exact, not faster), refused with optimizer offload; false: off. Source: ds_muon."))
+                     "micro-batch's backward, bucket by bucket as ZeRO reduces the gradients, and apply the kept update "
+                     "when the step commits. Exact: a step whose gradient clipping fires, that is skipped for an fp16 "
+                     "overflow, whose loss scale changed, or that has a Muon block without gradient recomputes the "
+                     "sub-group as without overlap. Costs one buffer of the local Muon shard in the exchange dtype "
+                     "(kept across steps with overlap_cuda_graphs), an fp32 scratch of one owner-plan bucket's stretch "
+                     "of the shard while it is speculated, and at ZeRO-1/2 one gradient buffer of the partition in the "
+                     "gradient dtype. 'auto': on where it is exact and measured faster: ZeRO-3 on CUDA at one "
+                     "data-parallel rank without optimizer offload, with overlap_cuda_graphs (one H200, 934M, 3 rounds: "
+                     "0.271 s per step against AdamW's 0.273 and the built-in Muon's 0.482; peak memory +1.3 GiB; "
+                     "docs/benchmarks.md, 'Issue 40: the overlapped step as CUDA graphs'); off elsewhere (at W >= 2 "
+                     "its launches run on backward's host thread, measured slower at W=1 that way; ZeRO-1/2 not yet "
+                     "measured on a GPU; the CPU has no streams). A zero_optimization.reduce_bucket_size near 5e7 lets "
+                     "it start early in backward. true: on where it applies (ZeRO-3, ZeRO-2, ZeRO-1 with overlap_comm; "
+                     "no optimizer offload; on CUDA on a side stream, on the CPU inline in backward: exact, not "
+                     "faster), refused with optimizer offload, at ZeRO-1 without overlap_comm (DeepSpeed reduces after "
+                     "backward there) and with AutoTP; false: off. Source: ds_muon."))
 
     overlap_cuda_graphs: bool = Field(
         True,

@@ -1,7 +1,9 @@
 """The DeepSpeed hooks of the overlapped Muon step (ZeRO-3, no optimizer offload): docs/design.md, "The overlapped step".
 
 :class:`OverlapHooks` is a mixin of :class:`~ds_muon.integration.zero3.MuonZeroOptimizer` (before
-``DsMuonZeroSteps`` in its bases). It hooks DeepSpeed 0.19.8's ZeRO-3 optimizer at:
+``DsMuonZeroSteps`` in its bases), and the base of ZeRO-1/2's :class:`~ds_muon.integration.overlap12.FlatOverlapHooks`,
+which keeps everything here but the backward hook (``partition_grads`` is ZeRO-3's alone). It hooks DeepSpeed
+0.19.8's ZeRO-3 optimizer at:
 
 - ``partition_grads(params, grad_partitions)``: called by ``__reduce_and_partition_ipg_grads`` for each gradient
   bucket once it is reduce-scattered (on ``reduce_and_partition_stream`` on CUDA), with the bucket's parameters
@@ -57,7 +59,8 @@ class OverlapHooks:
 
     def _overlap_wanted(self, plans_built: bool = True) -> bool:
         """``optimizer.params.overlap_backward``: True runs where the path applies (no optimizer offload, no ZenFlow,
-        Muon sub-groups present; on the CPU inline in backward); "auto" is off (measured slower, see below).
+        Muon sub-groups present; on the CPU inline in backward); "auto" where it is exact and measured faster
+        (:meth:`_overlap_auto`).
 
         Raises:
             ConfigError: True with optimizer offload.
@@ -66,14 +69,23 @@ class OverlapHooks:
         if setting is False or (plans_built and not self.muon_steps) or getattr(self, "zenflow", False):
             return False  # ZenFlow rewrites the fp32 gradients in partition's caller: not the gradient speculated on
         if setting == "auto":
-            # on where exact and measured faster: nowhere yet (one H200, 934M, W=1: the whole step 1.12x slower with
-            # it, docs/benchmarks.md "Issue 40: the overlapped step"); on the CPU there are no streams at all
-            return False
-        if self.offload_optimizer:  # setting is True here: "auto" and False returned above
+            return self._overlap_auto()
+        if self._offloaded():  # setting is True here: "auto" and False returned above
             raise ConfigError("ds_muon: optimizer.params.overlap_backward is true, but the overlapped Muon step "
                               "needs the optimizer state on the accelerator (zero_optimization.offload_optimizer "
                               "is set); use \"auto\" or false")
         return True
+
+    def _overlap_auto(self) -> bool:
+        """Where ``"auto"`` turns the overlapped step on: ZeRO-3 on CUDA at one data-parallel rank, no optimizer
+        offload, with ``overlap_cuda_graphs``: measured faster there (one H200, 3 rounds, 934M: 0.271 s against
+        0.311-0.386 s without it, and AdamW's 0.273; docs/benchmarks.md, "Issue 40: the overlapped step as CUDA
+        graphs"). Elsewhere it is off: at W >= 2 the speculation's launches stay on backward's host thread (no graphs
+        around NCCL yet; measured 1.12-1.20x slower at W=1 that way), the CPU has no streams, and ZeRO-1/2's path
+        has not been measured on a GPU."""
+        config = getattr(self.optimizer, "config", None)
+        return (self._device.type == "cuda" and not self._offloaded() and dist.get_world_size() == 1
+                and bool(getattr(config, "overlap_cuda_graphs", True)))
 
     def _build_overlap(self) -> None:
         """Build the speculative step once: on CUDA a side stream and, at W >= 2, a second communicator per
@@ -95,10 +107,15 @@ class OverlapHooks:
                     groups[ranks] = dist.new_group(list(ranks))
                 group = groups[ranks]
             exchanges[i] = OwnerExchange(group, ex.exchange_dtype, ex.compute_dtype, ex.device, BufferPool())
-        self._overlap_index = {p.ds_id: (i, k) for i in self.muon_steps for k, p in enumerate(self.fp16_groups[i])}
+        self._overlap_index = self._overlap_keys()
         graphs = bool(getattr(self.optimizer.config, "overlap_cuda_graphs", True))
         self.speculative = SpeculativeMuon(self.muon_steps, exchanges, torch.cuda.Stream() if cuda else None,
                                            graphs=cuda and graphs)
+
+    def _overlap_keys(self) -> dict:
+        """``{ds_id: (sub-group, index in the sub-group)}`` of every Muon parameter (the key the backward hook finds
+        a parameter by; ZeRO-1/2's mixin keys by ``id``)."""
+        return {p.ds_id: (i, k) for i in self.muon_steps for k, p in enumerate(self.fp16_groups[i])}
 
     @property
     def overlap_stats(self) -> dict:

@@ -42,6 +42,7 @@ from ..partitions import Piece, flat_pieces
 from ..sharded.ownership import ParamInfo
 from .builtin_muon import BuiltinMuonSwitch
 from .inner import DsMuonInner
+from .overlap12 import FlatOverlapHooks  # the overlapped Muon step (docs/design.md, "The overlapped step")
 from .tensor_parallel import TensorParallelLayout, autotp_world, tensor_parallel_split
 from .zero12_checkpoint import FlatCheckpointing
 from .zero_common import AdamMiniSlot, DsMuonZeroSteps
@@ -49,7 +50,8 @@ from .zero_common import AdamMiniSlot, DsMuonZeroSteps
 __all__ = ["MuonZero12Optimizer"]
 
 
-class MuonZero12Optimizer(FlatCheckpointing, DsMuonZeroSteps, BuiltinMuonSwitch, DeepSpeedZeroOptimizer):
+class MuonZero12Optimizer(FlatCheckpointing, FlatOverlapHooks, DsMuonZeroSteps, BuiltinMuonSwitch,
+                          DeepSpeedZeroOptimizer):
     """``DeepSpeedZeroOptimizer`` (ZeRO stage 1 or 2) with ds_muon's Muon and Adam-mini param-group steps.
 
     Per Muon param group and optimizer step, on this rank's flat fp32 partition ``(partition_size,)``: the
@@ -69,11 +71,13 @@ class MuonZero12Optimizer(FlatCheckpointing, DsMuonZeroSteps, BuiltinMuonSwitch,
             :class:`~ds_muon.integration.zero_common.DsMuonZeroSteps`.
 
     Checkpoints: :class:`~ds_muon.integration.zero12_checkpoint.FlatCheckpointing` (metadata, fit checks,
-    universal checkpoints).
+    universal checkpoints). The overlapped step (``overlap_backward``; ``speculative``, ``overlap_stats``):
+    :class:`~ds_muon.integration.overlap12.FlatOverlapHooks`.
 
     Raises:
         TypeError: the inner optimizer is not ds_muon's.
-        ConfigError: ``ns_autotune`` would make too many static Newton–Schulz graphs; QK-clip on a frozen weight.
+        ConfigError: ``ns_autotune`` would make too many static Newton–Schulz graphs; QK-clip on a frozen weight;
+            ``overlap_backward`` true where it is not served (:meth:`FlatOverlapHooks._overlap_wanted`).
         ValueError: a parameter does not fit the partitions DeepSpeed reports (a DeepSpeed layout change).
     """
 

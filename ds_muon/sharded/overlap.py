@@ -34,6 +34,7 @@ the graph's).
 from __future__ import annotations
 
 import copy
+import warnings
 from collections import Counter
 from typing import Callable, Iterable, Optional
 
@@ -210,7 +211,14 @@ class SpeculativeMuon:
                 self._warm[i, k] = settings
                 return
             # every buffer the graph allocates comes from the graphs' pool: a pool of its own for the exchange
-            captured = self._captured[i, k] = _Captured(key, self._capture(lambda: work(BufferPool())))
+            try:
+                replay = self._capture(lambda: work(BufferPool()))
+            except RuntimeError as exc:  # e.g. an op that cannot be captured: eager from now on, this step exact
+                warnings.warn(f"ds_muon: capturing the overlapped Muon step as a CUDA graph failed ({exc}); it runs "
+                              f"eagerly from now on (optimizer.params.overlap_cuda_graphs false avoids trying)")
+                self.graphs, st.stale = False, True  # this sub-group's step falls back to the ordinary path
+                return
+            captured = self._captured[i, k] = _Captured(key, replay)
             self.captures += 1
         captured.graph()
         self.replays += 1

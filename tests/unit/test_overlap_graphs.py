@@ -103,3 +103,49 @@ def test_commit_falls_back_when_the_step_unscales_by_another_loss_scale(graphs) 
     assert spec.fallbacks["loss_scale"] == 1 and spec.commits == 0 and torch.equal(p, before)
     spec.mark_final(finals, lambda i: grad, lambda i: None, lambda i: group, 8.0)
     assert spec.commit(0, p, grad / 8.0, torch.zeros(n), None, False, group, loss_scale=8.0)
+
+
+@pytest.mark.parametrize("device,world,offloaded,graphs,want", [
+    ("cuda", 1, False, True, True),     # measured faster: ZeRO-3, one rank, graphs
+    ("cuda", 2, False, True, False),    # W >= 2: no graphs around NCCL, launches on backward's thread
+    ("cpu", 1, False, True, False),     # no streams
+    ("cuda", 1, True, True, False),     # optimizer offload: today's step
+    ("cuda", 1, False, False, False),   # eager launches: measured slower
+])
+def test_auto_turns_the_overlap_on_only_where_it_was_measured_faster(monkeypatch, device, world, offloaded, graphs,
+                                                                     want) -> None:
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from ds_muon.integration.overlap import OverlapHooks
+    from ds_muon.integration.overlap12 import FlatOverlapHooks
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: world)
+
+    def engine(cls):
+        obj = cls.__new__(cls)
+        obj._device, obj._offloaded = torch.device(device), lambda: offloaded
+        obj.optimizer = SimpleNamespace(config=SimpleNamespace(overlap_backward="auto", overlap_cuda_graphs=graphs))
+        return obj
+
+    assert OverlapHooks._overlap_auto(engine(OverlapHooks)) is want
+    assert FlatOverlapHooks._overlap_auto(engine(FlatOverlapHooks)) is False  # ZeRO-1/2: not measured on a GPU
+
+
+def test_a_failed_capture_falls_back_exactly_and_stays_eager() -> None:
+    spec, step = _speculative(True)
+
+    def refuse(work):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    spec._capture = refuse
+    n, group = step.plan.shard_numel, dict(GROUP)
+    grad, momentum, p = torch.randn(n), torch.zeros(n), torch.randn(n)
+    finals = [(0, s.index) for b in reversed(step.plan.buckets) for s in b.slots]
+    spec._warm = {(0, k): (0.9, True, "float32", step._ns_key) for k in range(len(step.plan.buckets))}
+    with pytest.warns(UserWarning, match="runs eagerly from now on"):
+        spec.mark_final(finals, lambda i: grad, lambda i: momentum, lambda i: group, 1.0)
+    assert not spec.commit(0, p, grad.clone(), momentum, None, False, group) and spec.fallbacks["not_ready"] == 1
+    assert spec.graphs is False
+    spec.mark_final(finals, lambda i: grad, lambda i: momentum, lambda i: group, 1.0)  # eager, no capture tried
+    assert spec.commit(0, p, grad.clone(), momentum, None, False, group) and spec.captures == 0
