@@ -281,6 +281,10 @@ def worker(args) -> None:
               "facts": facts(engine, device)}
     with open(args.out, "w") as f:
         json.dump(result, f, default=str)
+    # every rank done, then the process group torn down while Python is fully alive (docs/troubleshooting.md: a gloo
+    # worker thread finishing after interpreter finalization began aborts the process; tests/e2e/test_clean_exit.py)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def run_arm(args, arm: str) -> dict:

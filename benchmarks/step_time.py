@@ -624,7 +624,10 @@ def worker(args) -> None:
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(result, f)
+    # every rank done, then the process group torn down while Python is fully alive (docs/troubleshooting.md: a gloo
+    # worker thread finishing after interpreter finalization began aborts the process; tests/e2e/test_clean_exit.py)
     dist.barrier()
+    dist.destroy_process_group()
 
 
 def main() -> None:

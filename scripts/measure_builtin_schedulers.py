@@ -34,3 +34,6 @@ for label, (name, params) in scheds.items():
         engine.step()
     print(f"{label} [{type(engine.optimizer.optimizer).__name__}]: " + " | ".join(f"step{i+1}: {r}" for i, r in enumerate(rows)), flush=True)
     engine.destroy()
+# every rank done, then the process group torn down while Python is fully alive (docs/troubleshooting.md)
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()

@@ -314,13 +314,16 @@ def main() -> None:
               f"{fp16['same_momentum']}, weights unchanged {fp16['same_weights']}, vs oracle max rel err "
               f"{fp16['max_rel']:.2e}, rel-to-update {fp16['max_rel_update']:.2e}  {'PASS' if ok else 'FAIL'}",
               flush=True)
-    if rank == 0:
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(rows, f, indent=2)
-        failed = [r for r in rows if r["passed"] is False]
-        if failed:
-            raise SystemExit(f"parity failed: {failed}")
+    if rank == 0 and args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=2)
+    # every rank done, then the process group torn down while Python is fully alive (docs/troubleshooting.md; before
+    # rank 0 may exit with the failures, so that no rank waits in the barrier for it)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    failed = [r for r in rows if r["passed"] is False]
+    if rank == 0 and failed:
+        raise SystemExit(f"parity failed: {failed}")
 
 
 if __name__ == "__main__":

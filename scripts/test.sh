@@ -30,10 +30,12 @@ if ! python -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1; then
         python -m pip install torch
     else
-        echo ">> installing torch==2.13.0 (CPU build)"
+        echo ">> installing torch==2.13.0 from ${TORCH_INDEX_URL:-PyPI}"
         # TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu where PyPI would give the CUDA build
         python -m pip install "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
     fi
+    # what was installed, not what was meant: the index decides the build (CPU, or a CUDA version)
+    python -c 'import torch; cuda = torch.version.cuda; print(">> installed torch", torch.__version__, f"(CUDA {cuda} build)" if cuda else "(CPU build)")'
 fi
 # The NVMe offload tests need libaio for DeepSpeed's async_io op (JIT-built below; 165 s to 18 min on 2 loaded cores).
 if [[ ! -e /usr/include/libaio.h ]]; then

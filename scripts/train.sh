@@ -32,13 +32,15 @@ python scripts/venv_hook.py "$VENV" || true
 
 if ! python -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1; then
-        echo ">> installing torch (CUDA build)"
+        echo ">> installing torch from PyPI"
         python -m pip install torch
     else
-        echo ">> installing torch==2.13.0 (CPU build)"
+        echo ">> installing torch==2.13.0 from ${TORCH_INDEX_URL:-PyPI}"
         # TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu where PyPI would give the CUDA build
         python -m pip install "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
     fi
+    # what was installed, not what was meant: the index decides the build (CPU, or a CUDA version)
+    python -c 'import torch; cuda = torch.version.cuda; print(">> installed torch", torch.__version__, f"(CUDA {cuda} build)" if cuda else "(CPU build)")'
 fi
 
 # Reinstall only when the package metadata changed (the editable install tracks source edits by itself).

@@ -13,6 +13,8 @@ which keeps everything here but the backward hook (``partition_grads`` is ZeRO-3
   rank, and :class:`~ds_muon.sharded.overlap.SpeculativeMuon` starts each owner-plan bucket's speculative step as
   soon as its parameters are all final.
 - ``step``: joins the side stream, and drops any speculation a skipped step (fp16 overflow) left.
+- ``_get_norm_groups``: with clipping on, whether clipping fires this step, computed on the device from the same
+  norms and copied to the host ahead of DeepSpeed's host read of the norm (no host sync of its own).
 - ``_commit_speculation(i, ...)``, asked by the base's ``_muon_step``: commits sub-group ``i``'s speculation when
   exact (clip coefficient 1, every block had a gradient, the speculation complete), else the ordinary step runs.
 - ``zero_grad`` outside a step and a backward that is not the last micro-batch's: any speculation is dropped
@@ -24,10 +26,12 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.utils import combine_grad_norm_groups
 
 from ..errors import ConfigError
 from ..names import MOMENTUM_KEY
 from ..sharded.exchange import BufferPool, OwnerExchange
+from ..sharded.host_copy import HostCopy
 from ..sharded.overlap import SpeculativeMuon
 
 __all__ = ["OverlapHooks"]
@@ -46,6 +50,7 @@ class OverlapHooks:
     speculative: Optional[SpeculativeMuon] = None
     _overlap_index: dict = {}
     _overlap_clip: Optional[bool] = None
+    _overlap_clip_ahead: Optional[tuple] = None  # (loss scale, HostCopy of the clip decision) of this step
 
     def _build_steps(self) -> None:
         super()._build_steps()
@@ -150,7 +155,7 @@ class OverlapHooks:
     def step(self, closure=None):
         """DeepSpeed's, with the side stream joined first; a speculation left uncommitted (a step skipped for an
         fp16 overflow) is dropped and counted."""
-        self._overlap_clip = None
+        self._overlap_clip = self._overlap_clip_ahead = None
         if self.speculative is not None:
             self.speculative.join()
         try:
@@ -159,13 +164,35 @@ class OverlapHooks:
             if self.speculative is not None:
                 self.speculative.discard("overflow" if self.overflow else "not_ready")
 
+    def _get_norm_groups(self):
+        """DeepSpeed's per-sub-group gradient norms; with the overlapped step and clipping on, also whether clipping
+        fires this step (:meth:`_clip_fires`, on the device), copied to the host without a wait
+        (:class:`~ds_muon.sharded.host_copy.HostCopy`): DeepSpeed's step reads the combined norm on the host right
+        after (``is_invalid_grad_norm``), which brings the decision along."""
+        norm_groups = super()._get_norm_groups()
+        if self.speculative is not None and self._stepping and self.clip_grad > 0.:
+            scaled = combine_grad_norm_groups(norm_groups)  # DeepSpeed's step combines the same norms the same way
+            self._overlap_clip_ahead = (self.loss_scale, HostCopy(self._clip_fires(scaled / self.loss_scale)))
+        return norm_groups
+
+    def _clip_fires(self, norm: torch.Tensor) -> torch.Tensor:
+        """Whether DeepSpeed's ``unscale_and_clip_grads`` clips at the unscaled global ``norm`` (0-dim tensor): its
+        coefficient ``clamp((norm + 1e-6) / clip_grad, min=1)`` is not 1 (the same expression); a 0-dim bool tensor."""
+        return (norm + 1e-6) / self.clip_grad > 1.0
+
     def _clip_fired(self) -> bool:
-        """Whether DeepSpeed's ``unscale_and_clip_grads`` clips this step: its coefficient
-        ``clamp((norm + 1e-6) / clip_grad, min=1)`` is not 1 (the same expression on the same unscaled global norm;
-        one host sync per step)."""
+        """Whether DeepSpeed's ``unscale_and_clip_grads`` clips this step (:meth:`_clip_fires` on DeepSpeed's
+        ``_global_grad_norm``). Computed ahead in :meth:`_get_norm_groups` from the same norms, so reading it waits
+        for nothing; where the loss scale changed since (fp16's dynamic scale, DeepSpeed divides by the new one)
+        it is computed here from DeepSpeed's norm (one host sync)."""
         if self._overlap_clip is None:
-            self._overlap_clip = bool(self.clip_grad > 0. and
-                                      (self._global_grad_norm + 1e-6) / self.clip_grad > 1.0)
+            ahead = self._overlap_clip_ahead
+            if self.clip_grad <= 0.:
+                self._overlap_clip = False
+            elif ahead is not None and ahead[0] == self.loss_scale:
+                self._overlap_clip = bool(ahead[1].get())
+            else:
+                self._overlap_clip = bool(self._clip_fires(self._global_grad_norm))
         return self._overlap_clip
 
     def _commit_speculation(self, i: int, fp32: torch.Tensor, momentum: torch.Tensor, had: Optional[torch.Tensor],

@@ -264,6 +264,14 @@ class MuonZeroOptimizer(ZeroCheckpointing, OverlapHooks, DsMuonZeroSteps, DeepSp
         rank0 = self.dp_process_group is None or dist.get_rank(group=self.dp_process_group) == 0
         self._after_step(self.overflow, stats, rank0)
 
+    def _get_norm_groups(self):
+        """DeepSpeed's per-sub-group gradient norms; inside a step first the no-gradient flags of every resident
+        Muon sub-group (:meth:`_agree_flags_ahead`): DeepSpeed's step reads the combined norm on the host right after
+        (``is_invalid_grad_norm``), and that read brings the flags with it (one host sync for both)."""
+        if self._stepping:
+            self._agree_flags_ahead()
+        return super()._get_norm_groups()
+
     def _loss_scale_update_and_overflow_cleanup(self):
         """DeepSpeed's; on a skipped step first finds the parameter to name (the gradients are still there:
         DeepSpeed's clean-up drops them)."""

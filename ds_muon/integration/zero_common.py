@@ -371,21 +371,40 @@ class DsMuonZeroSteps:
         return False
 
     def _blocks_with_gradient(self, i: int) -> torch.Tensor:
-        """``(n_blocks,)`` bool: which blocks of Muon sub-group ``i`` had a gradient on any rank this step. The
-        first Muon sub-group of a process group to step agrees, in one all_reduce, on its flags and those of every
-        later sub-group of that group whose gradient is resident (:meth:`_resident_grad`); a sub-group whose
-        gradient was not resident then (NVMe-swapped) agrees on its own at its turn."""
-        flags = self.gradient_flags
-        if not flags.agreed(i):
-            group = self._partition_group(i)
-            grads = {i: self._fp32_partition(i).grad}
-            for j in self.muon_steps:
-                if j > i and not flags.agreed(j) and self._partition_group(j) is group:
-                    grad = self._resident_grad(j)
-                    if grad is not None:
-                        grads[j] = grad
-            flags.agree(grads, group)
-        return flags.take(i)
+        """``(n_blocks,)`` bool in host memory: which blocks of Muon sub-group ``i`` had a gradient on any rank this
+        step (:meth:`~ds_muon.sharded.no_grad.GradientFlags.take`). Agreed ahead where the stage can
+        (:meth:`_agree_flags_ahead`); else the first Muon sub-group of a process group to step agrees, in one
+        all_reduce, on its flags and those of every later sub-group of that group whose gradient is resident
+        (:meth:`_resident_grad`); a sub-group whose gradient was not resident then (NVMe-swapped) agrees on its own
+        at its turn (and waits for its flags: one host sync)."""
+        if not self.gradient_flags.agreed(i):
+            self._agree_flags(i, self._fp32_partition(i).grad)
+        return self.gradient_flags.take(i)
+
+    def _agree_flags(self, i: int, grad: Optional[torch.Tensor]) -> None:
+        """Agree, in one all_reduce over sub-group ``i``'s partition group, on the flags of ``i`` (its gradient
+        ``grad``) and of every later Muon sub-group of that group not agreed yet whose gradient is resident.
+        Collective: every rank makes the same calls (the layout decides, the same on every rank)."""
+        flags, group = self.gradient_flags, self._partition_group(i)
+        grads = {i: grad}
+        for j in self.muon_steps:
+            if j > i and not flags.agreed(j) and self._partition_group(j) is group:
+                resident = self._resident_grad(j)
+                if resident is not None:
+                    grads[j] = resident
+        flags.agree(grads, group)
+
+    def _agree_flags_ahead(self) -> None:
+        """Agree the no-gradient flags of every Muon sub-group whose gradient is resident now, one all_reduce per
+        partition group, before the stage's step reads the global gradient norm on the host (DeepSpeed's
+        ``is_invalid_grad_norm``): that read waits for the flags' copy to the host as well, so no Muon sub-group
+        waits for its flags at its turn (docs/design.md, "Host syncs of the step"). The stage calls it from the hook
+        it has before that read; a sub-group left out agrees at its turn (:meth:`_blocks_with_gradient`)."""
+        for i in self.muon_steps:
+            if not self.gradient_flags.agreed(i):
+                grad = self._resident_grad(i)
+                if grad is not None:
+                    self._agree_flags(i, grad)
 
     def _adam_mini_step(self, i: int) -> None:
         """Sub-group ``i``'s Adam-mini step (:meth:`ds_muon.sharded.adam_mini_step.AdamMiniShardStep.run`)."""

@@ -5,7 +5,10 @@ Newton–Schulz view, e.g. one expert) has no gradient when its gradient is exac
 element on every rank (DeepSpeed leaves zeros where no gradient arrived); the oracle
 :class:`ds_muon.MuonAdamW` applies the same rule to whole tensors (docs/how-it-works.md, "Steps with
 no gradient"). Per sub-group: one ``segment_reduce`` over the local gradient shard, one byte per block,
-and one all_reduce(MAX) shared by every sub-group whose gradient is in memory at once.
+and one all_reduce(MAX) shared by every sub-group whose gradient is in memory at once. The agreed flags reach the
+host without a wait of their own (:class:`~ds_muon.sharded.host_copy.HostCopy`): agreed before a host sync the step
+makes anyway (DeepSpeed's read of the global gradient norm, docs/design.md "Host syncs of the step"), taking them
+waits for nothing.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .blocks import PADDING, BlockMap
+from .host_copy import HostCopy
 
 __all__ = ["GradientFlags"]
 
@@ -31,7 +35,8 @@ class GradientFlags:
         self._maps = dict(block_maps)
         self._device = device
         self._index: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._agreed: dict[int, torch.Tensor] = {}  # this step's flags, agreed and not yet taken
+        # this step's flags, agreed and not yet taken: (host copy of the agreed flags, start, n_blocks)
+        self._agreed: dict[int, tuple[HostCopy, int, int]] = {}
 
     def begin_step(self) -> None:
         """Forget the previous step's flags (call at the start of every step)."""
@@ -62,19 +67,27 @@ class GradientFlags:
     def agree(self, grads: Mapping[int, Optional[torch.Tensor]], group: Optional[dist.ProcessGroup]) -> None:
         """Agree on the flags of the sub-groups ``grads`` (``{sub_group: its (shard numel,) local gradient, any
         float dtype, or None}``, all of one partition ``group``; None: the default group) over the group: one
-        all_reduce(MAX) of one byte per block for all of them, one host sync. Collective: every rank of the
-        group must call it with the same sub-groups. Unscaling and clipping, applied to a gradient after this
-        point, multiply by a positive factor and keep zeros zero, so the flags may be agreed before them."""
+        all_reduce(MAX) of one byte per block for all of them, then the result copied to the host without a wait
+        (:class:`~ds_muon.sharded.host_copy.HostCopy`; :meth:`take` waits for it only if no sync came between).
+        Collective: every rank of the group must call it with the same sub-groups. Unscaling and clipping, applied
+        to a gradient after this point, multiply by a positive factor and keep zeros zero, so the flags may be
+        agreed before them."""
         local = [self.local(j, g) for j, g in grads.items()]
         flags = torch.cat(local).to(self._device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-        self._agreed.update(zip(grads, flags.bool().cpu().split([t.numel() for t in local])))
+        copy = HostCopy(flags.bool())
+        start = 0
+        for j, t in zip(grads, local):
+            self._agreed[j] = (copy, start, t.numel())
+            start += t.numel()
 
     def take(self, i: int) -> torch.Tensor:
-        """Sub-group ``i``'s agreed flags (:meth:`agree`), ``(n_blocks,)`` bool on the CPU, the same on every rank
-        of its group; each is taken once per step.
+        """Sub-group ``i``'s agreed flags (:meth:`agree`), ``(n_blocks,)`` bool in host memory, the same on every rank
+        of its group; each is taken once per step. Waits for the copy to the host only if it has not landed (no
+        host sync came between :meth:`agree` and here: one sync then).
 
         Raises:
             KeyError: not agreed this step.
         """
-        return self._agreed.pop(i)
+        copy, start, n = self._agreed.pop(i)
+        return copy.get().narrow(0, start, n)
