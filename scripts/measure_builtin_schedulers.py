@@ -6,7 +6,8 @@ CPU, one process, ZeRO-3 with reduce_scatter false (the built-in refuses true), 
 ds_muon not enabled. Prints, per scheduler, each param group's lr before each of 3 optimizer steps.
 """
 import os
-os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29611")
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29611",
+                  DS_MUON="0")  # the built-in, not ds_muon (the zero-code hook reads it when deepspeed is imported)
 import torch, deepspeed
 deepspeed.init_distributed(dist_backend="gloo", verbose=False)
 from tests.support.models import ParityNet, batch
