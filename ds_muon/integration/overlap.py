@@ -85,9 +85,9 @@ class OverlapHooks:
         """Where ``"auto"`` turns the overlapped step on: ZeRO-3 on CUDA at one data-parallel rank, no optimizer
         offload, with ``overlap_cuda_graphs``: measured faster there (one H200, 3 rounds, 934M: 0.271 s against
         0.311-0.386 s without it, and AdamW's 0.273; docs/benchmarks.md, "Issue 40: the overlapped step as CUDA
-        graphs"). Elsewhere it is off: at W >= 2 the speculation's launches stay on backward's host thread (no graphs
-        around NCCL yet; measured 1.12-1.20x slower at W=1 that way), the CPU has no streams, and ZeRO-1/2's path
-        has not been measured on a GPU."""
+        graphs"). Elsewhere it is off: at W >= 2 the speculation launches eagerly on backward's host thread (no
+        graphs around NCCL yet; eager launches made the whole step 1.12-1.20x slower, measured at W=1), the CPU
+        has no streams, and ZeRO-1/2's path was not faster in its one GPU round."""
         config = getattr(self.optimizer, "config", None)
         return (self._device.type == "cuda" and not self._offloaded() and dist.get_world_size() == 1
                 and bool(getattr(config, "overlap_cuda_graphs", True)))

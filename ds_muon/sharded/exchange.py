@@ -92,7 +92,8 @@ class OwnerExchange:
     def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]):
         """Start ``out <- all_to_all(inp)``; returns a work handle to ``wait()`` on, or None (W=1, done)."""
         if self.world_size == 1:
-            out.copy_(inp)
+            if out.data_ptr() != inp.data_ptr():
+                out.copy_(inp)
             return None
         return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
 
@@ -133,10 +134,12 @@ class OwnerExchange:
             b, slot = buckets[k], k % PIPELINE_DEPTH
             out_splits, in_splits = self._splits(b)
             shard_side = self.pool.get(f"shard_side{slot}", sum(in_splits), self.exchange_dtype, device)
-            owner_side = self.pool.get(f"owner_side{slot}", sum(out_splits), self.exchange_dtype, device)
+            # one rank: what it sends is what it owns, so the owner works on the same buffer (no copy either way)
+            owner_side = shard_side if W == 1 else self.pool.get(f"owner_side{slot}", sum(out_splits),
+                                                                 self.exchange_dtype, device)
             mine = [s.pieces[self.rank] for s in b.slots]
-            torch._foreach_copy_(list(shard_side.split([p.sent for p in mine])),
-                                 [u.narrow(0, p.shard_offset - u_offset, p.sent) for p in mine])
+            torch._foreach_copy_(list(shard_side.split([p.sent for p in mine])),  # a piece this rank lacks: empty
+                                 [u.narrow(0, p.shard_offset - u_offset, p.sent) if p.sent else u[:0] for p in mine])
             in_flight[k] = (self._all_to_all(owner_side, shard_side, out_splits, in_splits), shard_side, owner_side)
 
         def finish_out(k: int) -> None:

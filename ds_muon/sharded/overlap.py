@@ -16,8 +16,9 @@ Memory per rank: one stash of the local Muon shard per speculated sub-group in t
 (``shard_numel * exchange_dtype.itemsize`` bytes, bf16 by default off the CPU), plus, while a bucket is
 speculated, an fp32 scratch of this rank's stretch of the shard that the bucket covers (``4 * span`` bytes: a
 bucket of consecutive layers is a stretch about its own size) and a momentum copy of at most :data:`RUN_ELEMENTS`
-elements at a time, plus the exchange's own bucket buffers (its own
-:class:`~ds_muon.sharded.exchange.BufferPool`).
+elements at a time, plus the exchange's buffers for that bucket (a :class:`~ds_muon.sharded.exchange.BufferPool`
+of the bucket's own, freed after it; at W=1 one buffer of the bucket in the exchange dtype and one batch of
+matrices in the compute dtype).
 
 CUDA graphs (``graphs=True``, a side stream, a sub-group whose exchange is one rank): the W=1 backward is
 host-bound, so the speculation's own kernel launches (a few hundred per bucket: the momentum runs, the copies,
@@ -29,7 +30,10 @@ scale it was captured with changed, and run eagerly once more when the momentum 
 changed. Everything a graph allocates (its scratch, its exchange buffers, Newton–Schulz's temporaries) lives in
 one memory pool shared by all the graphs, which run one at a time on the side stream: about one bucket's worth,
 held for the optimizer's life; the stash of a sub-group with graphs is kept across steps (its address is one of
-the graph's).
+the graph's). Not supported: freeing cuBLAS's workspaces while the graphs live
+(``torch._C._cuda_clearCublasWorkspaces``, which torch.compile's ``mode="reduce-overhead"`` calls before its own
+captures): the graphs' matrix products use the side stream's workspace, allocated at the eager run; set
+``overlap_cuda_graphs: false`` there.
 """
 from __future__ import annotations
 
@@ -80,10 +84,6 @@ class _Captured:
     def __init__(self, key: tuple, graph) -> None:
         self.key, self.graph = key, graph
 
-    @property
-    def complete(self) -> bool:
-        return not self.stale and all(self.started)
-
 
 class SpeculativeMuon:
     """The speculative Muon step of every Muon sub-group of one optimizer.
@@ -91,7 +91,8 @@ class SpeculativeMuon:
     Args:
         steps: ``{sub_group: MuonShardStep}``, the ordinary steps (plans, block maps, the step's exchange).
         exchanges: ``{sub_group: OwnerExchange}`` for the speculative exchange: same plan, its own process group
-            where the step's runs on a communicator that may be in use on another stream (CUDA), and its own pool.
+            where the step's runs on a communicator that may be in use on another stream (CUDA); each bucket runs it
+            with a buffer pool of its own (freed after the bucket, or the graph's).
         stream: the side stream the speculative work runs on (CUDA), or None (inline: CPU, or no streams).
         graphs: capture each bucket's work as a graph where its exchange is one rank (see the module docstring;
             the caller sets it on CUDA only, with a side stream), or False.
@@ -194,8 +195,8 @@ class SpeculativeMuon:
                     self._stashes[i] = st.stash
         orthogonalize = step._orthogonalizer(group)
 
-        def work(pool: Optional[BufferPool] = None) -> None:
-            self._bucket_update(i, k, grad, momentum, group, loss_scale, st.stash, orthogonalize, pool)
+        def work() -> None:  # the exchange's buffers are the bucket's own: freed after it (eager), or the graph's
+            self._bucket_update(i, k, grad, momentum, group, loss_scale, st.stash, orthogonalize, BufferPool())
 
         settings = (group["momentum"], group["nesterov"], group["momentum_dtype"], step._ns_key)
         if not graphs or momentum is None:
@@ -210,13 +211,15 @@ class SpeculativeMuon:
                 work()
                 self._warm[i, k] = settings
                 return
-            # every buffer the graph allocates comes from the graphs' pool: a pool of its own for the exchange
-            try:
-                replay = self._capture(lambda: work(BufferPool()))
+            try:  # every buffer the graph allocates comes from the graphs' pool
+                replay = self._capture(work)
             except RuntimeError as exc:  # e.g. an op that cannot be captured: eager from now on, this step exact
-                warnings.warn(f"ds_muon: capturing the overlapped Muon step as a CUDA graph failed ({exc}); it runs "
-                              f"eagerly from now on (optimizer.params.overlap_cuda_graphs false avoids trying)")
+                warnings.warn(f"ds_muon: capturing the overlapped Muon step as a CUDA graph failed "
+                              f"({type(exc).__name__}: {exc}); it runs eagerly from now on "
+                              f"(optimizer.params.overlap_cuda_graphs false avoids trying)")
                 self.graphs, st.stale = False, True  # this sub-group's step falls back to the ordinary path
+                self._captured.clear()
+                self._stashes.clear()
                 return
             captured = self._captured[i, k] = _Captured(key, replay)
             self.captures += 1
@@ -224,10 +227,11 @@ class SpeculativeMuon:
         self.replays += 1
 
     def _bucket_update(self, i: int, k: int, grad: torch.Tensor, momentum: Optional[torch.Tensor], group: dict,
-                       loss_scale: float, stash: torch.Tensor, orthogonalize, pool: Optional[BufferPool]) -> None:
+                       loss_scale: float, stash: torch.Tensor, orthogonalize, pool: BufferPool) -> None:
         """Bucket ``k`` of sub-group ``i``: ``u`` (the speculative momentum and Nesterov blend of this rank's pieces,
         into a scratch of the bucket's stretch of the shard), its owner exchange and Newton–Schulz into ``stash``.
-        Reads ``grad`` and ``momentum`` only. ``pool``: the exchange's buffers (None: the exchange's own pool)."""
+        Reads ``grad`` and ``momentum`` only. ``pool``: the exchange's buffers for this bucket (a fresh one: eagerly
+        they go back to the caching allocator after the bucket, in a capture they are the graph's)."""
         runs = self._runs(i, k)
         lo0 = runs[0][0] if runs else 0
         u = torch.empty((runs[-1][0] + runs[-1][1] - lo0) if runs else 0, dtype=torch.float32, device=grad.device)
@@ -242,10 +246,8 @@ class SpeculativeMuon:
                 out = self.steps[i].prepare(g, m, group)
                 if out.data_ptr() != g.data_ptr():
                     g.copy_(out)
-        exchange = self.exchanges[i]
-        if pool is not None:
-            exchange = copy.copy(exchange)
-            exchange.pool = pool
+        exchange = copy.copy(self.exchanges[i])
+        exchange.pool = pool
         with record_function("ds_muon/speculative_exchange_and_newton_schulz"):
             exchange.run(self.steps[i].plan.buckets[k], u, stash, orthogonalize, u_offset=lo0)
 
@@ -259,9 +261,26 @@ class SpeculativeMuon:
         graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
         try:
             work()
-        finally:
-            graph.capture_end()
+        except BaseException:
+            self._end_capture(graph)
+            raise
+        self._end_capture(graph, reraise=True)
         return graph.replay
+
+    def _end_capture(self, graph, reraise: bool = False) -> None:
+        """End a capture. When the capture was invalidated, ``capture_end`` raises before it tells the caching
+        allocator to stop routing this thread's allocations to the graphs' pool (PyTorch's ``CUDAGraph::capture_end``
+        checks ``cudaStreamEndCapture`` first), which would leave the allocator mid-capture for the rest of the run
+        (``empty_cache`` asserts, other streams' freed blocks never come back): end that too."""
+        try:
+            graph.capture_end()
+        except RuntimeError:
+            try:
+                torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), self._pool)
+            except (AttributeError, RuntimeError):  # not this torch's API, or already ended
+                pass
+            if reraise:
+                raise
 
     def _runs(self, i: int, k: int) -> list[tuple[int, int]]:
         """``[(shard offset, length), ...]``: this rank's pieces of bucket ``k`` of sub-group ``i``, adjacent pieces

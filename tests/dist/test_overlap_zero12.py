@@ -39,6 +39,10 @@ CASES = [
     {"name": "allreduce_clip", "gas": 2, "clip": 0.5, "zero": {"stage": 2, "reduce_scatter": False}},
     {"name": "bf16", "bf16": True, "params": {"ns_dtype": "bfloat16", "exchange_dtype": "bfloat16"},
      "zero": STAGE2},
+    # an owner-plan bucket of two matrices across the partition boundary at W=2 ([conv, up]: rank 0 holds conv's head
+    # and none of up, rank 1 the rest): a rank's scratch then starts far into its partition and a piece it lacks is
+    # empty (the per-bucket scratch once read such a piece at its offset 0: IndexError mid-backward on rank 0)
+    {"name": "bucket_across_partitions", "params": {"exchange_bucket_mb": 0.0105}, "zero": STAGE2},
     # ZeRO stage 1 with overlap_comm: reduced bucket by bucket in the last micro-batch's backward, the same hook
     {"name": "stage1_overlap_comm", "gas": 2, "oracle": True,
      "zero": {"stage": 1, "overlap_comm": True, "reduce_bucket_size": 300}},

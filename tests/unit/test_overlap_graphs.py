@@ -37,8 +37,10 @@ def _speculative(graphs: bool) -> tuple[SpeculativeMuon, MuonShardStep]:
 
 def _train(graphs: bool, steps: int, events: dict) -> tuple[list[torch.Tensor], SpeculativeMuon]:
     """``steps`` optimizer steps, all speculated and committed; ``events[t]`` changes something before step ``t``:
-    ``"new_grad_buffer"`` (DeepSpeed reallocating its gradient buffer), ``"beta"`` (a momentum schedule),
-    ``"loss_scale"``. Returns the partition after every step."""
+    ``"new_grad_buffer"`` (DeepSpeed reallocating its gradient buffer), ``"new_momentum"`` (a checkpoint load
+    replacing the momentum tensor), ``"beta"`` (a momentum schedule), ``"loss_scale"``. The param group is a new dict
+    every step (as ``load_state_dict`` makes it), so a replay cannot see a change through a dict it captured.
+    Returns the partition after every step."""
     spec, step = _speculative(graphs)
     n, group = step.plan.shard_numel, dict(GROUP)
     gen = torch.Generator().manual_seed(0)
@@ -47,8 +49,11 @@ def _train(graphs: bool, steps: int, events: dict) -> tuple[list[torch.Tensor], 
     history = []
     for t in range(steps):
         event = events.get(t)
+        group = dict(group)
         if event == "new_grad_buffer":
             grad = torch.empty(n)
+        elif event == "new_momentum":
+            momentum = momentum.clone()
         elif event == "beta":
             group["momentum"] = 0.8
         elif event == "loss_scale":
@@ -63,8 +68,8 @@ def _train(graphs: bool, steps: int, events: dict) -> tuple[list[torch.Tensor], 
     return history, spec
 
 
-@pytest.mark.parametrize("events", [{}, {3: "new_grad_buffer"}, {3: "beta"}, {2: "loss_scale"}],
-                         ids=["steady", "new_grad_buffer", "beta", "loss_scale"])
+@pytest.mark.parametrize("events", [{}, {3: "new_grad_buffer"}, {3: "new_momentum"}, {3: "beta"}, {2: "loss_scale"}],
+                         ids=["steady", "new_grad_buffer", "new_momentum", "beta", "loss_scale"])
 def test_graph_replays_equal_the_eager_speculation(events) -> None:
     want, _ = _train(False, 6, events)
     got, spec = _train(True, 6, events)
@@ -74,7 +79,8 @@ def test_graph_replays_equal_the_eager_speculation(events) -> None:
     assert buckets >= 3
     # step 0 has no momentum (eager), step 1 captures every bucket, later steps replay; an event that changes an
     # address or the loss scale captures again at once; one that changes the settings runs eagerly once first
-    recaptures = {"new_grad_buffer": 1, "loss_scale": 1, "beta": 1}.get(next(iter(events.values()), None), 0)
+    recaptures = {"new_grad_buffer": 1, "new_momentum": 1, "loss_scale": 1, "beta": 1}.get(
+        next(iter(events.values()), None), 0)
     assert spec.captures == buckets * (1 + recaptures)
     eager_steps = 1 + (1 if "beta" in events.values() else 0)
     assert spec.replays == buckets * (6 - eager_steps)
