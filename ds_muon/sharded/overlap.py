@@ -240,7 +240,7 @@ class SpeculativeMuon:
                 g = u.narrow(0, lo - lo0, length)
                 g.copy_(grad.narrow(0, lo, length))
                 if loss_scale != 1.0:
-                    g.mul_(1. / loss_scale)  # DeepSpeed's unscale with clip coefficient 1 (stage3 unscale_and_clip_grads)
+                    g.mul_(1. / loss_scale)  # DeepSpeed's unscale, clip coefficient 1 (unscale_and_clip_grads)
                 m = (torch.zeros(length, dtype=getattr(torch, group["momentum_dtype"]), device=g.device)
                      if momentum is None else momentum.narrow(0, lo, length).clone())
                 out = self.steps[i].prepare(g, m, group)
@@ -314,9 +314,9 @@ class SpeculativeMuon:
         """Apply sub-group ``i``'s speculation if that is exact, else count why not and leave the step to the caller.
 
         Exact when the speculation is complete, ``clipped`` is False and ``loss_scale`` is the scale the speculation
-        divided by (DeepSpeed's combined scale was that loss scale) and every block had a gradient: then ``m <- beta*m + (1-beta)*g`` (the same
-        kernel as :meth:`MuonShardStep.prepare`, on the final ``g``) and ``p <- p*(1-lr*wd) - lr*o`` with the stash
-        (:meth:`MuonShardStep.finalize`, lr and weight decay read now). The same decision on every rank (its inputs
+        divided by (DeepSpeed's combined scale was that loss scale) and every block had a gradient: then
+        ``m <- beta*m + (1-beta)*g`` (the same kernel as :meth:`MuonShardStep.prepare`, on the final ``g``) and
+        ``p <- p*(1-lr*wd) - lr*o`` with the stash (:meth:`MuonShardStep.finalize`, lr and weight decay read now). The same decision on every rank (its inputs
         are agreed: the global norm, the agreed flags, the same reduce sequence).
 
         Args:
