@@ -88,7 +88,8 @@ class MuonAdamW(torch.optim.Optimizer):
             ``update_scale``, ``weight_decay`` (decoupled), ``adam_weight_decay`` (None: ``weight_decay``),
             ``decay_norms_and_biases``, ``betas``/``eps`` (AdamW), ``muon_params``/``adamw_params`` (name globs),
             ``per_head_muon``, ``muon_splits``, ``qk_clip`` (a dict of :class:`ds_muon.config.QKClipParams`'s keys).
-            ``ns_compile``, ``ns_autotune``, ``elementwise_compile``, ``overlap_backward``, ``exchange_dtype``, ``exchange_bucket_mb``, ``tp_mode``,
+            ``ns_compile``, ``ns_autotune``, ``elementwise_compile``, ``overlap_backward``, ``overlap_cuda_graphs``, ``exchange_dtype``,
+            ``exchange_bucket_mb``, ``tp_mode``,
             ``max_consecutive_skipped_steps``, ``torch_adam``, ``foreach``, ``adam_w_mode`` and
             ``fp32_optimizer_states`` are accepted so that a config's params dict can be passed as ``**params``;
             they have no effect on one device. A None for ``update_scale``, ``betas``, ``eps``, ``muon_params``,
@@ -126,6 +127,7 @@ class MuonAdamW(torch.optim.Optimizer):
                  ns_autotune: bool = False,
                  elementwise_compile: Union[Literal["auto"], bool] = "auto",
                  overlap_backward: Union[Literal["auto"], bool] = "auto",
+                 overlap_cuda_graphs: bool = True,
                  update_scale: Optional[Literal["shape", "rms_match", "original", "match_rms_adamw"]] = None,
                  weight_decay: float = 0.0,
                  adam_weight_decay: Optional[float] = None,
