@@ -30,7 +30,7 @@ from deepspeed.runtime.utils import combine_grad_norm_groups
 
 from ..errors import ConfigError
 from ..names import MOMENTUM_KEY
-from ..sharded.exchange import BufferPool, OwnerExchange
+from ..sharded.exchange import OwnerExchange
 from ..sharded.host_copy import HostCopy
 from ..sharded.overlap import SpeculativeMuon
 
@@ -43,8 +43,8 @@ class OverlapHooks:
     Attributes:
         speculative: the :class:`~ds_muon.sharded.overlap.SpeculativeMuon`, or None (overlap off).
         overlap_stats: ``{"commits": n, "fallback_clip": n, "fallback_overflow": n, "fallback_no_grad_block": n,
-            "fallback_not_ready": n, "fallback_loss_scale": n, "graph_captures": n, "graph_replays": n}`` since construction (all zero with
-            overlap off).
+            "fallback_not_ready": n, "fallback_loss_scale": n, "graph_captures": n, "graph_replays": n}`` since
+            construction (all zero with overlap off).
     """
 
     speculative: Optional[SpeculativeMuon] = None
@@ -70,7 +70,7 @@ class OverlapHooks:
         Raises:
             ConfigError: True with optimizer offload.
         """
-        setting = getattr(getattr(self.optimizer, "config", None), "overlap_backward", False)
+        setting = self._overlap_setting("overlap_backward", False)
         if setting is False or (plans_built and not self.muon_steps) or getattr(self, "zenflow", False):
             return False  # ZenFlow rewrites the fp32 gradients in partition's caller: not the gradient speculated on
         if setting == "auto":
@@ -88,9 +88,12 @@ class OverlapHooks:
         graphs"). Elsewhere it is off: at W >= 2 the speculation launches eagerly on backward's host thread (no
         graphs around NCCL yet; eager launches made the whole step 1.12-1.20x slower, measured at W=1), the CPU
         has no streams, and ZeRO-1/2's path was not faster in its one GPU round."""
-        config = getattr(self.optimizer, "config", None)
         return (self._device.type == "cuda" and not self._offloaded() and dist.get_world_size() == 1
-                and bool(getattr(config, "overlap_cuda_graphs", True)))
+                and self._overlap_setting("overlap_cuda_graphs", True))
+
+    def _overlap_setting(self, key: str, default):
+        """The inner optimizer's ``optimizer.params`` value ``key``, or ``default`` where it carries no config."""
+        return getattr(getattr(self.optimizer, "config", None), key, default)
 
     def _build_overlap(self) -> None:
         """Build the speculative step once: on CUDA a side stream and, at W >= 2, a second communicator per
@@ -111,11 +114,11 @@ class OverlapHooks:
                 if ranks not in groups:
                     groups[ranks] = dist.new_group(list(ranks))
                 group = groups[ranks]
-            exchanges[i] = OwnerExchange(group, ex.exchange_dtype, ex.compute_dtype, ex.device, BufferPool())
+            # no pool of its own: each speculated bucket brings one (SpeculativeMuon._bucket_update)
+            exchanges[i] = OwnerExchange(group, ex.exchange_dtype, ex.compute_dtype, ex.device)
         self._overlap_index = self._overlap_keys()
-        graphs = bool(getattr(self.optimizer.config, "overlap_cuda_graphs", True))
         self.speculative = SpeculativeMuon(self.muon_steps, exchanges, torch.cuda.Stream() if cuda else None,
-                                           graphs=cuda and graphs)
+                                           graphs=cuda and self._overlap_setting("overlap_cuda_graphs", True))
 
     def _overlap_keys(self) -> dict:
         """``{ds_id: (sub-group, index in the sub-group)}`` of every Muon parameter (the key the backward hook finds

@@ -122,9 +122,10 @@ class OwnerExchange:
         """
         W = self.world_size
         buckets = plan.buckets if isinstance(plan, BucketedPlan) else (plan,)
-        if (plan.world_size != W or out.numel() != plan.shard_numel or u_offset < 0
-                or u_offset + u.numel() > plan.shard_numel or (u_offset == 0 and u.numel() < plan.shard_numel
-                                                               and isinstance(plan, BucketedPlan))):
+        # a whole plan reads the whole shard; one bucket may come with just the stretch holding its pieces
+        u_fits = ((u_offset, u.numel()) == (0, plan.shard_numel) if isinstance(plan, BucketedPlan)
+                  else u_offset >= 0 and u_offset + u.numel() <= plan.shard_numel)
+        if plan.world_size != W or out.numel() != plan.shard_numel or not u_fits:
             raise ValueError(f"plan for W={plan.world_size}, shard {plan.shard_numel} does not match "
                              f"W={W}, u {u.numel()} at offset {u_offset}, out {out.numel()}")
         device = self.device or u.device
