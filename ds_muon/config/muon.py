@@ -370,8 +370,7 @@ class MuonOptimizerParams(BaseModel):
                      "one CUDA graph and replay that, so that the speculation costs backward's host thread one launch "
                      "per bucket instead of a few hundred. Exact (the same kernels on the same buffers); a graph is "
                      "captured again when a buffer or the loss scale it was captured with changes. Costs one memory "
-                     "pool of about one bucket's working set, and keeps the stash of the local Muon shard (exchange "
-                     "dtype) across steps. Not supported together with torch.compile's mode='reduce-overhead' (it frees cuBLAS "
+                     "pool of about one bucket's working set for the optimizer's life. Not supported together with torch.compile's mode='reduce-overhead' (it frees cuBLAS "
                      "workspaces the graphs use): set false there. false: eager launches. No effect without "
                      "overlap_backward. Source: "
                      "ds_muon; see docs/design.md, 'The overlapped step'."))

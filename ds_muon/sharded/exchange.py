@@ -98,7 +98,7 @@ class OwnerExchange:
         return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
 
     def run(self, plan: Union[ExchangePlan, BucketedPlan], u: torch.Tensor, out: torch.Tensor,
-            fn: OrthogonalizeFn, u_offset: int = 0) -> None:
+            fn: OrthogonalizeFn, u_offset: int = 0, out_offset: int = 0) -> None:
         """Orthogonalize every matrix of the sub-group and write this rank's chunks of the result.
 
         Buckets are pipelined: while the owner runs Newton–Schulz on bucket ``k``, bucket ``k+1``'s
@@ -113,21 +113,33 @@ class OwnerExchange:
                 stretch ``[u_offset, u_offset + u.numel())`` of it that holds every piece of ``plan`` on this rank
                 (the overlapped step's per-bucket scratch).
             out: ``(plan.shard_numel,)`` local flat shard receiving the scaled orthogonalized
-                update (may alias ``u``: every slot of ``u`` is read before the same slot is written).
+                update (may alias ``u``: every slot of ``u`` is read before the same slot is written); or, with
+                ``out_offset``, a stretch of it as ``u`` may be (the overlapped step's per-bucket stash).
             fn: the owner-side orthogonalization, see ``OrthogonalizeFn``.
             u_offset: the shard offset of ``u[0]`` (elements; 0: ``u`` is the whole shard).
+            out_offset: the shard offset of ``out[0]`` (elements; 0: ``out`` is the whole shard).
 
         Raises:
-            ValueError: the plan's world size or shard size does not match (or ``u`` does not fit in the shard).
+            ValueError: the plan's world size does not match, or ``u`` or ``out`` is neither the shard nor (one
+                bucket) a stretch of it holding every piece of this rank.
         """
         W = self.world_size
         buckets = plan.buckets if isinstance(plan, BucketedPlan) else (plan,)
-        # a whole plan reads the whole shard; one bucket may come with just the stretch holding its pieces
-        u_fits = ((u_offset, u.numel()) == (0, plan.shard_numel) if isinstance(plan, BucketedPlan)
-                  else u_offset >= 0 and u_offset + u.numel() <= plan.shard_numel)
-        if plan.world_size != W or out.numel() != plan.shard_numel or not u_fits:
-            raise ValueError(f"plan for W={plan.world_size}, shard {plan.shard_numel} does not match "
-                             f"W={W}, u {u.numel()} at offset {u_offset}, out {out.numel()}")
+        if plan.world_size != W:
+            raise ValueError(f"plan for W={plan.world_size} does not match W={W}")
+        # a whole plan reads and writes the whole shard; one bucket may come with just a stretch holding its pieces
+
+        def fits(t: torch.Tensor, offset: int) -> bool:
+            if (offset, t.numel()) == (0, plan.shard_numel):
+                return True
+            if isinstance(plan, BucketedPlan) or offset < 0:
+                return False
+            held = [s.pieces[self.rank] for s in plan.slots if s.pieces[self.rank].sent]
+            return all(offset <= p.shard_offset and p.shard_offset + p.sent <= offset + t.numel() for p in held)
+        if not fits(u, u_offset) or not fits(out, out_offset):
+            raise ValueError(f"plan for shard {plan.shard_numel} does not match u {u.numel()} at offset {u_offset}, "
+                             f"out {out.numel()} at offset {out_offset} (each the shard, or a stretch of it holding "
+                             f"this rank's pieces of a one-bucket plan)")
         device = self.device or u.device
         in_flight: dict[int, tuple] = {}   # bucket -> (work handle, shard_side, owner_side)
 
@@ -149,7 +161,8 @@ class OwnerExchange:
                 with record_function("ds_muon/wait_exchange_out"):
                     work.wait()
             mine = [s.pieces[self.rank] for s in buckets[k].slots]
-            torch._foreach_copy_([out.narrow(0, p.shard_offset, p.sent) for p in mine],
+            torch._foreach_copy_([out.narrow(0, p.shard_offset - out_offset, p.sent) if p.sent else out[:0]
+                                  for p in mine],
                                  list(shard_side.split([p.sent for p in mine])))
 
         if buckets:

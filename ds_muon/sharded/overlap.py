@@ -5,15 +5,17 @@ parameters whose gradient partitions are final are marked (:meth:`SpeculativeMuo
 parameter of an owner-plan bucket is final, that bucket's update is computed without touching the momentum or the
 gradient: ``u = lerp(g/s, beta*m + (1-beta)*g/s, beta)`` (Nesterov) or ``beta*m + (1-beta)*g/s`` into a scratch
 buffer (``s`` the loss scale, clip coefficient 1 assumed), the owner exchange and Newton–Schulz of the bucket, and
-the orthogonalized update ``o`` (this rank's chunks) kept in a stash. At the step, :meth:`SpeculativeMuon.commit`
-applies ``m <- beta*m + (1-beta)*g`` (the same kernel as today) and ``p <- p*(1-lr*wd) - lr*o`` from the stash;
+the orthogonalized update ``o`` (this rank's chunks) kept in the bucket's stash. At the step, :meth:`SpeculativeMuon.commit`
+applies ``m <- beta*m + (1-beta)*g`` (the same kernel as today) and ``p <- p*(1-lr*wd) - lr*o`` from the stashes;
 any step where that would not be exact (clipping fired, a block had no gradient, the sub-group was not fully
 speculated, the loss scale changed) is left to the ordinary step, which is exact because ``g`` and ``m`` are as
 they were. Every rank marks the same parameters in the same order (ZeRO's reduce-scatter sequence is the same on
 every rank), so the buckets' collectives are issued in the same order everywhere.
 
-Memory per rank: one stash of the local Muon shard per speculated sub-group in the exchange dtype
-(``shard_numel * exchange_dtype.itemsize`` bytes, bf16 by default off the CPU), plus, while a bucket is
+Memory per rank: a stash per speculated bucket, this rank's stretch of the shard that the bucket covers in the
+exchange dtype (bf16 by default off the CPU), allocated when the bucket is speculated and freed by the commit: at
+most the local Muon shard (``shard_numel * exchange_dtype.itemsize`` bytes) at the step, none in the forward (where
+the peak usually is), and growing in backward as the activations go; plus, while a bucket is
 speculated, an fp32 scratch of this rank's stretch of the shard that the bucket covers (``4 * span`` bytes: a
 bucket of consecutive layers is a stretch about its own size) and a momentum copy of at most :data:`RUN_ELEMENTS`
 elements at a time, plus the exchange's buffers for that bucket (a :class:`~ds_muon.sharded.exchange.BufferPool`
@@ -27,10 +29,11 @@ overlapped step loses"). Each owner-plan bucket's work is therefore run eagerly 
 captured as one CUDA graph the next time and replayed from then on: one launch per bucket. A graph reads and
 writes fixed addresses, so it is captured again whenever the gradient buffer, the momentum, the stash or the loss
 scale it was captured with changed, and run eagerly once more when the momentum or Newton–Schulz settings
-changed. Everything a graph allocates (its scratch, its exchange buffers, Newton–Schulz's temporaries) lives in
-one memory pool shared by all the graphs, which run one at a time on the side stream: about one bucket's worth,
-held for the optimizer's life; the stash of a sub-group with graphs is kept across steps (its address is one of
-the graph's). Not supported: freeing cuBLAS's workspaces while the graphs live
+changed. The stash is allocated before the replay (the caching allocator hands a bucket's freed block back in the
+steady state, so its address repeats; where it does not, the bucket is captured again, counted in ``stats``).
+Everything a graph allocates (its scratch, its exchange buffers, Newton–Schulz's temporaries) lives in one memory
+pool shared by all the graphs, which run one at a time on the side stream: about one bucket's worth, held for the
+optimizer's life. Not supported: freeing cuBLAS's workspaces while the graphs live
 (``torch._C._cuda_clearCublasWorkspaces``, which torch.compile's ``mode="reduce-overhead"`` calls before its own
 captures): the graphs' matrix products use the side stream's workspace, allocated at the eager run; set
 ``overlap_cuda_graphs: false`` there.
@@ -61,15 +64,18 @@ RUN_ELEMENTS = 1 << 24
 #: DeepSpeed updates it before unscaling).
 FALLBACK_REASONS = ("clip", "overflow", "no_grad_block", "not_ready", "loss_scale")
 
+#: the parts of a graph's key before its settings, in key order: what a recapture is counted by (``stats``).
+_KEY_PARTS = ("grad", "momentum", "stash", "loss_scale")
+
 
 class _SubGroupState:
-    """One Muon sub-group's speculation in one step: buckets still waiting and the stash ``o``."""
+    """One Muon sub-group's speculation in one step: buckets still waiting and each started bucket's stash ``o``."""
 
     def __init__(self, step: MuonShardStep) -> None:
         self.waiting = [{s.index for s in b.slots} for b in step.plan.buckets]
         self.started = [False] * len(self.waiting)
         self.stale = False
-        self.stash: Optional[torch.Tensor] = None
+        self.stashes: dict[int, torch.Tensor] = {}  # bucket -> its ``o``: the stretch of the shard its runs span
         self.loss_scale: Optional[float] = None
 
     @property
@@ -115,14 +121,18 @@ class SpeculativeMuon:
         self._run_cache: dict[tuple[int, int], list[tuple[int, int]]] = {}
         self._captured: dict[tuple[int, int], _Captured] = {}
         self._warm: dict[tuple[int, int], tuple] = {}  # bucket -> the settings it last ran eagerly with
-        self._stashes: dict[int, torch.Tensor] = {}  # sub-group -> its stash, kept across steps (graphs)
+        self._uncovered: dict[int, list[tuple[int, int]]] = {}  # sub-group -> shard runs in no bucket (padding)
+        self.recaptures: Counter = Counter({w: 0 for w in _KEY_PARTS})  # a graph captured again: what changed
         self._pool = None
 
     def stats(self) -> dict:
-        """``{"commits": int, "fallback_<reason>": int, ..., "graph_captures": int, "graph_replays": int}`` since
-        construction (for the monitor and benchmarks)."""
+        """``{"commits": int, "fallback_<reason>": int, ..., "graph_captures": int, "graph_replays": int,
+        "graph_recaptures_<what>": int, ...}`` since construction (for the monitor and benchmarks). A recapture is a
+        capture of a bucket that had a graph whose key changed, counted under each part of the key that did
+        (``grad``, ``momentum``, ``stash``: an address; ``loss_scale``); ``graph_captures`` counts it once."""
         return {"commits": self.commits, **{f"fallback_{r}": n for r, n in self.fallbacks.items()},
-                "graph_captures": self.captures, "graph_replays": self.replays}
+                "graph_captures": self.captures, "graph_replays": self.replays,
+                **{f"graph_recaptures_{w}": n for w, n in self.recaptures.items()}}
 
     def active(self) -> bool:
         """Whether some speculation of this step is held (started, not yet committed or discarded)."""
@@ -187,25 +197,29 @@ class SpeculativeMuon:
             return
         exchange = self.exchanges[i]
         graphs = self.graphs and exchange.world_size == 1
-        if st.stash is None:
-            st.stash = self._stashes.get(i) if graphs else None
-            if st.stash is None:
-                st.stash = torch.zeros(step.plan.shard_numel, dtype=exchange.exchange_dtype, device=grad.device)
-                if graphs:
-                    self._stashes[i] = st.stash
+        # allocated now (on the side stream, outside any capture) and freed by the commit: no stash is held in the
+        # forward, the peak's usual place, and it grows as backward frees activations
+        runs = self._runs(i, k)
+        span = runs[-1][0] + runs[-1][1] - runs[0][0] if runs else 0
+        stash = st.stashes[k] = self._new_stash(span, exchange.exchange_dtype, grad.device)
         orthogonalize = step._orthogonalizer(group)
 
-        def work() -> None:  # the exchange's buffers are the bucket's own: freed after it (eager), or the graph's
-            self._bucket_update(i, k, grad, momentum, group, loss_scale, st.stash, orthogonalize, BufferPool())
+        def work() -> None:  # the exchange's buffers are the bucket's own: freed after it (eager), or the graph's.
+            # The stash is looked up now, not bound: a replay writes the captured address, which the key says is
+            # this step's stash (a test's stand-in capture that calls work again then writes the same one).
+            self._bucket_update(i, k, grad, momentum, group, loss_scale, self._state[i].stashes[k], orthogonalize,
+                                BufferPool())
 
         settings = (group["momentum"], group["nesterov"], group["momentum_dtype"], step._ns_key)
         if not graphs or momentum is None:
             work()
             self._warm[i, k] = settings
             return
-        key = (grad.data_ptr(), momentum.data_ptr(), st.stash.data_ptr(), loss_scale, settings)
+        key = (grad.data_ptr(), momentum.data_ptr(), stash.data_ptr(), loss_scale, settings)
         captured = self._captured.get((i, k))
         if captured is None or captured.key != key:
+            if captured is not None and captured.key[-1] == settings:
+                self.recaptures.update(w for w, a, b in zip(_KEY_PARTS, captured.key, key) if a != b)
             self._captured.pop((i, k), None)
             if self._warm.get((i, k)) != settings:  # first run with these settings: eagerly (compiles kernels)
                 work()
@@ -219,17 +233,24 @@ class SpeculativeMuon:
                               f"(optimizer.params.overlap_cuda_graphs false avoids trying)")
                 self.graphs, st.stale = False, True  # this sub-group's step falls back to the ordinary path
                 self._captured.clear()
-                self._stashes.clear()
                 return
             captured = self._captured[i, k] = _Captured(key, replay)
             self.captures += 1
         captured.graph()
         self.replays += 1
 
+    @staticmethod
+    def _new_stash(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A bucket's stash for this step (uninitialized; the exchange writes every piece of it that the commit
+        reads). From the caching allocator, which hands a freed block of the same size on the same stream back in
+        the steady state, so its address, one of the graph's, repeats step after step."""
+        return torch.empty(numel, dtype=dtype, device=device)
+
     def _bucket_update(self, i: int, k: int, grad: torch.Tensor, momentum: Optional[torch.Tensor], group: dict,
                        loss_scale: float, stash: torch.Tensor, orthogonalize, pool: BufferPool) -> None:
         """Bucket ``k`` of sub-group ``i``: ``u`` (the speculative momentum and Nesterov blend of this rank's pieces,
-        into a scratch of the bucket's stretch of the shard), its owner exchange and Newton–Schulz into ``stash``.
+        into a scratch of the bucket's stretch of the shard), its owner exchange and Newton–Schulz into ``stash``
+        (the same stretch, in the exchange dtype).
         Reads ``grad`` and ``momentum`` only. ``pool``: the exchange's buffers for this bucket (a fresh one: eagerly
         they go back to the caching allocator after the bucket, in a capture they are the graph's)."""
         runs = self._runs(i, k)
@@ -249,7 +270,7 @@ class SpeculativeMuon:
         exchange = copy.copy(self.exchanges[i])
         exchange.pool = pool
         with record_function("ds_muon/speculative_exchange_and_newton_schulz"):
-            exchange.run(self.steps[i].plan.buckets[k], u, stash, orthogonalize, u_offset=lo0)
+            exchange.run(self.steps[i].plan.buckets[k], u, stash, orthogonalize, u_offset=lo0, out_offset=lo0)
 
     def _cuda_graph(self, work: Callable[[], None]) -> Callable[[], None]:
         """Capture ``work`` on the current (side) stream as a CUDA graph in the graphs' shared pool; returns its
@@ -303,6 +324,21 @@ class SpeculativeMuon:
             self._run_cache[key] = runs
         return runs
 
+    def _uncovered_runs(self, i: int) -> list[tuple[int, int]]:
+        """``[(shard offset, length), ...]``: the stretches of sub-group ``i``'s shard that no bucket's piece covers
+        on this rank (the partition's padding), built once; the commit writes 0 there (where the ordinary step's
+        ``o`` keeps ``u``, which is 0 on padding: its gradient and momentum are)."""
+        runs = self._uncovered.get(i)
+        if runs is None:
+            covered = sorted(r for k in range(len(self.steps[i].plan.buckets)) for r in self._runs(i, k))
+            runs, at = [], 0
+            for lo, n in covered + [(self.steps[i].plan.shard_numel, 0)]:
+                if lo > at:
+                    runs.append((at, lo - at))
+                at = max(at, lo + n)
+            self._uncovered[i] = runs
+        return runs
+
     def join(self) -> None:
         """Make the current stream wait for the speculative work (call before the first commit)."""
         if self.stream is not None and self._state:
@@ -342,12 +378,19 @@ class SpeculativeMuon:
         if reason is not None:
             self.fallbacks[reason] += 1
             return False
-        step = self.steps[i]
-        if self.stream is not None:
-            st.stash.record_stream(torch.cuda.current_stream())  # allocated on the side stream, read here
+        step, dst, src = self.steps[i], [], []
+        for k, stash in st.stashes.items():
+            if self.stream is not None:
+                stash.record_stream(torch.cuda.current_stream())  # allocated on the side stream, read here
+            runs = self._runs(i, k)
+            dst += [grad.narrow(0, lo, n) for lo, n in runs]
+            src += [stash.narrow(0, lo - runs[0][0], n) for lo, n in runs]
         step.prepare(grad, momentum, group)
-        o = grad.copy_(st.stash)  # the fp32 values today's exchange writes (the stash holds the wire dtype's)
-        step.finalize(fp32, o, group)
+        for lo, n in self._uncovered_runs(i):
+            grad.narrow(0, lo, n).zero_()
+        # o: the fp32 values the ordinary exchange writes (the stashes hold the wire dtype's); one launch
+        torch._foreach_copy_(dst, src)
+        step.finalize(fp32, grad, group)
         self.commits += 1
         return True
 

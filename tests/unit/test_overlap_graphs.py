@@ -32,7 +32,24 @@ def _speculative(graphs: bool) -> tuple[SpeculativeMuon, MuonShardStep]:
     step = MuonShardStep("sub-group 0", plan, build_block_map(plan.slots, 0, plan.shard_numel), exchange, GROUP,
                          ns_compile=False, ns_autotune=False)
     spec = SpeculativeMuon({0: step}, {0: exchange}, graphs=graphs, capture=lambda work: work)
+    spec._new_stash = _CachingAllocator()
     return spec, step
+
+
+class _CachingAllocator:
+    """The CPU's stand-in for CUDA's caching allocator where the stashes come from: a block freed (no reference
+    left) is handed back for the next request of its size, so a steady run's stash addresses repeat."""
+
+    def __init__(self) -> None:
+        self.blocks: list[torch.Tensor] = []
+
+    def __call__(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        import sys
+        for block in self.blocks:  # held by this list and getrefcount's argument only: free
+            if block.numel() == numel and block.dtype == dtype and sys.getrefcount(block) <= 3:
+                return block.view(-1)
+        self.blocks.append(torch.empty(numel, dtype=dtype, device=device))
+        return self.blocks[-1].view(-1)
 
 
 def _train(graphs: bool, steps: int, events: dict) -> tuple[list[torch.Tensor], SpeculativeMuon]:
@@ -81,17 +98,67 @@ def test_graph_replays_equal_the_eager_speculation(events) -> None:
     # address or the loss scale captures again at once; one that changes the settings runs eagerly once first
     recaptures = {"new_grad_buffer": 1, "new_momentum": 1, "loss_scale": 1, "beta": 1}.get(
         next(iter(events.values()), None), 0)
-    assert spec.captures == buckets * (1 + recaptures)
+    # the stash is allocated every step; the allocator hands each bucket its block back (as CUDA's caching one does)
+    stats = spec.stats()
+    assert spec.captures == buckets * (1 + recaptures) and stats["graph_recaptures_stash"] == 0
+    want = {"grad": "new_grad_buffer", "momentum": "new_momentum", "loss_scale": "loss_scale"}
+    for part, event in want.items():
+        assert stats[f"graph_recaptures_{part}"] == (buckets if event in events.values() else 0), part
     eager_steps = 1 + (1 if "beta" in events.values() else 0)
-    assert spec.replays == buckets * (6 - eager_steps)
-    assert spec.stats()["graph_replays"] == spec.replays and spec.commits == 6
+    assert spec.replays == buckets * (6 - eager_steps) and stats["graph_captures"] == spec.captures
+    assert stats["graph_replays"] == spec.replays and spec.commits == 6
 
 
-def test_stash_is_kept_across_steps_with_graphs() -> None:
-    """Its address is one of the graph's: a fresh stash every step would mean a capture every step."""
-    _, spec = _train(True, 4, {})
-    assert set(spec._stashes) == {0}
-    assert spec.captures == len(spec.steps[0].plan.buckets)
+def test_stashes_live_from_their_bucket_to_the_commit() -> None:
+    """No stash is held between steps (none in the forward, where the peak usually is): each bucket's is allocated
+    when the bucket is speculated, covers that bucket's stretch of the shard only, and goes with the commit."""
+    spec, step = _speculative(True)
+    n, group = step.plan.shard_numel, dict(GROUP)
+    grad, p = torch.randn(n), torch.randn(n)
+    buckets = step.plan.buckets
+    spec.mark_final([(0, s.index) for s in buckets[-1].slots], lambda i: grad, lambda i: None, lambda i: group, 1.0)
+    held = spec._state[0].stashes
+    assert list(held) == [len(buckets) - 1]
+    assert held[len(buckets) - 1].numel() == sum(s.pieces[0].sent for s in buckets[-1].slots) < n
+    rest = [(0, s.index) for b in reversed(buckets[:-1]) for s in b.slots]
+    spec.mark_final(rest, lambda i: grad, lambda i: None, lambda i: group, 1.0)
+    assert sum(t.numel() for t in spec._state[0].stashes.values()) == n
+    assert spec.commit(0, p, grad.clone(), torch.zeros(n), None, False, group)
+    assert not spec.active() and not spec._state
+
+
+def test_commit_zeroes_what_no_bucket_covers() -> None:
+    """A flat partition with padding after every matrix (ZeRO-1/2's layout): the commit's ``o`` is 0 on the padding
+    (whatever the gradient buffer holds there), so those elements only decay, and every matrix's elements get the
+    ordinary step's update."""
+    import math
+
+    from ds_muon.partitions import flat_pieces
+    offsets, at = [], 0
+    for shape in SHAPES:
+        offsets.append(at)
+        at += math.prod(shape) + 3
+    infos = [ParamInfo(f"w{k}", shape, math.prod(shape), None, flat_pieces(o, math.prod(shape), at, 1))
+             for k, (shape, o) in enumerate(zip(SHAPES, offsets))]
+    plan = build_bucketed_plan(infos, 1, 40, order="reverse", shard_numel=at)
+    exchange = OwnerExchange(None, torch.float32, torch.float32, torch.device("cpu"))
+    step = MuonShardStep("sub-group 0", plan, build_block_map(plan.slots, 0, at), exchange, GROUP,
+                         ns_compile=False, ns_autotune=False)
+    spec, group = SpeculativeMuon({0: step}, {0: exchange}), dict(GROUP)
+    assert spec._uncovered_runs(0) == [(o + math.prod(shape), 3) for shape, o in zip(SHAPES, offsets)]
+    grad, p = torch.randn(at), torch.randn(at)
+    spec.mark_final([(0, s.index) for b in reversed(plan.buckets) for s in b.slots], lambda i: grad,
+                    lambda i: None, lambda i: group, 1.0)
+    want, g = p.clone(), grad.clone()
+    step.orthogonalize(step.prepare(g, torch.zeros(at), group), g, group)
+    step.finalize(want, g, group)
+    got = p.clone()
+    assert spec.commit(0, got, grad.clone(), torch.zeros(at), None, False, group)
+    pad = torch.zeros(at, dtype=torch.bool)
+    for lo, n in spec._uncovered_runs(0):
+        pad[lo:lo + n] = True
+    assert torch.equal(got[~pad], want[~pad])
+    assert torch.equal(got[pad], p[pad] * (1 - group["lr"] * group["weight_decay"]))
 
 
 @pytest.mark.parametrize("graphs", [False, True])
