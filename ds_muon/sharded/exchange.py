@@ -85,7 +85,7 @@ class OwnerExchange:
         # (fp16 compute, fp32 wire): a small matrix would flush to zero before Newton–Schulz normalizes it.
         narrower = torch.finfo(compute_dtype).max < torch.finfo(exchange_dtype).max
         self.assembly_dtype = exchange_dtype if narrower else compute_dtype
-        self.pool = pool or BufferPool()
+        self.pool = BufferPool() if pool is None else pool
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
 
@@ -98,7 +98,8 @@ class OwnerExchange:
         return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
 
     def run(self, plan: Union[ExchangePlan, BucketedPlan], u: torch.Tensor, out: torch.Tensor,
-            fn: OrthogonalizeFn, u_offset: int = 0, out_offset: int = 0) -> None:
+            fn: OrthogonalizeFn, u_offset: int = 0, out_offset: int = 0,
+            pool: Optional[BufferPool] = None) -> None:
         """Orthogonalize every matrix of the sub-group and write this rank's chunks of the result.
 
         Buckets are pipelined: while the owner runs Newton–Schulz on bucket ``k``, bucket ``k+1``'s
@@ -118,6 +119,8 @@ class OwnerExchange:
             fn: the owner-side orthogonalization, see ``OrthogonalizeFn``.
             u_offset: the shard offset of ``u[0]`` (elements; 0: ``u`` is the whole shard).
             out_offset: the shard offset of ``out[0]`` (elements; 0: ``out`` is the whole shard).
+            pool: where this call's buffers come from (default: the exchange's own, ``self.pool``; the overlapped
+                step gives each bucket one of its own).
 
         Raises:
             ValueError: the plan's world size does not match, or ``u`` or ``out`` is neither the shard nor (one
@@ -141,14 +144,15 @@ class OwnerExchange:
                              f"out {out.numel()} at offset {out_offset} (each the shard, or a stretch of it holding "
                              f"this rank's pieces of a one-bucket plan)")
         device = self.device or u.device
+        pool = self.pool if pool is None else pool
         in_flight: dict[int, tuple] = {}   # bucket -> (work handle, shard_side, owner_side)
 
         def start_in(k: int) -> None:
             b, slot = buckets[k], k % PIPELINE_DEPTH
             out_splits, in_splits = self._splits(b)
-            shard_side = self.pool.get(f"shard_side{slot}", sum(in_splits), self.exchange_dtype, device)
+            shard_side = pool.get(f"shard_side{slot}", sum(in_splits), self.exchange_dtype, device)
             # one rank: what it sends is what it owns, so the owner works on the same buffer (no copy either way)
-            owner_side = shard_side if W == 1 else self.pool.get(f"owner_side{slot}", sum(out_splits),
+            owner_side = shard_side if W == 1 else pool.get(f"owner_side{slot}", sum(out_splits),
                                                                  self.exchange_dtype, device)
             mine = [s.pieces[self.rank] for s in b.slots]
             torch._foreach_copy_(list(shard_side.split([p.sent for p in mine])),  # a piece this rank lacks: empty
@@ -177,7 +181,7 @@ class OwnerExchange:
                 with record_function("ds_muon/wait_exchange_in"):
                     work.wait()
             with record_function("ds_muon/newton_schulz"):
-                self._owner_compute(b, owner_side, fn, device)
+                self._owner_compute(b, owner_side, fn, device, pool)
             out_splits, in_splits = self._splits(b)
             in_flight[k] = (self._all_to_all(shard_side, owner_side, in_splits, out_splits), shard_side, owner_side)
         for k in sorted(in_flight):
@@ -188,13 +192,14 @@ class OwnerExchange:
         return [row[self.rank] for row in b.sends], list(b.sends[self.rank])
 
     def _owner_compute(self, b: ExchangePlan, owner_side: torch.Tensor, fn: OrthogonalizeFn,
-                       device: torch.device) -> None:
+                       device: torch.device, pool: Optional[BufferPool] = None) -> None:
         """In place on what the owner received: per batch of owned parameters with the same view, assemble each
         parameter from every rank's piece, orthogonalize the blocks of its matrix view (one call per block group),
         write the result back as pieces. ZeRO-3's chunked layout (``b.chunked``): the owner's
         ``(W, split_sizes[rank])`` block holds every owned parameter as ``W`` equal chunks, so a batch is one
         strided copy each way and the padding past ``numel`` is zeroed; otherwise (ZeRO-1/2, AutoTP) each piece is
         copied at its owner offset."""
+        pool = self.pool if pool is None else pool
         W = self.world_size
         if b.chunked:
             block = owner_side.view(W, b.split_sizes[self.rank])
@@ -206,11 +211,11 @@ class OwnerExchange:
             if b.chunked:
                 k, c, numel = batch.count, batch.chunk, batch.numel
                 chunks = block[:, batch.start:batch.start + k * c].view(W, k, c).permute(1, 0, 2)
-                full = self.pool.get("matrix", k * W * c, self.assembly_dtype, device).view(k, W * c)
+                full = pool.get("matrix", k * W * c, self.assembly_dtype, device).view(k, W * c)
                 full.view(k, W, c).copy_(chunks)
                 rows = full[:, :numel]
             else:
-                full = rows = self.pool.get("matrix", batch.count * batch.numel, self.assembly_dtype, device).view(
+                full = rows = pool.get("matrix", batch.count * batch.numel, self.assembly_dtype, device).view(
                     batch.count, batch.numel)
                 pieces = [(full[j].narrow(0, p.start, p.length),
                            owner_side.narrow(0, starts[s] + slot.owner_offsets[s], p.length))

@@ -40,7 +40,6 @@ captures): the graphs' matrix products use the side stream's workspace, allocate
 """
 from __future__ import annotations
 
-import copy
 import warnings
 from collections import Counter
 from typing import Callable, Iterable, Optional
@@ -267,10 +266,9 @@ class SpeculativeMuon:
                 out = self.steps[i].prepare(g, m, group)
                 if out.data_ptr() != g.data_ptr():
                     g.copy_(out)
-        exchange = copy.copy(self.exchanges[i])
-        exchange.pool = pool
         with record_function("ds_muon/speculative_exchange_and_newton_schulz"):
-            exchange.run(self.steps[i].plan.buckets[k], u, stash, orthogonalize, u_offset=lo0, out_offset=lo0)
+            self.exchanges[i].run(self.steps[i].plan.buckets[k], u, stash, orthogonalize, u_offset=lo0,
+                                  out_offset=lo0, pool=pool)
 
     def _cuda_graph(self, work: Callable[[], None]) -> Callable[[], None]:
         """Capture ``work`` on the current (side) stream as a CUDA graph in the graphs' shared pool; returns its
