@@ -544,7 +544,7 @@ def worker(args) -> None:
     g = torch.Generator(device="cpu").manual_seed(rank)
     samples = {k: [] for k in TIMINGS + DIAGNOSTICS}
     losses = []
-    peak_fwd_bwd = peak_step = 0
+    peak_fwd_bwd = peak_step = peak_reserved = 0
     comm = None
     gc_clock = GcClock()
     for i in range(args.warmup + args.steps):
@@ -568,12 +568,14 @@ def worker(args) -> None:
         diagnostics = {"fwd_bwd_cpu_s": time.process_time() - cpu0, "fwd_bwd_gc_s": gc_clock.seconds - gc0,
                        "fwd_bwd_device_allocs": _device_allocs(device) - allocs0}
         peak_fwd_bwd = max(peak_fwd_bwd, torch.cuda.max_memory_allocated(device))
+        peak_reserved = max(peak_reserved, torch.cuda.max_memory_reserved(device))
         torch.cuda.reset_peak_memory_stats(device)
         engine.step()
         events[2].record()
         torch.cuda.synchronize()
         t2 = time.perf_counter()
         peak_step = max(peak_step, torch.cuda.max_memory_allocated(device))
+        peak_reserved = max(peak_reserved, torch.cuda.max_memory_reserved(device))
         if counter:
             counter.__exit__(None, None, None)
             comm = dict(by_op(records))
@@ -602,7 +604,11 @@ def worker(args) -> None:
                   peak_gib=max(peak_fwd_bwd, peak_step) / 2**30, peak_fwd_bwd_gib=peak_fwd_bwd / 2**30,
                   peak_step_gib=peak_step / 2**30, profile=profile, sync_points=syncs, comm_bytes=comm, comm_total=sum(comm.values()), params=n_params,
                   first_loss=losses[0], last_loss=losses[-1], world=dist.get_world_size(),
-                  opt_state_gib=_optimizer_state_bytes(engine) / 2**30)
+                  opt_state_gib=_optimizer_state_bytes(engine) / 2**30,
+                  # what the caching allocator held (a block cached for one stream serves no other), and how often
+                  # it had to free its cache and retry a cudaMalloc (memory pressure: a device sync each time)
+                  peak_reserved_gib=peak_reserved / 2**30,
+                  alloc_retries=torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
     if kind.startswith("ds_muon"):
         from torch._dynamo.utils import counters
         result["compiled_graphs"] = int(counters["stats"].get("unique_graphs", 0))
@@ -793,7 +799,7 @@ def aggregate_rounds(rounds: list) -> dict:
         out[key] = statistics.median(pooled)
         out["spread"][key] = {"round_medians": medians, "min": min(medians), "max": max(medians), "q1": q1, "q3": q3,
                               "steps": len(pooled)}
-    for key in ("peak_gib", "peak_fwd_bwd_gib", "peak_step_gib"):
+    for key in ("peak_gib", "peak_fwd_bwd_gib", "peak_step_gib", "peak_reserved_gib", "alloc_retries"):
         if all(key in r for r in ok):
             out[key] = max(r[key] for r in ok)
     return out
@@ -881,6 +887,9 @@ def print_table(results: dict) -> None:
         if "fwd_bwd_cpu_s" in v:
             print(f"| {k} | fwd+bwd diagnostics: CPU s {timing_cell(v, 'fwd_bwd_cpu_s')}, garbage collector s "
                   f"{timing_cell(v, 'fwd_bwd_gc_s')}, cudaMalloc calls {timing_cell(v, 'fwd_bwd_device_allocs')} |")
+        if "peak_reserved_gib" in v:
+            print(f"| {k} | memory: peak reserved by the caching allocator {v['peak_reserved_gib']:.1f} GiB, "
+                  f"cudaMalloc retries after freeing its cache {v.get('alloc_retries', 0)} |")
         if v.get("round_errors"):
             print(f"| {k} | {len(v['round_errors'])} of {v['rounds']} rounds failed: {'; '.join(v['round_errors'])} |")
     for k, v in results.items():

@@ -43,8 +43,9 @@ class OverlapHooks:
     Attributes:
         speculative: the :class:`~ds_muon.sharded.overlap.SpeculativeMuon`, or None (overlap off).
         overlap_stats: ``{"commits": n, "fallback_clip": n, "fallback_overflow": n, "fallback_no_grad_block": n,
-            "fallback_not_ready": n, "fallback_loss_scale": n, "graph_captures": n, "graph_replays": n}`` since
-            construction (all zero with overlap off).
+            "fallback_not_ready": n, "fallback_loss_scale": n, "graph_captures": n, "graph_replays": n,
+            "graph_recaptures_<grad|momentum|stash|loss_scale>": n, "graph_pinned_stashes": n}`` since construction
+            (all zero with overlap off; :meth:`~ds_muon.sharded.overlap.SpeculativeMuon.stats`).
     """
 
     speculative: Optional[SpeculativeMuon] = None

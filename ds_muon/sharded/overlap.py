@@ -14,8 +14,10 @@ every rank), so the buckets' collectives are issued in the same order everywhere
 
 Memory per rank: a stash per speculated bucket, this rank's stretch of the shard that the bucket covers in the
 exchange dtype (bf16 by default off the CPU), allocated when the bucket is speculated and freed by the commit: at
-most the local Muon shard (``shard_numel * exchange_dtype.itemsize`` bytes) at the step, none in the forward (where
-the peak usually is), and growing in backward as the activations go; plus, while a bucket is
+most the local Muon shard (``shard_numel * exchange_dtype.itemsize`` bytes) at the step and growing in backward as
+the activations go. On CUDA it comes from the home (default) stream's blocks, so what the commit frees serves the
+next forward's activations: none is held in the forward, where the peak usually is, reserved memory included (a
+block of the side stream would stay cached for that stream). Plus, while a bucket is
 speculated, an fp32 scratch of this rank's stretch of the shard that the bucket covers (``4 * span`` bytes: a
 bucket of consecutive layers is a stretch about its own size) and a momentum copy of at most :data:`RUN_ELEMENTS`
 elements at a time, plus the exchange's buffers for that bucket (a :class:`~ds_muon.sharded.exchange.BufferPool`
@@ -29,8 +31,9 @@ overlapped step loses"). Each owner-plan bucket's work is therefore run eagerly 
 captured as one CUDA graph the next time and replayed from then on: one launch per bucket. A graph reads and
 writes fixed addresses, so it is captured again whenever the gradient buffer, the momentum, the stash or the loss
 scale it was captured with changed, and run eagerly once more when the momentum or Newton–Schulz settings
-changed. The stash is allocated before the replay (the caching allocator hands a bucket's freed block back in the
-steady state, so its address repeats; where it does not, the bucket is captured again, counted in ``stats``).
+changed. The stash is allocated before the replay (the caching allocator hands a bucket's freed block back in a
+steady loop, so its address repeats; where it does not, the bucket is captured again, counted in ``stats``, and
+after :data:`PIN_AFTER` such moves that bucket's stash is kept across steps).
 Everything a graph allocates (its scratch, its exchange buffers, Newton–Schulz's temporaries) lives in one memory
 pool shared by all the graphs, which run one at a time on the side stream: about one bucket's worth, held for the
 optimizer's life. Not supported: freeing cuBLAS's workspaces while the graphs live
@@ -50,7 +53,7 @@ from torch.profiler import record_function
 from .muon_step import MuonShardStep
 from .exchange import BufferPool, OwnerExchange
 
-__all__ = ["SpeculativeMuon", "FALLBACK_REASONS", "RUN_ELEMENTS"]
+__all__ = ["SpeculativeMuon", "FALLBACK_REASONS", "RUN_ELEMENTS", "PIN_AFTER"]
 
 #: the longest stretch of the shard one speculative momentum call covers (elements): its momentum copy, a
 #: temporary of ``RUN_ELEMENTS * 4`` bytes at most (64 MiB), lives on the side stream during backward.
@@ -65,6 +68,12 @@ FALLBACK_REASONS = ("clip", "overflow", "no_grad_block", "not_ready", "loss_scal
 
 #: the parts of a graph's key before its settings, in key order: what a recapture is counted by (``stats``).
 _KEY_PARTS = ("grad", "momentum", "stash", "loss_scale")
+
+#: a bucket whose stash came at a new address this many times (each a capture again) keeps its stash across steps
+#: from then on (the memory of one shard-sized stash per sub-group before, for that bucket only): at most this many
+#: recaptures per bucket for the allocator's sake; the first move is allowed for the allocator settling after the
+#: first steps (the optimizer state and the warm-up's blocks arrive then).
+PIN_AFTER = 2
 
 
 class _SubGroupState:
@@ -122,16 +131,20 @@ class SpeculativeMuon:
         self._warm: dict[tuple[int, int], tuple] = {}  # bucket -> the settings it last ran eagerly with
         self._uncovered: dict[int, list[tuple[int, int]]] = {}  # sub-group -> shard runs in no bucket (padding)
         self.recaptures: Counter = Counter({w: 0 for w in _KEY_PARTS})  # a graph captured again: what changed
+        self._stash_moves: Counter = Counter()  # bucket -> times its stash came at another address
+        self._pinned: dict[tuple[int, int], torch.Tensor] = {}  # bucket -> its stash, kept (PIN_AFTER)
         self._pool = None
 
     def stats(self) -> dict:
         """``{"commits": int, "fallback_<reason>": int, ..., "graph_captures": int, "graph_replays": int,
         "graph_recaptures_<what>": int, ...}`` since construction (for the monitor and benchmarks). A recapture is a
         capture of a bucket that had a graph whose key changed, counted under each part of the key that did
-        (``grad``, ``momentum``, ``stash``: an address; ``loss_scale``); ``graph_captures`` counts it once."""
+        (``grad``, ``momentum``, ``stash``: an address; ``loss_scale``); ``graph_captures`` counts it once.
+        ``graph_pinned_stashes``: buckets whose stash is kept across steps now (:data:`PIN_AFTER`)."""
         return {"commits": self.commits, **{f"fallback_{r}": n for r, n in self.fallbacks.items()},
                 "graph_captures": self.captures, "graph_replays": self.replays,
-                **{f"graph_recaptures_{w}": n for w, n in self.recaptures.items()}}
+                **{f"graph_recaptures_{w}": n for w, n in self.recaptures.items()},
+                "graph_pinned_stashes": len(self._pinned)}
 
     def active(self) -> bool:
         """Whether some speculation of this step is held (started, not yet committed or discarded)."""
@@ -174,6 +187,9 @@ class SpeculativeMuon:
                 self._speculate(i, k, grad_of(i), momentum_of(i), group_of(i), loss_scale)
             return
         self.stream.wait_stream(wait_for or torch.cuda.current_stream())
+        # the stashes come from the home stream's blocks (which its queued work may still read) and a pinned stash
+        # was last read there by the previous commit: the side stream starts after both
+        self.stream.wait_stream(torch.cuda.default_stream(self.stream.device))
         with torch.cuda.stream(self.stream):
             for i, k in ready:
                 grad, momentum = grad_of(i), momentum_of(i)
@@ -196,11 +212,11 @@ class SpeculativeMuon:
             return
         exchange = self.exchanges[i]
         graphs = self.graphs and exchange.world_size == 1
-        # allocated now (on the side stream, outside any capture) and freed by the commit: no stash is held in the
-        # forward, the peak's usual place, and it grows as backward frees activations
         runs = self._runs(i, k)
         span = runs[-1][0] + runs[-1][1] - runs[0][0] if runs else 0
-        stash = st.stashes[k] = self._new_stash(span, exchange.exchange_dtype, grad.device)
+        stash = st.stashes[k] = self._pinned.get((i, k))
+        if stash is None:
+            stash = st.stashes[k] = self._alloc_stash(span, exchange.exchange_dtype, grad.device)
         orthogonalize = step._orthogonalizer(group)
 
         def work() -> None:  # the exchange's buffers are the bucket's own: freed after it (eager), or the graph's.
@@ -218,7 +234,12 @@ class SpeculativeMuon:
         captured = self._captured.get((i, k))
         if captured is None or captured.key != key:
             if captured is not None and captured.key[-1] == settings:
-                self.recaptures.update(w for w, a, b in zip(_KEY_PARTS, captured.key, key) if a != b)
+                changed = [w for w, a, b in zip(_KEY_PARTS, captured.key, key) if a != b]
+                self.recaptures.update(changed)
+                if "stash" in changed:
+                    self._stash_moves[i, k] += 1
+                    if self._stash_moves[i, k] >= PIN_AFTER:  # the allocator does not settle for this bucket:
+                        self._pinned[i, k] = stash            # its stash is kept across steps from now on
             self._captured.pop((i, k), None)
             if self._warm.get((i, k)) != settings:  # first run with these settings: eagerly (compiles kernels)
                 work()
@@ -232,17 +253,31 @@ class SpeculativeMuon:
                               f"(optimizer.params.overlap_cuda_graphs false avoids trying)")
                 self.graphs, st.stale = False, True  # this sub-group's step falls back to the ordinary path
                 self._captured.clear()
+                self._pinned.clear()
                 return
             captured = self._captured[i, k] = _Captured(key, replay)
             self.captures += 1
         captured.graph()
         self.replays += 1
 
+    def _alloc_stash(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A bucket's stash for this step, ``(numel,)`` uninitialized (the exchange writes every piece of it that the
+        commit reads). On CUDA it is allocated on the home stream (the default stream, where the forward and the
+        step run), so that its block, freed by the commit, serves the next forward's activations (a block
+        allocated on the side stream would stay cached for the side stream only), and marked as used by the side
+        stream (``record_stream``), which writes it after waiting on the home stream (:meth:`mark_final`)."""
+        if self.stream is None:
+            return self._new_stash(numel, dtype, device)
+        with torch.cuda.stream(torch.cuda.default_stream(device)):
+            stash = self._new_stash(numel, dtype, device)
+        stash.record_stream(self.stream)
+        return stash
+
     @staticmethod
     def _new_stash(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A bucket's stash for this step (uninitialized; the exchange writes every piece of it that the commit
-        reads). From the caching allocator, which hands a freed block of the same size on the same stream back in
-        the steady state, so its address, one of the graph's, repeats step after step."""
+        """A fresh tensor from the caching allocator, which in a steady training loop (the same requests in the
+        same order every step) hands a bucket the block it freed at the last commit again, so the stash's address,
+        one of the graph's, repeats; where it does not (:data:`PIN_AFTER`), the bucket's stash is pinned."""
         return torch.empty(numel, dtype=dtype, device=device)
 
     def _bucket_update(self, i: int, k: int, grad: torch.Tensor, momentum: Optional[torch.Tensor], group: dict,

@@ -1,9 +1,10 @@
 """The overlapped step's graph capture (``SpeculativeMuon(graphs=True)``, ds_muon/sharded/overlap.py), on the CPU.
 
-A CUDA graph replays the kernels it captured on the buffers it captured them with. Here ``capture`` returns the
-captured work itself, bound to the tensors of the capture, so a replay reads exactly what a CUDA graph would read:
-if the speculation replayed a graph after its gradient buffer, momentum or settings had changed, the result would
-differ from the eager speculation's. W=1, several owner-plan buckets, one sub-group; every step is compared bit for
+A CUDA graph replays the kernels it captured on the buffers it captured them with. Here a capture notes the
+addresses of every tensor the bucket's work is given and each replay runs the work again after checking them
+(``_StrictCapture``): a replay after the gradient buffer, the momentum or the stash moved fails, and one after the
+settings changed differs from the eager speculation's result. The stashes come from a stand-in of CUDA's caching
+allocator (``_CachingAllocator``: a freed block is handed back for the next request of its size). W=1, several owner-plan buckets, one sub-group; every step is compared bit for
 bit with ``graphs=False`` (which is itself the ordinary step: tests/dist/test_overlap.py). The real CUDA graphs run
 in scripts/overlap_nccl.py on a GPU.
 """
@@ -31,31 +32,71 @@ def _speculative(graphs: bool) -> tuple[SpeculativeMuon, MuonShardStep]:
     exchange = OwnerExchange(None, torch.float32, torch.float32, torch.device("cpu"))
     step = MuonShardStep("sub-group 0", plan, build_block_map(plan.slots, 0, plan.shard_numel), exchange, GROUP,
                          ns_compile=False, ns_autotune=False)
-    spec = SpeculativeMuon({0: step}, {0: exchange}, graphs=graphs, capture=lambda work: work)
+    spec = SpeculativeMuon({0: step}, {0: exchange}, graphs=graphs)
+    spec._capture = _StrictCapture(spec)
     spec._new_stash = _CachingAllocator()
     return spec, step
 
 
+def _addresses(args: tuple) -> tuple:
+    return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args)
+
+
+class _StrictCapture:
+    """A CUDA graph's stand-in: ``capture(work)`` runs nothing but notes the addresses of every tensor that
+    ``_bucket_update`` (the captured work) is given; each replay runs ``work`` again and fails if any of them is at
+    another address (where a CUDA graph would read or write stale memory)."""
+
+    def __init__(self, spec: SpeculativeMuon) -> None:
+        self.spec = spec
+
+    def _run(self, work, compute: bool) -> tuple:
+        seen, real = [], SpeculativeMuon._bucket_update.__get__(self.spec)
+        self.spec._bucket_update = lambda *a: (seen.append(_addresses(a)), real(*a) if compute else None)
+        try:
+            work()
+        finally:
+            del self.spec._bucket_update
+        return tuple(seen)
+
+    def __call__(self, work):
+        captured = self._run(work, compute=False)
+
+        def replay() -> None:
+            assert self._run(work, compute=True) == captured, "a replay would use other addresses than its graph's"
+        return replay
+
+
 class _CachingAllocator:
-    """The CPU's stand-in for CUDA's caching allocator where the stashes come from: a block freed (no reference
-    left) is handed back for the next request of its size, so a steady run's stash addresses repeat."""
+    """The CPU's stand-in for CUDA's caching allocator where the stashes come from: a block none of whose handed-out
+    views is alive any more is handed back for the next request of its size, so a steady run's stash addresses
+    repeat. ``fresh = True``: new blocks only (an allocator that has moved things: the stashes' addresses change)."""
 
     def __init__(self) -> None:
-        self.blocks: list[torch.Tensor] = []
+        import weakref
+        self._ref = weakref.ref
+        self.blocks: list[tuple[torch.Tensor, list]] = []
+        self.fresh = False
 
     def __call__(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        import sys
-        for block in self.blocks:  # held by this list and getrefcount's argument only: free
-            if block.numel() == numel and block.dtype == dtype and sys.getrefcount(block) <= 3:
-                return block.view(-1)
-        self.blocks.append(torch.empty(numel, dtype=dtype, device=device))
-        return self.blocks[-1].view(-1)
+        for block, views in ([] if self.fresh else self.blocks):
+            if block.numel() == numel and block.dtype == dtype and all(v() is None for v in views):
+                break
+        else:
+            block, views = torch.empty(numel, dtype=dtype, device=device), []
+            self.blocks.append((block, views))
+        view = block.view(-1)
+        views.append(self._ref(view))
+        return view
 
 
 def _train(graphs: bool, steps: int, events: dict) -> tuple[list[torch.Tensor], SpeculativeMuon]:
     """``steps`` optimizer steps, all speculated and committed; ``events[t]`` changes something before step ``t``:
     ``"new_grad_buffer"`` (DeepSpeed reallocating its gradient buffer), ``"new_momentum"`` (a checkpoint load
-    replacing the momentum tensor), ``"beta"`` (a momentum schedule), ``"loss_scale"``. The param group is a new dict
+    replacing the momentum tensor), ``"beta"`` (a momentum schedule), ``"loss_scale"``, ``"stash_moves"`` (the
+    allocator has released its cached blocks, as ``torch.cuda.empty_cache`` does: new ones from this step on),
+    ``"stash_moves_from_here"`` (an allocator that never settles: new blocks in this step and every later one),
+    ``"discard"`` (first a backward whose step is skipped, as for an fp16 overflow). The param group is a new dict
     every step (as ``load_state_dict`` makes it), so a replay cannot see a change through a dict it captured.
     Returns the partition after every step."""
     spec, step = _speculative(graphs)
@@ -63,10 +104,19 @@ def _train(graphs: bool, steps: int, events: dict) -> tuple[list[torch.Tensor], 
     gen = torch.Generator().manual_seed(0)
     p, grad, momentum, scale = torch.randn(n, generator=gen), torch.empty(n), None, 1.0
     finals = [(0, s.index) for b in reversed(step.plan.buckets) for s in b.slots]
-    history = []
+    history, moving = [], False
     for t in range(steps):
         event = events.get(t)
         group = dict(group)
+        moving = moving or event == "stash_moves_from_here"
+        if graphs:
+            spec._new_stash.fresh = moving
+            if event == "stash_moves":
+                spec._new_stash.blocks.clear()
+        if event == "discard":
+            grad.copy_(torch.randn(n, generator=gen))
+            spec.mark_final(finals, lambda i: grad, lambda i: momentum, lambda i: group, scale)
+            spec.discard("overflow")
         if event == "new_grad_buffer":
             grad = torch.empty(n)
         elif event == "new_momentum":
@@ -107,6 +157,53 @@ def test_graph_replays_equal_the_eager_speculation(events) -> None:
     eager_steps = 1 + (1 if "beta" in events.values() else 0)
     assert spec.replays == buckets * (6 - eager_steps) and stats["graph_captures"] == spec.captures
     assert stats["graph_replays"] == spec.replays and spec.commits == 6
+
+
+@pytest.mark.parametrize("event", ["stash_moves", "stash_moves_from_here", "discard"])
+def test_a_stash_at_a_new_address_is_captured_again_and_pinned_when_it_keeps_moving(event) -> None:
+    """The stash is allocated every step and its address is the graph's: where the allocator hands a bucket another
+    block, that bucket is captured again (exact; counted as "stash"); a bucket whose stash moves ``PIN_AFTER`` times
+    keeps it across steps from then on, so an allocator that never settles costs ``PIN_AFTER`` captures per bucket,
+    not one per step; one that moved once (``empty_cache``) costs one. A skipped step (discard) frees the stashes like a commit: nothing moves."""
+    from ds_muon.sharded.overlap import PIN_AFTER
+    at = 2 if event == "stash_moves_from_here" else 3
+    want, _ = _train(False, 7, {at: event})
+    got, spec = _train(True, 7, {at: event})
+    for t, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"step {t}: the replayed speculation differs from the eager one ({event})"
+    buckets = len(spec.steps[0].plan.buckets)
+    moves = {"stash_moves": 1, "stash_moves_from_here": PIN_AFTER, "discard": 0}[event]
+    assert spec.recaptures["stash"] == buckets * moves and spec.captures == buckets * (1 + moves)
+    assert len(spec._pinned) == (buckets if moves >= PIN_AFTER else 0)
+    assert spec.replays == buckets * (6 + (event == "discard")) and spec.commits == 7  # a discarded backward replays
+    assert spec.fallbacks["overflow"] == (1 if event == "discard" else 0)
+
+
+def test_commit_equals_the_ordinary_step_with_runs_cut_and_a_bf16_stash(monkeypatch) -> None:
+    """Buckets of several matrices, each bucket's runs cut at 7 elements (``RUN_ELEMENTS``, so a piece spans runs
+    and the stash is read at many offsets), a bf16 exchange (the stash holds bf16, the commit widens it): the
+    speculation's commit equals the ordinary step bit for bit, momentum and weights."""
+    from ds_muon.sharded import overlap
+    monkeypatch.setattr(overlap, "RUN_ELEMENTS", 7)
+    infos = [ParamInfo(f"w{k}", shape, shape[0] * shape[1], None) for k, shape in enumerate(SHAPES)]
+    plan = build_bucketed_plan(infos, 1, 80, order="reverse")  # two or three matrices per bucket
+    assert any(len(b.slots) > 1 for b in plan.buckets)
+    n, group = plan.shard_numel, dict(GROUP)
+    exchange = OwnerExchange(None, torch.bfloat16, torch.float32, torch.device("cpu"))
+    step = MuonShardStep("sub-group 0", plan, build_block_map(plan.slots, 0, n), exchange, GROUP,
+                         ns_compile=False, ns_autotune=False)
+    spec = SpeculativeMuon({0: step}, {0: exchange})
+    gen = torch.Generator().manual_seed(1)
+    grad, p, m = torch.randn(n, generator=gen), torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    spec.mark_final([(0, s.index) for b in reversed(plan.buckets) for s in b.slots], lambda i: grad,
+                    lambda i: m, lambda i: group, 1.0)
+    assert max(len(spec._runs(0, k)) for k in range(len(plan.buckets))) > 2
+    want_p, want_m, g = p.clone(), m.clone(), grad.clone()
+    step.orthogonalize(step.prepare(g, want_m, group), g, group)
+    step.finalize(want_p, g, group)
+    got_m = m.clone()
+    assert spec.commit(0, p, grad.clone(), got_m, None, False, group)
+    assert torch.equal(got_m, want_m) and torch.equal(p, want_p)
 
 
 def test_stashes_live_from_their_bucket_to_the_commit() -> None:

@@ -259,6 +259,31 @@ def test_owner_exchange_rejects_mismatched_plan():
         ex.run(build_plan(infos([(4, 4)]), 2), torch.zeros(8), torch.zeros(8), scaled_orth)
 
 
+def test_owner_exchange_takes_a_stretch_only_where_it_holds_every_piece():
+    """One bucket may come with stretches of the shard (the overlapped step's scratch and stash, with their shard
+    offsets): the result equals the whole-shard run's there; a stretch that misses a piece of this rank, for ``u``
+    or for ``out``, is refused, and a whole plan takes the whole shard only."""
+    ex = OwnerExchange(None, torch.float32, torch.float32)
+    plan = build_bucketed_plan(infos([(4, 4), (2, 4), (4, 2)]), 1, 16, order="reverse")
+    assert len(plan.buckets) >= 2
+    u = torch.randn(plan.shard_numel)
+    whole = torch.zeros(plan.shard_numel)
+    ex.run(plan, u, whole, scaled_orth)
+    for b in plan.buckets:
+        lo = min(s.pieces[0].shard_offset for s in b.slots)
+        hi = max(s.pieces[0].shard_offset + s.pieces[0].sent for s in b.slots)
+        out = torch.zeros(hi - lo)
+        ex.run(b, u[lo:hi].clone(), out, scaled_orth, u_offset=lo, out_offset=lo)
+        assert torch.equal(out, whole[lo:hi])
+        for kw in ({"out": torch.zeros(hi - lo - 1)}, {"out_offset": lo + 1}, {"u": u[lo:hi - 1]},
+                   {"u_offset": lo + 1}):
+            args = {"u": u[lo:hi], "out": torch.zeros(hi - lo), "u_offset": lo, "out_offset": lo, **kw}
+            with pytest.raises(ValueError, match="does not match"):
+                ex.run(b, args.pop("u"), args.pop("out"), scaled_orth, **args)
+    with pytest.raises(ValueError, match="does not match"):
+        ex.run(plan, u, torch.zeros(plan.shard_numel - 1), scaled_orth)
+
+
 # ---- bucketed plans ---------------------------------------------------------------------------
 
 
