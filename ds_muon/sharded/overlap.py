@@ -212,11 +212,9 @@ class SpeculativeMuon:
             return
         exchange = self.exchanges[i]
         graphs = self.graphs and exchange.world_size == 1
-        runs = self._runs(i, k)
-        span = runs[-1][0] + runs[-1][1] - runs[0][0] if runs else 0
         stash = st.stashes[k] = self._pinned.get((i, k))
         if stash is None:
-            stash = st.stashes[k] = self._alloc_stash(span, exchange.exchange_dtype, grad.device)
+            stash = st.stashes[k] = self._alloc_stash(self._stretch(i, k)[1], exchange.exchange_dtype, grad.device)
         orthogonalize = step._orthogonalizer(group)
 
         def work() -> None:  # the exchange's buffers are the bucket's own: freed after it (eager), or the graph's.
@@ -287,11 +285,10 @@ class SpeculativeMuon:
         (the same stretch, in the exchange dtype).
         Reads ``grad`` and ``momentum`` only. ``pool``: the exchange's buffers for this bucket (a fresh one: eagerly
         they go back to the caching allocator after the bucket, in a capture they are the graph's)."""
-        runs = self._runs(i, k)
-        lo0 = runs[0][0] if runs else 0
-        u = torch.empty((runs[-1][0] + runs[-1][1] - lo0) if runs else 0, dtype=torch.float32, device=grad.device)
+        lo0, span = self._stretch(i, k)
+        u = torch.empty(span, dtype=torch.float32, device=grad.device)
         with record_function("ds_muon/speculative_momentum"):
-            for lo, length in runs:  # a handful of launches per bucket, not a handful per matrix
+            for lo, length in self._runs(i, k):  # a handful of launches per bucket, not a handful per matrix
                 g = u.narrow(0, lo - lo0, length)
                 g.copy_(grad.narrow(0, lo, length))
                 if loss_scale != 1.0:
@@ -357,6 +354,12 @@ class SpeculativeMuon:
             self._run_cache[key] = runs
         return runs
 
+    def _stretch(self, i: int, k: int) -> tuple[int, int]:
+        """``(shard offset, elements)``: the stretch of sub-group ``i``'s shard that bucket ``k``'s runs span on this
+        rank (its scratch ``u`` and its stash cover it; ``(0, 0)`` where this rank holds no piece of the bucket)."""
+        runs = self._runs(i, k)
+        return (runs[0][0], runs[-1][0] + runs[-1][1] - runs[0][0]) if runs else (0, 0)
+
     def _uncovered_runs(self, i: int) -> list[tuple[int, int]]:
         """``[(shard offset, length), ...]``: the stretches of sub-group ``i``'s shard that no bucket's piece covers
         on this rank (the partition's padding), built once; the commit writes 0 there (where the ordinary step's
@@ -413,11 +416,11 @@ class SpeculativeMuon:
             return False
         step, dst, src = self.steps[i], [], []
         for k, stash in st.stashes.items():
-            if self.stream is not None:
-                stash.record_stream(torch.cuda.current_stream())  # allocated on the side stream, read here
-            runs = self._runs(i, k)
+            if self.stream is not None:  # read on the step's stream (a no-op where that is the home stream)
+                stash.record_stream(torch.cuda.current_stream())
+            lo0, runs = self._stretch(i, k)[0], self._runs(i, k)
             dst += [grad.narrow(0, lo, n) for lo, n in runs]
-            src += [stash.narrow(0, lo - runs[0][0], n) for lo, n in runs]
+            src += [stash.narrow(0, lo - lo0, n) for lo, n in runs]
         step.prepare(grad, momentum, group)
         for lo, n in self._uncovered_runs(i):
             grad.narrow(0, lo, n).zero_()
