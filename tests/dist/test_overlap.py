@@ -24,6 +24,10 @@ CASES = [
     {"name": "plain", "oracle": True},
     {"name": "gas2", "gas": 2},
     {"name": "bf16", "bf16": True, "params": {"ns_dtype": "bfloat16", "exchange_dtype": "bfloat16"}},
+    # bf16 momentum (the built-in's state precision; the benchmark's like-for-like memory arm): the speculation
+    # reads a copy of the bf16 momentum and the commit rounds as the ordinary step does
+    {"name": "bf16_momentum", "bf16": True, "gas": 2,
+     "params": {"momentum_dtype": "bfloat16", "ns_dtype": "bfloat16", "exchange_dtype": "bfloat16"}},
     {"name": "clip_every_step", "clip": 1e-4},
     {"name": "clip_never", "clip": 1e6},
     {"name": "no_nesterov", "params": {"nesterov": False}},
@@ -48,8 +52,16 @@ def _train(rank: int, case: dict, overlap: bool, steps: int = STEPS):
     state = state_snapshot(engine)
     stats = dict(engine.optimizer.overlap_stats)
     got = gathered_params(model)
+    dtypes = momentum_dtypes(engine)
     engine.destroy()
-    return state, stats, init, tags, got, cfg
+    return state, stats, init, tags, got, cfg, dtypes
+
+
+def momentum_dtypes(engine) -> list[str]:
+    """The dtypes of every Muon momentum buffer this rank's optimizer holds (ZeRO-3 sub-groups or ZeRO-1/2 param
+    groups), sorted."""
+    from ds_muon.names import MOMENTUM_KEY
+    return sorted({str(s[MOMENTUM_KEY].dtype) for s in engine.optimizer.optimizer.state.values() if MOMENTUM_KEY in s})
 
 
 def train_on_off(rank: int, world_size: int, cases: list[dict]) -> dict:
@@ -58,10 +70,10 @@ def train_on_off(rank: int, world_size: int, cases: list[dict]) -> dict:
     from tests.support.harness import assert_same_state
     out = {}
     for case in cases:
-        on, stats, init, tags, got, cfg = _train(rank, case, True)
+        on, stats, init, tags, got, cfg, dtypes = _train(rank, case, True)
         off, off_stats, *_ = _train(rank, case, False)
         assert_same_state(on, off, f"{case['name']} W={world_size}")
-        out[case["name"]] = {"stats": stats, "off_stats": off_stats}
+        out[case["name"]] = {"stats": stats, "off_stats": off_stats, "momentum_dtypes": dtypes}
         if case.get("oracle") and rank == 0:
             out[case["name"]]["errors"] = oracle_errors(case, cfg, init, tags, got, world_size)
     return out
@@ -141,7 +153,9 @@ def test_overlap_exact(world_size, tmp_path):
     assert r["clip_never"]["stats"]["commits"] > 0 and r["clip_never"]["stats"]["fallback_clip"] == 0, r["clip_never"]
     every = r["clip_every_step"]["stats"]
     assert every["commits"] == 0 and every["fallback_clip"] > 0, every
-    for name in ("gas2", "bf16", "no_nesterov", "small_buckets", "small_ipg_subgroups", "resume"):
+    assert r["bf16_momentum"]["momentum_dtypes"] == ["torch.bfloat16"], r["bf16_momentum"]
+    assert r["plain"]["momentum_dtypes"] == ["torch.float32"], r["plain"]
+    for name in ("gas2", "bf16", "bf16_momentum", "no_nesterov", "small_buckets", "small_ipg_subgroups", "resume"):
         assert r[name]["stats"]["commits"] > 0, (name, r[name])
     assert r["eval_stats"]["commits"] > 0, r["eval_stats"]
     check_oracle(r["plain"]["errors"])  # test_zero3_parity.py's tolerances

@@ -39,6 +39,9 @@ CASES = [
     {"name": "allreduce_clip", "gas": 2, "clip": 0.5, "zero": {"stage": 2, "reduce_scatter": False}},
     {"name": "bf16", "bf16": True, "params": {"ns_dtype": "bfloat16", "exchange_dtype": "bfloat16"},
      "zero": STAGE2},
+    # bf16 momentum (the built-in's state precision): as test_overlap's case
+    {"name": "bf16_momentum", "bf16": True, "gas": 2,
+     "params": {"momentum_dtype": "bfloat16", "ns_dtype": "bfloat16", "exchange_dtype": "bfloat16"}, "zero": STAGE2},
     # an owner-plan bucket of two matrices across the partition boundary at W=2 ([conv, up]: rank 0 holds conv's head
     # and none of up, rank 1 the rest): a rank's scratch then starts far into its partition and a piece it lacks is
     # empty (the per-bucket scratch once read such a piece at its offset 0: IndexError mid-backward on rank 0)
@@ -84,7 +87,9 @@ def test_overlap_zero2_exact(world_size, tmp_path):
     r = results[0]
     # which path ran (ParityNet's `extra` layer has no gradient on odd steps: its param group falls back there)
     assert r["plain"]["off_stats"]["commits"] == 0
+    assert r["bf16_momentum"]["momentum_dtypes"] == ["torch.bfloat16"], r["bf16_momentum"]
     for name in ("plain", "gas2", "clip_never", "overlap_comm_small_buckets", "contiguous_small_buckets", "bf16",
+                 "bf16_momentum",
                  "bf16_fp32_accumulation", "stage1_overlap_comm", "stage1_overlap_comm_allreduce"):
         assert r[name]["stats"]["commits"] > 0 and r[name]["stats"]["fallback_clip"] == 0, (name, r[name])
     assert r["resume"]["stats"]["commits"] > 0 and r["eval_stats"]["commits"] > 0, (r["resume"], r["eval_stats"])
