@@ -81,8 +81,10 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
 
 
 #: Modules a forkserver imports once for every rank it starts (``import torch, deepspeed, transformers`` is about
-#: 3 s of CPU per rank when each rank is a fresh interpreter: 7 s of wall clock for a W=4 group on 2 cores).
-PRELOAD = ["torch", "deepspeed", "transformers"]
+#: 3 s of CPU per rank when each rank is a fresh interpreter: 7 s of wall clock for a W=4 group on 2 cores), and
+#: what a rank's first engine loads on top (torch.compile's modules, DeepSpeed's ops: another 5.7 s of CPU per rank):
+#: :mod:`tests.support.rank_preload`.
+PRELOAD = ["tests.support.rank_preload"]
 
 #: Variables that change on their own during a run and do not make a forked rank differ from a fresh one: pytest
 #: sets the first per test phase (no rank reads it); ``import deepspeed`` sets the second (``setdefault``, "1") in
@@ -90,8 +92,31 @@ PRELOAD = ["torch", "deepspeed", "transformers"]
 VOLATILE_ENV = ("PYTEST_CURRENT_TEST", "PYTORCH_NVML_BASED_CUDA_CHECK")
 
 
+def _inductor_default_cache_dir() -> str | None:
+    """The directory torch's inductor falls back to when ``TORCHINDUCTOR_CACHE_DIR`` is unset, absolute: its first
+    compile in a process writes that into ``os.environ`` (``torch/_inductor/runtime/cache_dir_utils.py``,
+    ``cache_dir``), in the test process as in a rank; None where torch has no such function."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+        return os.path.abspath(default_cache_dir())
+    except Exception:  # noqa: BLE001 - another torch: the variable then counts as any other
+        return None
+
+
 def _environ() -> dict:
-    return {k: v for k, v in os.environ.items() if k not in VOLATILE_ENV}
+    """``os.environ`` less :data:`VOLATILE_ENV` and less ``TORCHINDUCTOR_CACHE_DIR`` where it holds inductor's own
+    default (set by the test process's first compile, e.g. an oracle's; a rank would set the same value)."""
+    env = {k: v for k, v in os.environ.items() if k not in VOLATILE_ENV}
+    if "TORCHINDUCTOR_CACHE_DIR" in env and env["TORCHINDUCTOR_CACHE_DIR"] == _inductor_default_cache_dir():
+        del env["TORCHINDUCTOR_CACHE_DIR"]
+    return env
+
+
+def changed_env() -> dict:
+    """The variables that differ from :data:`_BASE_ENV` now, ``{name: (then, now)}`` (None: unset): any makes
+    :func:`start_method` start fresh interpreters."""
+    now = _environ()
+    return {k: (_BASE_ENV.get(k), now.get(k)) for k in sorted(set(now) | set(_BASE_ENV)) if now.get(k) != _BASE_ENV.get(k)}
 
 
 #: ``os.environ`` when this module was imported (at collection, before any test's ``monkeypatch.setenv``): the
@@ -108,7 +133,7 @@ def start_method(fn: Callable, env: dict | None) -> str:
     # fn.before_init (the byte counters' torch.distributed wrappers) runs in each rank before deepspeed.init_distributed:
     # DeepSpeed 0.19.8 binds all_gather_into_tensor / reduce_scatter_tensor there (comm/torch.py, TorchBackend) and
     # looks every other collective up per call, so a DeepSpeed imported beforehand is counted the same.
-    if env or os.environ.get("DS_MUON_TEST_FORKSERVER") == "0" or _environ() != _BASE_ENV:
+    if env or os.environ.get("DS_MUON_TEST_FORKSERVER") == "0" or changed_env():
         return "spawn"
     mp.set_forkserver_preload(PRELOAD)  # takes effect when the forkserver starts, under _BASE_ENV
     return "forkserver"

@@ -1,8 +1,9 @@
 """How the shared spawn helper starts ranks (tests/support/spawn.py, ``start_method``).
 
-Ranks fork from a forkserver that has imported torch, deepspeed and transformers only when nothing they see can
-differ from that process: no per-rank ``env`` and the environment of the session's start (aside from pytest's
-``PYTEST_CURRENT_TEST`` and what ``import deepspeed`` sets in every process). Any other group starts fresh
+Ranks fork from a forkserver that has run tests/support/rank_preload.py only when nothing they see can differ from
+that process: no per-rank ``env`` and the environment of the session's start (aside from pytest's
+``PYTEST_CURRENT_TEST``, what ``import deepspeed`` sets in every process, and inductor's default cache directory,
+which its first compile writes into ``os.environ``). Any other group starts fresh
 interpreters, and ``DS_MUON_TEST_FORKSERVER=0`` makes every group do so.
 """
 from __future__ import annotations
@@ -31,4 +32,20 @@ def test_forkserver_only_under_the_session_environment(monkeypatch) -> None:
     assert spawn.start_method(_fn, None) == "forkserver"
     monkeypatch.setenv("DS_MUON_TEST_FORKSERVER", "0")
     monkeypatch.setattr(spawn, "_BASE_ENV", spawn._environ())
+    assert spawn.start_method(_fn, None) == "spawn"
+
+
+def test_inductor_setting_its_default_cache_dir_keeps_the_forkserver(monkeypatch, tmp_path) -> None:
+    """torch's inductor writes its default cache directory into ``os.environ`` at its first compile in a process
+    (the test process's oracles compile): that is what a rank would use too, so groups stay forked; another
+    directory is a real change."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    monkeypatch.delenv("DS_MUON_TEST_FORKSERVER", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(spawn, "_BASE_ENV", spawn._environ())
+    cache_dir()  # sets TORCHINDUCTOR_CACHE_DIR to the default (monkeypatch restores the environment afterwards)
+    assert "TORCHINDUCTOR_CACHE_DIR" in spawn.os.environ
+    assert spawn.changed_env() == {} and spawn.start_method(_fn, None) == "forkserver"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    assert spawn.changed_env() == {"TORCHINDUCTOR_CACHE_DIR": (None, str(tmp_path))}
     assert spawn.start_method(_fn, None) == "spawn"

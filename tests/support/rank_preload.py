@@ -1,0 +1,75 @@
+"""What the test ranks' forkserver loads once, so that no forked rank pays for it again (tests/support/spawn.py).
+
+A rank that builds its first DeepSpeed engine on the CPU spent about 5.7 s of CPU on work that is the same in
+every rank of every test (measured with cProfile on this 2-core machine, one W=2 group, parity model, before this
+module existed):
+
+* 2.3 s: DeepSpeed's FusedAdam op builder, loading its already built extension, asks ``cpuinfo.get_cpu_info()``
+  for the compiler flags (``OpBuilder.cxx_args`` -> ``cpu_arch``/``simd_width``), a subprocess of about 1.1 s,
+  twice; the other ops (shared-memory comm, CPU Adam, async I/O, pinned memory) do the same on first use;
+* 1.6 s: ``import torch._dynamo`` (``torch.optim.Optimizer.__init__`` imports it on the first optimizer built);
+* 1.4 s: DeepSpeed's ZeRO optimizer check imports ``deepspeed.runtime.zero.muon``, whose module-level
+  ``torch.compile`` imports inductor;
+* the rest: ds_muon's and DeepSpeed's runtime modules.
+
+Then ``gc.freeze()``: the 430,000 objects those imports leave move to the permanent generation, so a rank's full
+garbage collections (DeepSpeed calls ``gc.collect()`` in every ZeRO-3 engine's construction, ``defragment``) walk
+only what the rank made: 0.23 s for each before, nothing after (Python's documented use for a pre-forking server:
+https://docs.python.org/3/library/gc.html#gc.freeze).
+
+Loaded ops stay loaded in a forked rank (``OpBuilder._loaded_ops``), so ``load()`` there returns at once.
+Nothing here depends on a rank's environment (rank, world size, port): ranks still initialise their process
+group, build their engines and load any op not listed here themselves. Whatever fails here (an op that is not
+built and cannot be, e.g. async I/O without libaio) is left to the rank that needs it, which fails or builds as
+it would have: this module never raises (the forkserver would die with it).
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import io
+
+import torch  # noqa: F401
+import deepspeed  # noqa: F401
+
+with contextlib.suppress(Exception):
+    import transformers  # noqa: F401
+with contextlib.suppress(Exception):
+    import torch._dynamo  # noqa: F401
+    import deepspeed.runtime.engine  # noqa: F401
+    import deepspeed.runtime.zero.stage3  # noqa: F401
+    import deepspeed.runtime.zero.stage_1_and_2  # noqa: F401
+    import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+    import ds_muon  # noqa: F401
+    import ds_muon.integration.zero3  # noqa: F401
+    import ds_muon.integration.zero12  # noqa: F401
+
+
+def _load_ops() -> list[str]:
+    """Load (never build: an op without a built extension is skipped) every DeepSpeed op ds_muon's CPU runs use
+    (:data:`ds_muon.integration.jit_ops.OPS`); the names of those loaded."""
+    import os
+
+    from deepspeed.accelerator import get_accelerator
+    from ds_muon.integration.jit_ops import OPS
+    from torch.utils.cpp_extension import _get_build_directory
+    loaded = []
+    for name in OPS.get(get_accelerator()._name, ()):
+        with contextlib.suppress(Exception):
+            builder = get_accelerator().create_op_builder(name)
+            if builder is None or not builder.is_compatible(verbose=False):
+                continue
+            built = os.path.join(_get_build_directory(builder.name, verbose=False), f"{builder.name}.so")
+            if not os.path.exists(built):
+                continue  # a build belongs to scripts/test.sh's op step or to the rank, with its time-out
+            with contextlib.redirect_stdout(io.StringIO()):
+                builder.load(verbose=False)
+            loaded.append(name)
+    return loaded
+
+
+LOADED_OPS: list[str] = []
+with contextlib.suppress(Exception):
+    LOADED_OPS = _load_ops()
+gc.collect()
+gc.freeze()
