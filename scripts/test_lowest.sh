@@ -3,7 +3,8 @@
 # the test extra's pins (deepspeed 0.19.8, transformers 5.25.0: the newest); this one runs the lowest supported
 # deepspeed and transformers (pyproject.toml: the lower bounds of the deepspeed dependency and of the hf extra's
 # transformers) with torch 2.13.0 (CPU), on a smoke subset: the unit tests, the W=2 ZeRO-3 and ZeRO-1/2 parity groups
-# (every case compared with the oracle) and the main job (examples/train.py, 2 ranks) for a few steps.
+# (every case compared with the oracle), transformers' model families against the oracle (test_family_parity) and
+# the main job (examples/train.py, 2 ranks) for a few steps.
 #
 #   scripts/test.sh && scripts/test_lowest.sh                          # .ci/run
 #   LOWEST_DEEPSPEED=0.19.8 LOWEST_TRANSFORMERS=5.24.0 scripts/test_lowest.sh
@@ -69,9 +70,10 @@ python -c 'import deepspeed, torch, transformers; print(f">> lowest leg: deepspe
 
 echo ">> unit tests"
 python -m pytest -q -p no:cacheprovider -rfEs -m unit tests/unit
-echo ">> ZeRO-3 and ZeRO-1/2 parity with the oracle at W=2"
+echo ">> ZeRO-3 and ZeRO-1/2 parity with the oracle at W=2; transformers' model families (Llama, Qwen3, Qwen3-MoE, ...) too"
 python -m pytest -q -p no:cacheprovider -rfEs "tests/dist/test_zero3_parity.py::test_parity_with_oracle[2]" \
-    "tests/dist/test_zero12_parity.py::test_stage12_parity_with_oracle[2]"
+    "tests/dist/test_zero12_parity.py::test_stage12_parity_with_oracle[2]" \
+    tests/dist/test_family_parity.py::test_model_families_match_oracle_and_follow_their_rules
 echo ">> the main job: examples/train.py, 2 ranks, $STEPS steps"
 python -m deepspeed.launcher.runner --num_gpus 2 examples/train.py --steps "$STEPS" --eval-every 0 --save-dir ""
 echo ">> lowest leg passed in $(( $(date +%s) - started )) s"

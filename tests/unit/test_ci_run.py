@@ -39,5 +39,6 @@ def test_lowest_leg_reads_the_lower_bounds_it_tests_from_pyproject():
     assert re.search(r'"transformers>=([0-9.]+)', text) is not None
     script = (REPO / "scripts" / "test_lowest.sh").read_text()
     for step in ("-m unit tests/unit", "test_zero3_parity.py::test_parity_with_oracle[2]",
-                 "test_zero12_parity.py::test_stage12_parity_with_oracle[2]", "examples/train.py"):
+                 "test_zero12_parity.py::test_stage12_parity_with_oracle[2]",
+                 "test_family_parity.py::test_model_families_match_oracle_and_follow_their_rules", "examples/train.py"):
         assert step in script, step
