@@ -25,25 +25,19 @@ def _loaded_ops_table() -> dict:
     return next(k.__dict__["_loaded_ops"] for k in type(builder).__mro__ if "_loaded_ops" in k.__dict__)
 
 
-def _built_ops() -> list[str]:
-    """The names of the accelerator's ops (ds_muon.integration.jit_ops.OPS) whose extension is built."""
-    from deepspeed.accelerator import get_accelerator
-    from torch.utils.cpp_extension import _get_build_directory
-    from ds_muon.integration.jit_ops import OPS
-    out = []
-    for name in OPS.get(get_accelerator()._name, ()):
-        builder = get_accelerator().create_op_builder(name)
-        if builder is not None and os.path.exists(
-                os.path.join(_get_build_directory(builder.name, verbose=False), f"{builder.name}.so")):
-            out.append(builder.name)
-    return sorted(out)
-
-
 def _at_start(rank: int, world_size: int) -> dict:
     """What a rank has before it builds anything (``deepspeed.init_distributed`` aside)."""
     import gc
+    preload = sys.modules.get("tests.support.rank_preload")
     return {"ops": sorted(_loaded_ops_table()), "modules": [m for m in MODULES if m in sys.modules],
-            "frozen": gc.get_freeze_count()}
+            "frozen": gc.get_freeze_count(), "preloaded": None if preload is None else list(preload.LOADED_OPS),
+            "op_names": {n: _op_name(n) for n in ([] if preload is None else preload.LOADED_OPS)}}
+
+
+def _op_name(builder: str) -> str:
+    """The op name (``fused_adam``) of a DeepSpeed op builder class name (``FusedAdamBuilder``)."""
+    from deepspeed.accelerator import get_accelerator
+    return get_accelerator().create_op_builder(builder).name
 
 
 def test_forked_ranks_start_with_the_preloaded_ops_and_modules() -> None:
@@ -56,11 +50,14 @@ def test_forked_ranks_start_with_the_preloaded_ops_and_modules() -> None:
     # Run mid-suite: an earlier test that left a variable changed in os.environ would have turned every later group
     # into fresh interpreters (as inductor's TORCHINDUCTOR_CACHE_DIR once did: 3 s more per rank, silently)
     assert start_method(_at_start, None) == "forkserver", f"os.environ changed since the session started: {changed_env()}"
-    built = _built_ops()
-    assert built, "no DeepSpeed op is built: scripts/test.sh builds them first (python -m ds_muon.integration.jit_ops)"
     for rank, r in enumerate(got):
-        # init_distributed loads the shared-memory comm op in any case; the others only the preload loads
-        assert set(built) <= set(r["ops"]), (rank, built, r["ops"])
+        assert r["preloaded"] is not None, f"rank {rank}: the forkserver did not import tests.support.rank_preload"
+        # FusedAdam (DeepSpeed's AdamW on the CPU, every ZeRO engine's) at least: scripts/test.sh builds the ops
+        # before pytest starts; a plain `pytest` on a fresh checkout builds them in the first ranks instead
+        assert "FusedAdamBuilder" in r["preloaded"], (
+            f"rank {rank}: the preload loaded {r['preloaded']}; FusedAdam was not built when the forkserver started "
+            f"(python -m ds_muon.integration.jit_ops builds the ops)")
+        assert set(r["op_names"].values()) <= set(r["ops"]), (rank, r["op_names"], r["ops"])
         assert r["modules"] == list(MODULES), (rank, r["modules"])
         # the imports' objects are in the permanent generation: a rank's gc.collect() walks only its own
         assert r["frozen"] > 100_000, (rank, r["frozen"])

@@ -20,36 +20,37 @@ https://docs.python.org/3/library/gc.html#gc.freeze).
 Loaded ops stay loaded in a forked rank (``OpBuilder._loaded_ops``), so ``load()`` there returns at once.
 Nothing here depends on a rank's environment (rank, world size, port): ranks still initialise their process
 group, build their engines and load any op not listed here themselves. Whatever fails here (an op that is not
-built and cannot be, e.g. async I/O without libaio) is left to the rank that needs it, which fails or builds as
-it would have: this module never raises (the forkserver would die with it).
+built, or is being built: :func:`_load_ops`; a module that does not import) is left to the rank that needs it,
+which fails or builds as it would have: past ``import torch, deepspeed`` this module never raises (the forkserver
+would die with it).
 """
 from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import io
+import os
 
 import torch  # noqa: F401
 import deepspeed  # noqa: F401
 
-with contextlib.suppress(Exception):
-    import transformers  # noqa: F401
-with contextlib.suppress(Exception):
-    import torch._dynamo  # noqa: F401
-    import deepspeed.runtime.engine  # noqa: F401
-    import deepspeed.runtime.zero.stage3  # noqa: F401
-    import deepspeed.runtime.zero.stage_1_and_2  # noqa: F401
-    import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
-    import ds_muon  # noqa: F401
-    import ds_muon.integration.zero3  # noqa: F401
-    import ds_muon.integration.zero12  # noqa: F401
+#: Imported here in this order; one that fails is skipped (left to the rank), the others still load.
+MODULES = ("transformers", "torch._dynamo", "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3",
+           "deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.muon.muon_optimizer", "ds_muon",
+           "ds_muon.integration.zero3", "ds_muon.integration.zero12")
+for _name in MODULES:
+    with contextlib.suppress(Exception):
+        importlib.import_module(_name)
 
 
 def _load_ops() -> list[str]:
-    """Load (never build: an op without a built extension is skipped) every DeepSpeed op ds_muon's CPU runs use
-    (:data:`ds_muon.integration.jit_ops.OPS`); the names of those loaded."""
-    import os
-
+    """Load every DeepSpeed op ds_muon's CPU runs use (:data:`ds_muon.integration.jit_ops.OPS`) whose extension is
+    built and whose build directory holds no ``lock``; the names of those loaded. ``load`` takes that lock and runs
+    ninja (a no-op for an up-to-date build): with a lock left by a killed build it would wait forever, here, outside
+    every test's time-out (the rank that needs the op waits under its time-out instead, and
+    ``python -m ds_muon.integration.jit_ops`` clears stale locks). An extension older than its sources (another
+    torch) is rebuilt here as a rank would rebuild it."""
     from deepspeed.accelerator import get_accelerator
     from ds_muon.integration.jit_ops import OPS
     from torch.utils.cpp_extension import _get_build_directory
@@ -59,8 +60,9 @@ def _load_ops() -> list[str]:
             builder = get_accelerator().create_op_builder(name)
             if builder is None or not builder.is_compatible(verbose=False):
                 continue
-            built = os.path.join(_get_build_directory(builder.name, verbose=False), f"{builder.name}.so")
-            if not os.path.exists(built):
+            folder = _get_build_directory(builder.name, verbose=False)
+            if not os.path.exists(os.path.join(folder, f"{builder.name}.so")) or os.path.exists(
+                    os.path.join(folder, "lock")):
                 continue  # a build belongs to scripts/test.sh's op step or to the rank, with its time-out
             with contextlib.redirect_stdout(io.StringIO()):
                 builder.load(verbose=False)

@@ -93,9 +93,8 @@ VOLATILE_ENV = ("PYTEST_CURRENT_TEST", "PYTORCH_NVML_BASED_CUDA_CHECK")
 
 
 def _inductor_default_cache_dir() -> str | None:
-    """The directory torch's inductor falls back to when ``TORCHINDUCTOR_CACHE_DIR`` is unset, absolute: its first
-    compile in a process writes that into ``os.environ`` (``torch/_inductor/runtime/cache_dir_utils.py``,
-    ``cache_dir``), in the test process as in a rank; None where torch has no such function."""
+    """The directory torch's inductor falls back to when ``TORCHINDUCTOR_CACHE_DIR`` is unset, absolute; None where
+    torch has no such function."""
     try:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
         return os.path.abspath(default_cache_dir())
@@ -104,11 +103,16 @@ def _inductor_default_cache_dir() -> str | None:
 
 
 def _environ() -> dict:
-    """``os.environ`` less :data:`VOLATILE_ENV` and less ``TORCHINDUCTOR_CACHE_DIR`` where it holds inductor's own
-    default (set by the test process's first compile, e.g. an oracle's; a rank would set the same value)."""
+    """``os.environ`` less :data:`VOLATILE_ENV`, with ``TORCHINDUCTOR_CACHE_DIR`` made absolute and left out where
+    it is inductor's default. Inductor writes the variable, absolute, into ``os.environ`` when its modules load
+    (``torch/_inductor/runtime/cache_dir_utils.py``, ``cache_dir``; ``import torch._dynamo`` does it, which the
+    first ``torch.optim`` optimizer of a process imports): in the test process as in a rank, so neither that nor
+    the absolute form of a value set before the session is a change."""
     env = {k: v for k, v in os.environ.items() if k not in VOLATILE_ENV}
-    if "TORCHINDUCTOR_CACHE_DIR" in env and env["TORCHINDUCTOR_CACHE_DIR"] == _inductor_default_cache_dir():
-        del env["TORCHINDUCTOR_CACHE_DIR"]
+    if "TORCHINDUCTOR_CACHE_DIR" in env:
+        env["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(env["TORCHINDUCTOR_CACHE_DIR"])
+        if env["TORCHINDUCTOR_CACHE_DIR"] == _inductor_default_cache_dir():
+            del env["TORCHINDUCTOR_CACHE_DIR"]
     return env
 
 
@@ -132,7 +136,9 @@ def start_method(fn: Callable, env: dict | None) -> str:
     # DS_MUON_TEST_FORKSERVER=0 makes every rank a fresh interpreter (to rule the forkserver out when a test fails).
     # fn.before_init (the byte counters' torch.distributed wrappers) runs in each rank before deepspeed.init_distributed:
     # DeepSpeed 0.19.8 binds all_gather_into_tensor / reduce_scatter_tensor there (comm/torch.py, TorchBackend) and
-    # looks every other collective up per call, so a DeepSpeed imported beforehand is counted the same.
+    # looks every other collective up per call, so a DeepSpeed imported beforehand is counted the same. The preload's
+    # torch modules bind a few collectives by value (torch.distributed._functional_collectives, tensor._collective_utils):
+    # neither ds_muon nor DeepSpeed's comm path calls them (checked by a review, 2026-12-05).
     if env or os.environ.get("DS_MUON_TEST_FORKSERVER") == "0" or changed_env():
         return "spawn"
     mp.set_forkserver_preload(PRELOAD)  # takes effect when the forkserver starts, under _BASE_ENV

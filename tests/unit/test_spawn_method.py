@@ -2,8 +2,8 @@
 
 Ranks fork from a forkserver that has run tests/support/rank_preload.py only when nothing they see can differ from
 that process: no per-rank ``env`` and the environment of the session's start (aside from pytest's
-``PYTEST_CURRENT_TEST``, what ``import deepspeed`` sets in every process, and inductor's default cache directory,
-which its first compile writes into ``os.environ``). Any other group starts fresh
+``PYTEST_CURRENT_TEST``, what ``import deepspeed`` sets in every process, and inductor's cache directory, which
+``import torch._dynamo`` writes into ``os.environ``, absolute). Any other group starts fresh
 interpreters, and ``DS_MUON_TEST_FORKSERVER=0`` makes every group do so.
 """
 from __future__ import annotations
@@ -36,16 +36,25 @@ def test_forkserver_only_under_the_session_environment(monkeypatch) -> None:
 
 
 def test_inductor_setting_its_default_cache_dir_keeps_the_forkserver(monkeypatch, tmp_path) -> None:
-    """torch's inductor writes its default cache directory into ``os.environ`` at its first compile in a process
-    (the test process's oracles compile): that is what a rank would use too, so groups stay forked; another
-    directory is a real change."""
+    """torch's inductor writes its cache directory into ``os.environ`` when its modules load (``import
+    torch._dynamo``, the first ``torch.optim`` optimizer's, in the test process): its default, or the absolute form
+    of a value set before the session, is what a rank would use too, so groups stay forked; another directory is a
+    real change."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
     monkeypatch.delenv("DS_MUON_TEST_FORKSERVER", raising=False)
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "recorded")  # so that monkeypatch restores the variable's state
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     monkeypatch.setattr(spawn, "_BASE_ENV", spawn._environ())
-    cache_dir()  # sets TORCHINDUCTOR_CACHE_DIR to the default (monkeypatch restores the environment afterwards)
+    cache_dir()  # sets TORCHINDUCTOR_CACHE_DIR to the default
     assert "TORCHINDUCTOR_CACHE_DIR" in spawn.os.environ
     assert spawn.changed_env() == {} and spawn.start_method(_fn, None) == "forkserver"
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    assert spawn.changed_env() == {"TORCHINDUCTOR_CACHE_DIR": (None, str(tmp_path))}
+    monkeypatch.chdir(tmp_path)  # a relative value set before the session: cache_dir() makes it absolute
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "relative_cache")
+    monkeypatch.setattr(spawn, "_BASE_ENV", spawn._environ())
+    cache_dir()
+    assert spawn.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "relative_cache")
+    assert spawn.changed_env() == {} and spawn.start_method(_fn, None) == "forkserver"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "another"))
+    assert spawn.changed_env() == {"TORCHINDUCTOR_CACHE_DIR": (str(tmp_path / "relative_cache"),
+                                                              str(tmp_path / "another"))}
     assert spawn.start_method(_fn, None) == "spawn"
