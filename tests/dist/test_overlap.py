@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.support.harness import (PARITY_RTOL, build_engine, clone_tags, compare, ds_config, gathered_params,
-                                   reference_model, resume_phase, state_snapshot, train_engine, train_reference)
+                                   momentum_dtypes, reference_model, resume_phase, state_snapshot, train_engine, train_reference)
 from tests.support.spawn import run_distributed
 
 STEPS = 4
@@ -55,13 +55,6 @@ def _train(rank: int, case: dict, overlap: bool, steps: int = STEPS):
     dtypes = momentum_dtypes(engine)
     engine.destroy()
     return state, stats, init, tags, got, cfg, dtypes
-
-
-def momentum_dtypes(engine) -> list[str]:
-    """The dtypes of every Muon momentum buffer this rank's optimizer holds (ZeRO-3 sub-groups or ZeRO-1/2 param
-    groups), sorted."""
-    from ds_muon.names import MOMENTUM_KEY
-    return sorted({str(s[MOMENTUM_KEY].dtype) for s in engine.optimizer.optimizer.state.values() if MOMENTUM_KEY in s})
 
 
 def train_on_off(rank: int, world_size: int, cases: list[dict]) -> dict:

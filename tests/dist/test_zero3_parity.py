@@ -16,7 +16,8 @@ from tests.support.precision import FP16_SKIP, fp16_supported
 from tests.support.spawn import run_distributed
 from tests.support.models import ParityNet, late_groups, late_parity_net, wide_parity_net
 from tests.support.harness import (PARITY_RTOL, build_engine, clone_tags, compare, ds_config, fp32_master_params,
-                           gathered_params, reference_model, swap_dir_for, train_engine, train_reference)
+                           gathered_params, momentum_dtypes, reference_model, swap_dir_for, train_engine,
+                           train_reference)
 
 STEPS = 3
 
@@ -145,14 +146,6 @@ def _partition_padding(opt, rank: int) -> list[float]:
     return values
 
 
-def _momentum_dtypes(engine) -> list[str]:
-    """Probe: the dtype of every Muon sub-group's momentum after training."""
-    from ds_muon.names import MOMENTUM_KEY
-    opt = engine.optimizer
-    return sorted({str(opt.optimizer.state[opt.fp32_partitioned_groups_flat[i]][MOMENTUM_KEY].dtype)
-                   for i in opt.muon_plans})
-
-
 def _oracle_scheduler(optimizer, case: dict):
     """The case's DeepSpeed lr scheduler built on the oracle's optimizer; returns its ``step``."""
     if not case.get("scheduler"):
@@ -242,7 +235,7 @@ CASES = {
         dict(name="w2-cpu-offload-gas2-clip", gas=2, clip=0.5, zero=dict(offload_optimizer={"device": "cpu"})),
         # bf16 momentum storage on both sides (the oracle rounds the same way), fp32 everything else
         dict(name="w2-bf16-momentum-gas2-clip", gas=2, clip=0.5, params=dict(momentum_dtype="bfloat16"),
-             probe=(None, _momentum_dtypes), want_probe=["torch.bfloat16"]),
+             probe=(None, momentum_dtypes), want_probe=["torch.bfloat16"]),
         # bf16 model (fp32 master weights and optimizer) against the fp32 oracle: forward/backward
         # in bf16 differ from fp32 by bf16 rounding (unit roundoff 2^-9), hence the looser, stated
         # tolerances for every parameter, Muon or AdamW: 1e-2 of the parameter, 5e-2 of its update

@@ -98,6 +98,13 @@ def state_snapshot(engine) -> dict:
     return {"tensors": out, "steps": steps, "muon_steps": engine.optimizer.muon_step_count}
 
 
+def momentum_dtypes(engine) -> list[str]:
+    """The dtypes of every Muon momentum buffer this rank's ZeRO optimizer holds (ZeRO-3 sub-groups or ZeRO-1/2
+    param groups), sorted: ``["torch.float32"]`` by default, ``["torch.bfloat16"]`` with ``momentum_dtype``."""
+    from ds_muon.names import MOMENTUM_KEY
+    return sorted({str(s[MOMENTUM_KEY].dtype) for s in engine.optimizer.optimizer.state.values() if MOMENTUM_KEY in s})
+
+
 def assert_same_state(got: dict, want: dict, where: str) -> None:
     """Two :func:`state_snapshot` results are equal bit for bit (``torch.equal``), naming the first difference."""
     assert got["steps"] == want["steps"] and got["muon_steps"] == want["muon_steps"], where

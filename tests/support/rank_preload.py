@@ -52,15 +52,15 @@ def _load_ops() -> list[str]:
     ``python -m ds_muon.integration.jit_ops`` clears stale locks). An extension older than its sources (another
     torch) is rebuilt here as a rank would rebuild it."""
     from deepspeed.accelerator import get_accelerator
-    from ds_muon.integration.jit_ops import OPS
-    from torch.utils.cpp_extension import _get_build_directory
+    from ds_muon.integration.jit_ops import OPS, _build_dir
+    accel = get_accelerator()
     loaded = []
-    for name in OPS.get(get_accelerator()._name, ()):
+    for name in OPS.get(accel.device_name(), ()):
         with contextlib.suppress(Exception):
-            builder = get_accelerator().create_op_builder(name)
+            builder = accel.create_op_builder(name)
             if builder is None or not builder.is_compatible(verbose=False):
                 continue
-            folder = _get_build_directory(builder.name, verbose=False)
+            folder = _build_dir(builder.name)
             if not os.path.exists(os.path.join(folder, f"{builder.name}.so")) or os.path.exists(
                     os.path.join(folder, "lock")):
                 continue  # a build belongs to scripts/test.sh's op step or to the rank, with its time-out
