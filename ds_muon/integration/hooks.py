@@ -55,6 +55,7 @@ import deepspeed.runtime.zero.stage3 as ds_stage3
 import deepspeed.runtime.config as ds_runtime_config
 import deepspeed.runtime.zero.utils as ds_zero_utils
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import logger as ds_logger
 
@@ -75,6 +76,7 @@ from .parallelism import mpu_problem, qk_clip_sp_problem, sequence_parallel_size
 from .schedulers import GroupRatioScheduler, broadcasts_one_lr
 from .validation import client_muon_problem, hand_over, is_parsed, parsed_config, validated_once
 from .zero12 import MuonZero12Optimizer
+from .overlap import overlap_reduce_bucket_size
 from .zero3 import MuonZeroOptimizer
 
 #: DeepSpeed's lower-cased name of the "AdamMini" optimizer type (its sanity check accepts only names it knows).
@@ -363,6 +365,22 @@ def _do_optimizer_sanity_check(self: DeepSpeedEngine, basic_optimizer):
     return _PATCHES.original("_do_optimizer_sanity_check")(self, basic_optimizer)
 
 
+def _overlap_bucket(engine: DeepSpeedEngine, optimizer: DsMuonInner, stage: int) -> None:
+    """Where the overlapped Muon step will run and the config leaves ``zero_optimization.reduce_bucket_size`` unset,
+    the ZeRO optimizer gets ds_muon's smaller bucket (:func:`~ds_muon.integration.overlap.overlap_reduce_bucket_size`),
+    said once on rank 0; ``engine.zero_reduce_bucket_size()`` then returns it."""
+    zero_config = engine._config.zero_config
+    size = overlap_reduce_bucket_size(zero_config, getattr(optimizer, "config", None), stage,
+                                      get_accelerator().device_name(), dist.get_world_size())
+    if size is not None:
+        if dist.get_rank() == 0:
+            ds_logger.info(f"ds_muon: zero_optimization.reduce_bucket_size is not set; using {size:.0e} (DeepSpeed's "
+                           f"default is {zero_config.reduce_bucket_size:.0e}) so that the overlapped Muon step "
+                           f"(optimizer.params.overlap_backward) starts early in backward; set the key to keep "
+                           f"another value")
+        zero_config.reduce_bucket_size = size
+
+
 def _configure_zero_optimizer(self: DeepSpeedEngine, optimizer):
     if not isinstance(optimizer, DsMuonInner):
         return _PATCHES.original("_configure_zero_optimizer")(self, optimizer)
@@ -371,6 +389,7 @@ def _configure_zero_optimizer(self: DeepSpeedEngine, optimizer):
         raise ConfigError(f"zero_optimization.stage is {stage}; ds_muon serves ZeRO stages 1, 2 and 3")
     if stage == 3 and self.super_offload():  # DeepSpeed builds SuperOffload at stage 3 only
         raise ConfigError("zero_optimization.super_offload is not supported by ds_muon; turn it off")
+    _overlap_bucket(self, optimizer, stage)
     # Held under the lock: another thread's non-Muon initialize must not see the swapped class.
     if stage == 3:
         with _PATCHES.lock, _swapped(ds_stage3, "DeepSpeedZeroOptimizer_Stage3", MuonZeroOptimizer):

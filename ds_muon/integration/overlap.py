@@ -34,7 +34,52 @@ from ..sharded.exchange import OwnerExchange
 from ..sharded.host_copy import HostCopy
 from ..sharded.overlap import SpeculativeMuon
 
-__all__ = ["OverlapHooks"]
+__all__ = ["OVERLAP_REDUCE_BUCKET_SIZE", "OverlapHooks", "overlap_auto_applies", "overlap_reduce_bucket_size"]
+
+#: ``zero_optimization.reduce_bucket_size`` (elements) that ds_muon uses where the overlapped step runs and the
+#: config leaves the key unset: DeepSpeed's default (5e8) reduces a 934M model in two buckets, the first about half
+#: way through backward, so the speculation starts late and spills past backward's end (one H200, W=1, 934M: step
+#: 0.358 s against 0.271 s with 5e7; docs/benchmarks.md, "Issue 40: the per-bucket stash on a GPU").
+OVERLAP_REDUCE_BUCKET_SIZE = 50_000_000
+
+
+def overlap_auto_applies(device_type: str, offloaded: bool, world_size: int, cuda_graphs: bool) -> bool:
+    """Where ``overlap_backward: "auto"`` turns the overlapped step on at ZeRO-3: on CUDA at one data-parallel rank,
+    no optimizer offload, with ``overlap_cuda_graphs`` (measured faster there: one H200, 3 rounds, 934M: 0.271 s
+    against 0.311-0.386 s without it, and AdamW's 0.273; docs/benchmarks.md, "Issue 40: the overlapped step as
+    CUDA graphs"). Elsewhere it is off: at W >= 2 the speculation launches eagerly on backward's host thread (no
+    graphs around NCCL yet; eager launches made the whole step 1.12-1.20x slower, measured at W=1), and the CPU
+    has no streams."""
+    return device_type == "cuda" and not offloaded and world_size == 1 and bool(cuda_graphs)
+
+
+def overlap_reduce_bucket_size(zero_config, params, stage: int, device_type: str, world_size: int) -> Optional[int]:
+    """The ``reduce_bucket_size`` (elements) ds_muon gives DeepSpeed's ZeRO optimizer, or None to keep the config's.
+
+    :data:`OVERLAP_REDUCE_BUCKET_SIZE` where the overlapped step will run (``overlap_backward`` true, or "auto" where
+    :func:`overlap_auto_applies` at ZeRO-3) and the user's config does not set ``zero_optimization.reduce_bucket_size``
+    (pydantic's ``model_fields_set``; an integration such as transformers' that fills in a value sets it), so that the
+    first gradient bucket, and with it the speculation, starts early in backward. A set value is kept as it is.
+
+    Args:
+        zero_config: DeepSpeed's ``DeepSpeedZeroConfig`` (``engine._config.zero_config``).
+        params: the inner optimizer's ``optimizer.params`` model (``overlap_backward``, ``overlap_cuda_graphs``), or
+            None (no ds_muon config: None is returned).
+        stage: the ZeRO stage (``"auto"`` is on at stage 3 only).
+        device_type: the accelerator's device type, e.g. ``"cuda"``.
+        world_size: the job's world size (the data-parallel ranks of ``"auto"``'s rule).
+    """
+    setting = getattr(params, "overlap_backward", False)
+    offload = getattr(zero_config, "offload_optimizer", None)
+    offloaded = offload is not None and str(getattr(offload.device, "value", offload.device)) != "none"
+    if setting is False or offloaded or "reduce_bucket_size" in zero_config.model_fields_set:
+        return None
+    if setting == "auto" and not (stage == 3 and overlap_auto_applies(device_type, offloaded, world_size,
+                                                                      getattr(params, "overlap_cuda_graphs", True))):
+        return None
+    if int(zero_config.reduce_bucket_size) <= OVERLAP_REDUCE_BUCKET_SIZE:
+        return None
+    return OVERLAP_REDUCE_BUCKET_SIZE
 
 
 class OverlapHooks:
@@ -83,14 +128,9 @@ class OverlapHooks:
         return True
 
     def _overlap_auto(self) -> bool:
-        """Where ``"auto"`` turns the overlapped step on: ZeRO-3 on CUDA at one data-parallel rank, no optimizer
-        offload, with ``overlap_cuda_graphs``: measured faster there (one H200, 3 rounds, 934M: 0.271 s against
-        0.311-0.386 s without it, and AdamW's 0.273; docs/benchmarks.md, "Issue 40: the overlapped step as CUDA
-        graphs"). Elsewhere it is off: at W >= 2 the speculation launches eagerly on backward's host thread (no
-        graphs around NCCL yet; eager launches made the whole step 1.12-1.20x slower, measured at W=1), the CPU
-        has no streams, and ZeRO-1/2's path was not faster in its one GPU round."""
-        return (self._device.type == "cuda" and not self._offloaded() and dist.get_world_size() == 1
-                and self._overlap_setting("overlap_cuda_graphs", True))
+        """Where ``"auto"`` turns the overlapped step on (:func:`overlap_auto_applies`; ZeRO-1/2's mixin: nowhere)."""
+        return overlap_auto_applies(self._device.type, self._offloaded(), dist.get_world_size(),
+                                    self._overlap_setting("overlap_cuda_graphs", True))
 
     def _overlap_setting(self, key: str, default):
         """The inner optimizer's ``optimizer.params`` value ``key``, or ``default`` where it carries no config."""

@@ -186,10 +186,13 @@ class SpeculativeMuon:
             for i, k in ready:
                 self._speculate(i, k, grad_of(i), momentum_of(i), group_of(i), loss_scale)
             return
-        self.stream.wait_stream(wait_for or torch.cuda.current_stream())
+        writer = wait_for or torch.cuda.current_stream()
+        self.stream.wait_stream(writer)
         # the stashes come from the home stream's blocks (which its queued work may still read) and a pinned stash
         # was last read there by the previous commit: the side stream starts after both
-        self.stream.wait_stream(torch.cuda.default_stream(self.stream.device))
+        home = torch.cuda.default_stream(self.stream.device)
+        if home != writer:
+            self.stream.wait_stream(home)
         with torch.cuda.stream(self.stream):
             for i, k in ready:
                 grad, momentum = grad_of(i), momentum_of(i)

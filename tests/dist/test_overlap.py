@@ -53,8 +53,9 @@ def _train(rank: int, case: dict, overlap: bool, steps: int = STEPS):
     stats = dict(engine.optimizer.overlap_stats)
     got = gathered_params(model)
     dtypes = momentum_dtypes(engine)
+    bucket = (engine.zero_reduce_bucket_size(), int(engine.optimizer.reduce_bucket_size))
     engine.destroy()
-    return state, stats, init, tags, got, cfg, dtypes
+    return state, stats, init, tags, got, cfg, dtypes, bucket
 
 
 def train_on_off(rank: int, world_size: int, cases: list[dict]) -> dict:
@@ -63,10 +64,11 @@ def train_on_off(rank: int, world_size: int, cases: list[dict]) -> dict:
     from tests.support.harness import assert_same_state
     out = {}
     for case in cases:
-        on, stats, init, tags, got, cfg, dtypes = _train(rank, case, True)
-        off, off_stats, *_ = _train(rank, case, False)
+        on, stats, init, tags, got, cfg, dtypes, bucket = _train(rank, case, True)
+        off, off_stats, *_, off_bucket = _train(rank, case, False)
         assert_same_state(on, off, f"{case['name']} W={world_size}")
-        out[case["name"]] = {"stats": stats, "off_stats": off_stats, "momentum_dtypes": dtypes}
+        out[case["name"]] = {"stats": stats, "off_stats": off_stats, "momentum_dtypes": dtypes,
+                             "reduce_bucket_size": {"on": bucket, "off": off_bucket}}
         if case.get("oracle") and rank == 0:
             out[case["name"]]["errors"] = oracle_errors(case, cfg, init, tags, got, world_size)
     return out
@@ -152,6 +154,12 @@ def test_overlap_exact(world_size, tmp_path):
         assert r[name]["stats"]["commits"] > 0, (name, r[name])
     assert r["eval_stats"]["commits"] > 0, r["eval_stats"]
     check_oracle(r["plain"]["errors"])  # test_zero3_parity.py's tolerances
+    # reduce_bucket_size unset: the overlapped step runs with ds_muon's bucket (engine and ZeRO optimizer agree),
+    # without it DeepSpeed's default; a set value is kept either way
+    from ds_muon.integration.overlap import OVERLAP_REDUCE_BUCKET_SIZE
+    assert r["plain"]["reduce_bucket_size"] == {"on": (OVERLAP_REDUCE_BUCKET_SIZE,) * 2,
+                                                "off": (500_000_000,) * 2}, r["plain"]
+    assert r["small_ipg_subgroups"]["reduce_bucket_size"] == {"on": (100, 100), "off": (100, 100)}
     # every rank took the same path
     assert all(x["plain"]["stats"] == r["plain"]["stats"] for x in results)
 

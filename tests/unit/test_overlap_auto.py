@@ -1,0 +1,51 @@
+"""Where ``overlap_backward`` "auto" runs, and the reduce bucket ds_muon picks for the overlapped step
+(``ds_muon.integration.overlap``), from DeepSpeed's own ZeRO config model and ds_muon's parsed params."""
+from __future__ import annotations
+
+import pytest
+from deepspeed.runtime.zero.config import get_zero_config
+
+from ds_muon.config.muon import parse_muon_params
+from ds_muon.integration.overlap import OVERLAP_REDUCE_BUCKET_SIZE, overlap_auto_applies, overlap_reduce_bucket_size
+
+SMALL = OVERLAP_REDUCE_BUCKET_SIZE
+
+
+def _bucket(zero: dict, params: dict, device: str = "cuda", world: int = 1):
+    zc = get_zero_config({"zero_optimization": zero})
+    return overlap_reduce_bucket_size(zc, parse_muon_params({"lr": 0.02, **params}), zc.stage, device, world)
+
+
+@pytest.mark.parametrize("device, offloaded, world, graphs, on", [
+    ("cuda", False, 1, True, True),
+    ("cuda", False, 2, True, False),  # eager launches on backward's host thread: measured slower
+    ("cuda", True, 1, True, False),
+    ("cuda", False, 1, False, False),
+    ("cpu", False, 1, True, False),
+])
+def test_auto_applies(device, offloaded, world, graphs, on):
+    assert overlap_auto_applies(device, offloaded, world, graphs) is on
+
+
+@pytest.mark.parametrize("zero, params, device, world, want", [
+    ({"stage": 3}, {}, "cuda", 1, SMALL),                                   # "auto" on, key unset
+    ({"stage": 3, "reduce_bucket_size": 5e8}, {}, "cuda", 1, None),          # set by the user (even to the default)
+    ({"stage": 3, "reduce_bucket_size": 2e8}, {"overlap_backward": True}, "cuda", 1, None),
+    ({"stage": 3}, {}, "cuda", 2, None),                                    # "auto" off at W=2
+    ({"stage": 3}, {}, "cpu", 1, None),                                     # "auto" off on the CPU
+    ({"stage": 3}, {"overlap_backward": False}, "cuda", 1, None),
+    ({"stage": 3}, {"overlap_cuda_graphs": False}, "cuda", 1, None),         # "auto" needs the graphs
+    ({"stage": 3, "offload_optimizer": {"device": "cpu"}}, {"overlap_backward": True}, "cuda", 1, None),
+    ({"stage": 3, "offload_optimizer": {"device": "none"}}, {}, "cuda", 1, SMALL),
+    ({"stage": 2}, {}, "cuda", 1, None),                                    # "auto" is off at ZeRO-1/2
+    ({"stage": 2}, {"overlap_backward": True}, "cuda", 2, SMALL),           # true: wherever it runs
+    ({"stage": 3}, {"overlap_backward": True}, "cpu", 4, SMALL),
+    ({"stage": 3, "reduce_bucket_size": 1e7}, {}, "cuda", 1, None),
+])
+def test_reduce_bucket_for_overlap(zero, params, device, world, want):
+    assert _bucket(zero, params, device, world) == want
+
+
+def test_no_ds_muon_params_keeps_the_config():
+    zc = get_zero_config({"zero_optimization": {"stage": 3}})
+    assert overlap_reduce_bucket_size(zc, None, 3, "cuda", 1) is None
