@@ -30,7 +30,7 @@ if ! python -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1; then
         python -m pip install torch
     else
-        echo ">> installing torch==2.13.0 from ${TORCH_INDEX_URL:-PyPI}"
+        echo ">> installing torch==2.13.0 (pip's ${TORCH_INDEX_URL:+index $TORCH_INDEX_URL}${TORCH_INDEX_URL:-configured index or local wheels})"
         # TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu where PyPI would give the CUDA build
         python -m pip install "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
     fi

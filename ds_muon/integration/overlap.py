@@ -37,9 +37,10 @@ from ..sharded.overlap import SpeculativeMuon
 __all__ = ["OVERLAP_REDUCE_BUCKET_SIZE", "OverlapHooks", "overlap_auto_applies", "overlap_reduce_bucket_size"]
 
 #: ``zero_optimization.reduce_bucket_size`` (elements) that ds_muon uses where the overlapped step runs and the
-#: config leaves the key unset: DeepSpeed's default (5e8) reduces a 934M model in two buckets, the first about half
-#: way through backward, so the speculation starts late and spills past backward's end (one H200, W=1, 934M: step
-#: 0.358 s against 0.271 s with 5e7; docs/benchmarks.md, "Issue 40: the per-bucket stash on a GPU").
+#: config leaves the key unset: DeepSpeed's default (5e8) reduces a 934M model in two buckets, the first after about
+#: 5e8 of its gradient elements, so the speculation starts late and spills past backward's end (one H200, W=1, 934M,
+#: 3 rounds each: step 1.16x AdamW's with 5e8, 0.99x with 5e7, in two runs; docs/benchmarks.md, "Issue 40: the
+#: per-bucket stash on a GPU").
 OVERLAP_REDUCE_BUCKET_SIZE = 50_000_000
 
 
@@ -73,6 +74,8 @@ def overlap_reduce_bucket_size(zero_config, params, stage: int, device_type: str
     offload = getattr(zero_config, "offload_optimizer", None)
     offloaded = offload is not None and str(getattr(offload.device, "value", offload.device)) != "none"
     if setting is False or offloaded or "reduce_bucket_size" in zero_config.model_fields_set:
+        return None
+    if stage == 1 and not zero_config.overlap_comm:  # refused there (DeepSpeed reduces after backward)
         return None
     if setting == "auto" and not (stage == 3 and overlap_auto_applies(device_type, offloaded, world_size,
                                                                       getattr(params, "overlap_cuda_graphs", True))):

@@ -132,12 +132,15 @@ class OwnerExchange:
             raise ValueError(f"plan for W={plan.world_size} does not match W={W}")
         # a whole plan reads and writes the whole shard; one bucket may come with just a stretch holding its pieces
 
+        held: list = []  # this rank's pieces of a one-bucket plan, listed at most once per call
+
         def fits(t: torch.Tensor, offset: int) -> bool:
             if (offset, t.numel()) == (0, plan.shard_numel):
                 return True
             if isinstance(plan, BucketedPlan) or offset < 0:
                 return False
-            held = [s.pieces[self.rank] for s in plan.slots if s.pieces[self.rank].sent]
+            if not held:
+                held.extend(s.pieces[self.rank] for s in plan.slots if s.pieces[self.rank].sent)
             return all(offset <= p.shard_offset and p.shard_offset + p.sent <= offset + t.numel() for p in held)
         if not fits(u, u_offset) or not fits(out, out_offset):
             raise ValueError(f"plan for shard {plan.shard_numel} does not match u {u.numel()} at offset {u_offset}, "

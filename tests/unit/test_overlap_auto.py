@@ -40,6 +40,8 @@ def test_auto_applies(device, offloaded, world, graphs, on):
     ({"stage": 2}, {}, "cuda", 1, None),                                    # "auto" is off at ZeRO-1/2
     ({"stage": 2}, {"overlap_backward": True}, "cuda", 2, SMALL),           # true: wherever it runs
     ({"stage": 3}, {"overlap_backward": True}, "cpu", 4, SMALL),
+    ({"stage": 1, "overlap_comm": True}, {"overlap_backward": True}, "cuda", 1, SMALL),
+    ({"stage": 1, "overlap_comm": False}, {"overlap_backward": True}, "cuda", 1, None),  # refused: nothing to set
     ({"stage": 3, "reduce_bucket_size": 1e7}, {}, "cuda", 1, None),
 ])
 def test_reduce_bucket_for_overlap(zero, params, device, world, want):
