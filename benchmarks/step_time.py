@@ -609,6 +609,7 @@ def worker(args) -> None:
                   # it had to free its cache and retry a cudaMalloc (memory pressure: a device sync each time)
                   peak_reserved_gib=peak_reserved / 2**30,
                   alloc_retries=torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+    result["reduce_bucket_size"] = int(engine.zero_reduce_bucket_size())  # elements: as set, or ds_muon's choice
     if kind.startswith("ds_muon"):
         from torch._dynamo.utils import counters
         result["compiled_graphs"] = int(counters["stats"].get("unique_graphs", 0))

@@ -365,20 +365,33 @@ def _do_optimizer_sanity_check(self: DeepSpeedEngine, basic_optimizer):
     return _PATCHES.original("_do_optimizer_sanity_check")(self, basic_optimizer)
 
 
-def _overlap_bucket(engine: DeepSpeedEngine, optimizer: DsMuonInner, stage: int) -> None:
+def _overlap_bucket(engine: DeepSpeedEngine, optimizer: DsMuonInner, stage: int) -> Optional[int]:
     """Where the overlapped Muon step will run and the config leaves ``zero_optimization.reduce_bucket_size`` unset,
-    the ZeRO optimizer gets ds_muon's smaller bucket (:func:`~ds_muon.integration.overlap.overlap_reduce_bucket_size`),
-    said once on rank 0; ``engine.zero_reduce_bucket_size()`` then returns it."""
+    the ZeRO optimizer gets ds_muon's smaller bucket (:func:`~ds_muon.integration.overlap.overlap_reduce_bucket_size`;
+    ``engine.zero_reduce_bucket_size()`` then returns it). Returns the value it replaced (elements), or None."""
     zero_config = engine._config.zero_config
     size = overlap_reduce_bucket_size(zero_config, getattr(optimizer, "config", None), stage,
                                       get_accelerator().device_name(), dist.get_world_size())
-    if size is not None:
-        if dist.get_rank() == 0:
-            ds_logger.info(f"ds_muon: zero_optimization.reduce_bucket_size is not set; using {size:.0e} (DeepSpeed's "
-                           f"default is {zero_config.reduce_bucket_size:.0e}) so that the overlapped Muon step "
-                           f"(optimizer.params.overlap_backward) starts early in backward; set the key to keep "
-                           f"another value")
-        zero_config.reduce_bucket_size = size
+    if size is None:
+        return None
+    replaced = int(zero_config.reduce_bucket_size)
+    zero_config.reduce_bucket_size = size
+    return replaced
+
+
+def _say_overlap_bucket(engine: DeepSpeedEngine, zero_optimizer, replaced: Optional[int]) -> None:
+    """Once on rank 0, after the ZeRO optimizer is built: the reduce bucket ds_muon chose, and whether the overlapped
+    step it was chosen for runs (it may not: no Muon sub-group, or expert-parallel exchange groups at W >= 2)."""
+    if replaced is None or dist.get_rank() != 0:
+        return
+    size = engine.zero_reduce_bucket_size()
+    if getattr(zero_optimizer, "speculative", None) is not None:
+        why = "so that the overlapped Muon step (optimizer.params.overlap_backward) starts early in backward"
+    else:
+        why = ("for the overlapped Muon step (optimizer.params.overlap_backward), which does not run in this job "
+               "(docs/design.md, 'The overlapped step')")
+    ds_logger.info(f"ds_muon: zero_optimization.reduce_bucket_size is not set; using {size:.0e} elements instead of "
+                   f"DeepSpeed's default {replaced:.0e} {why}; set the key to choose another value")
 
 
 def _configure_zero_optimizer(self: DeepSpeedEngine, optimizer):
@@ -389,7 +402,7 @@ def _configure_zero_optimizer(self: DeepSpeedEngine, optimizer):
         raise ConfigError(f"zero_optimization.stage is {stage}; ds_muon serves ZeRO stages 1, 2 and 3")
     if stage == 3 and self.super_offload():  # DeepSpeed builds SuperOffload at stage 3 only
         raise ConfigError("zero_optimization.super_offload is not supported by ds_muon; turn it off")
-    _overlap_bucket(self, optimizer, stage)
+    replaced_bucket = _overlap_bucket(self, optimizer, stage)
     # Held under the lock: another thread's non-Muon initialize must not see the swapped class.
     if stage == 3:
         with _PATCHES.lock, _swapped(ds_stage3, "DeepSpeedZeroOptimizer_Stage3", MuonZeroOptimizer):
@@ -404,6 +417,7 @@ def _configure_zero_optimizer(self: DeepSpeedEngine, optimizer):
 
         with _PATCHES.lock, _swapped(ds_engine, "DeepSpeedZeroOptimizer", zero12):
             zero_optimizer = _PATCHES.original("_configure_zero_optimizer")(self, optimizer)
+    _say_overlap_bucket(self, zero_optimizer, replaced_bucket)
     if self.monitor.enabled:  # per-step Muon figures go to DeepSpeed's own monitor, not to a logger of ours
         engine = weakref.ref(self)
 

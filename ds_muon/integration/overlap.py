@@ -80,8 +80,6 @@ def overlap_reduce_bucket_size(zero_config, params, stage: int, device_type: str
     if setting == "auto" and not (stage == 3 and overlap_auto_applies(device_type, offloaded, world_size,
                                                                       getattr(params, "overlap_cuda_graphs", True))):
         return None
-    if int(zero_config.reduce_bucket_size) <= OVERLAP_REDUCE_BUCKET_SIZE:
-        return None
     return OVERLAP_REDUCE_BUCKET_SIZE
 
 

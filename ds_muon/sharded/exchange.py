@@ -132,7 +132,7 @@ class OwnerExchange:
             raise ValueError(f"plan for W={plan.world_size} does not match W={W}")
         # a whole plan reads and writes the whole shard; one bucket may come with just a stretch holding its pieces
 
-        held: list = []  # this rank's pieces of a one-bucket plan, listed at most once per call
+        held: list = []  # this rank's pieces of a one-bucket plan, listed on the first call that needs them
 
         def fits(t: torch.Tensor, offset: int) -> bool:
             if (offset, t.numel()) == (0, plan.shard_numel):

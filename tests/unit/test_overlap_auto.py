@@ -42,7 +42,7 @@ def test_auto_applies(device, offloaded, world, graphs, on):
     ({"stage": 3}, {"overlap_backward": True}, "cpu", 4, SMALL),
     ({"stage": 1, "overlap_comm": True}, {"overlap_backward": True}, "cuda", 1, SMALL),
     ({"stage": 1, "overlap_comm": False}, {"overlap_backward": True}, "cuda", 1, None),  # refused: nothing to set
-    ({"stage": 3, "reduce_bucket_size": 1e7}, {}, "cuda", 1, None),
+    ({"stage": 3, "reduce_bucket_size": 1e7}, {}, "cuda", 1, None),          # a smaller set value: kept too
 ])
 def test_reduce_bucket_for_overlap(zero, params, device, world, want):
     assert _bucket(zero, params, device, world) == want
@@ -51,3 +51,29 @@ def test_reduce_bucket_for_overlap(zero, params, device, world, want):
 def test_no_ds_muon_params_keeps_the_config():
     zc = get_zero_config({"zero_optimization": {"stage": 3}})
     assert overlap_reduce_bucket_size(zc, None, 3, "cuda", 1) is None
+
+
+@pytest.mark.parametrize("speculative, said", [(object(), "starts early in backward"), (None, "does not run")])
+def test_the_log_says_whether_the_overlap_runs(monkeypatch, speculative, said):
+    """The line rank 0 logs after the ZeRO optimizer is built names the bucket, DeepSpeed's default it replaced and
+    whether the overlapped step it was chosen for runs (it may not: no Muon sub-group, expert-parallel groups)."""
+    import logging
+    import types
+
+    from ds_muon.integration import hooks
+    monkeypatch.setattr(hooks.dist, "get_rank", lambda: 0)
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    hooks.ds_logger.addHandler(handler)
+    level = hooks.ds_logger.level
+    hooks.ds_logger.setLevel(logging.INFO)
+    try:
+        engine = types.SimpleNamespace(zero_reduce_bucket_size=lambda: SMALL)
+        hooks._say_overlap_bucket(engine, types.SimpleNamespace(speculative=speculative), 500_000_000)
+        hooks._say_overlap_bucket(engine, types.SimpleNamespace(speculative=speculative), None)  # nothing replaced
+    finally:
+        hooks.ds_logger.removeHandler(handler)
+        hooks.ds_logger.setLevel(level)
+    assert len(lines) == 1 and "5e+07 elements instead of DeepSpeed's default 5e+08" in lines[0], lines
+    assert said in lines[0], lines
