@@ -429,6 +429,24 @@ def trace_steps(engine, vocab: int, args, g, device, path: str, steps: int = 2) 
         prof.export_chrome_trace(path)
 
 
+def report_traces(trace_dir: str, arms: list[str], results: dict) -> None:
+    """Each arm's trace (``trace_dir/<arm>.json``) read by ``benchmarks/trace_streams.py``, printed and written next to
+    it as ``<arm>.txt``, with the Newton-Schulz floor of the first arm that has one (``ns_floor_s``): on an AdamW or
+    built-in trace, how much of ds_muon's Newton-Schulz backward's idle GPU time could absorb."""
+    floors = [results[a]["ns_floor_s"] for a in arms if results.get(a, {}).get("ns_floor_s")]
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trace_streams.py")
+    for arm in arms:
+        path = os.path.join(trace_dir, re.sub(r'[^A-Za-z0-9_.-]', '_', arm) + ".json")
+        if not os.path.exists(path):
+            continue
+        cmd = [sys.executable, script, path, *(["--ns-floor-ms", f"{floors[0] * 1e3:.3f}"] if floors else [])]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        text = proc.stdout if proc.returncode == 0 else f"trace_streams failed (exit {proc.returncode}):\n{proc.stderr}"
+        with open(path[:-len(".json")] + ".txt", "w") as f:
+            f.write(text)
+        print(f"\n{arm}, trace ({path}):\n{text}", flush=True)
+
+
 def _optimizer_state_bytes(engine) -> int:
     """Bytes of this rank's optimizer state (Adam moments, Muon momentum, Adam-mini block moments; not the fp32
     master weights or gradients), wherever it lives (accelerator or CPU)."""
@@ -665,7 +683,8 @@ def main() -> None:
                     help="also profile 3 ds_muon and 3 AdamW steps with torch.profiler and print the summary tables")
     ap.add_argument("--trace", default=None, metavar="DIR",
                     help="after the timed steps of round 1, write a Chrome trace of 2 whole steps of each arm to "
-                         "DIR/<arm>.json (rank 0)")
+                         "DIR/<arm>.json (rank 0), and at the end benchmarks/trace_streams.py's report of each to "
+                         "DIR/<arm>.txt (streams, the GPU's idle time in fwd+bwd against the Newton-Schulz floor)")
     ap.add_argument("--ns-micro", action=argparse.BooleanOptionalAction, default=True,
                     help="also run the Newton-Schulz microbenchmark (one GPU)")
     ap.add_argument("--ns-shapes", default=",".join("x".join(map(str, s)) for s in NS_SHAPES),
@@ -741,6 +760,8 @@ def main() -> None:
                     with open(args.out, "w") as f:
                         json.dump(results, f, indent=2)
     print_table({k: v for k, v in results.items() if k != "ns_micro"})
+    if args.trace:
+        report_traces(args.trace, arms, results)
     for arm, v in results.items():
         for phase, lines in (v.get("sync_points") or {}).items():
             print(f"\n{arm}, {phase}: {sum(lines.values())} host-device syncs: " +

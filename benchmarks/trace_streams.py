@@ -6,9 +6,13 @@ steps, rank 0) and prints, for the second step's fwd+bwd:
   main stream idles while the host launches speculative work;
 - the side stream's work left after the main stream's last backward kernel (the spill into the step);
 - the host milliseconds and calls of every ``ds_muon/...`` record_function range inside fwd+bwd (the speculation's
-  launches run on backward's thread).
+  launches run on backward's thread);
+- the GPU's idle milliseconds inside fwd+bwd (no kernel, copy or memset on any stream: the union of their
+  intervals), and with ``--ns-floor-ms`` (``benchmarks/step_time.py``'s ``ns_floor_s`` × 1000, the Muon arm's
+  Newton–Schulz at the measured matmul rate) the share of that floor an idle GPU could absorb. Read on an AdamW or
+  built-in trace, this bounds what any overlap of the Muon step with backward can hide on that setting.
 
-    python benchmarks/trace_streams.py TRACE.json[.gz] [--bin-ms 10]
+    python benchmarks/trace_streams.py TRACE.json[.gz] [--bin-ms 10] [--ns-floor-ms 54]
 """
 from __future__ import annotations
 
@@ -25,7 +29,19 @@ def load(path: str) -> list[dict]:
         return [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
 
 
-def report(events: list[dict], bin_ms: float = 10.0) -> str:
+def busy_us(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Microseconds of ``[lo, hi]`` covered by the union of ``intervals`` (``(start, end)`` in microseconds, in any
+    order, overlapping or not): the time some stream ran a kernel."""
+    total, at = 0.0, lo
+    for start, end in sorted(intervals):
+        start, end = max(start, at), min(end, hi)
+        if end > start:
+            total += end - start
+            at = end
+    return total
+
+
+def report(events: list[dict], bin_ms: float = 10.0, ns_floor_ms: float | None = None) -> str:
     steps = sorted((e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("bench/")),
                    key=lambda e: e["ts"])
     fwd_bwd = [e for e in steps if e["name"] == "bench/forward_backward"][-1]
@@ -41,6 +57,14 @@ def report(events: list[dict], bin_ms: float = 10.0) -> str:
              + ", ".join(f"{s}{' (main)' if s == main else ''}: {len(v)}" for s, v in sorted(by_stream.items()))]
     main_end = max(k["ts"] + k["dur"] for k in by_stream[main] if k["ts"] <= t1)
     lines.append(f"main stream's last fwd+bwd kernel ends at {(main_end - t0) / 1e3:.1f} ms")
+    window = t1 - t0
+    gpu = busy_us([(k["ts"], k["ts"] + k["dur"]) for k in kernels], t0, t1)
+    main_busy = busy_us([(k["ts"], k["ts"] + k["dur"]) for k in by_stream[main]], t0, t1)
+    idle = window - gpu
+    lines.append(f"inside fwd+bwd: GPU busy {gpu / 1e3:.1f} ms (main stream {main_busy / 1e3:.1f} ms), idle "
+                 f"{idle / 1e3:.1f} ms ({100 * idle / window:.0f}% of the window)")
+    if ns_floor_ms:
+        lines.append(f"Newton-Schulz floor {ns_floor_ms:.1f} ms: the idle time is {idle / 1e3 / ns_floor_ms:.2f}x it")
     for s, v in sorted(by_stream.items()):
         if s == main:
             continue
@@ -70,8 +94,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
     ap.add_argument("--bin-ms", type=float, default=10.0)
+    ap.add_argument("--ns-floor-ms", type=float, default=None,
+                    help="the Muon arm's Newton-Schulz floor in ms (step_time.py's ns_floor_s x 1000)")
     args = ap.parse_args()
-    print(report(load(args.trace), args.bin_ms))
+    print(report(load(args.trace), args.bin_ms, args.ns_floor_ms))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,56 @@
+"""benchmarks/trace_streams.py on a hand-written Chrome trace (no GPU): the GPU's idle time inside fwd+bwd is the
+window less the union of every stream's kernels (two streams overlapping count once), a kernel outside the window
+counts only its part inside, and the Newton–Schulz floor is compared with that idle time."""
+from __future__ import annotations
+
+import re
+
+from tests.support.tools import repo_module
+
+trace_streams = repo_module("benchmarks/trace_streams.py")
+
+
+def _kernel(ts: float, dur: float, stream: int) -> dict:
+    return {"ph": "X", "cat": "kernel", "name": "k", "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+
+def _events() -> list[dict]:
+    """fwd+bwd from 1000 to 2000 us, the step after it to 2500 us. Main stream (7) busy 1000-1300 and 1500-1600, the
+    side stream (20) 1250-1400 (overlaps main 1250-1300) and 1900-2100 (all of it after main's last fwd+bwd kernel)."""
+    return [
+        {"ph": "X", "cat": "user_annotation", "name": "bench/forward_backward", "ts": 1000.0, "dur": 1000.0},
+        {"ph": "X", "cat": "user_annotation", "name": "bench/step", "ts": 2000.0, "dur": 500.0},
+        _kernel(1000, 300, 7), _kernel(1500, 100, 7), _kernel(2050, 100, 7),
+        _kernel(1250, 150, 20), _kernel(1900, 200, 20),
+    ]
+
+
+def test_busy_us_is_the_union_clipped_to_the_window() -> None:
+    assert trace_streams.busy_us([(0, 10), (5, 20), (30, 40)], 0, 100) == 30
+    assert trace_streams.busy_us([(30, 40), (0, 10), (5, 20)], 8, 35) == 12 + 5  # unsorted, clipped at both ends
+    assert trace_streams.busy_us([], 0, 100) == 0
+
+
+def test_report_states_the_idle_time_and_the_floor_it_could_absorb() -> None:
+    text = trace_streams.report(_events(), bin_ms=0.1, ns_floor_ms=1.0)
+    # union inside [1000, 2000]: 1000-1400 (400) + 1500-1600 (100) + 1900-2000 (100) = 600 us busy, 400 us idle
+    line = next(x for x in text.splitlines() if x.startswith("inside fwd+bwd"))
+    assert re.search(r"GPU busy 0\.6 ms \(main stream 0\.4 ms\), idle 0\.4 ms \(40% of the window\)", line), line
+    assert "Newton-Schulz floor 1.0 ms: the idle time is 0.40x it" in text
+    # the side stream's work after main's last fwd+bwd kernel (at 1600 us): 1900-2100
+    assert "of it 0.2 ms after the main stream's end" in text
+    assert "Newton-Schulz floor" not in trace_streams.report(_events(), bin_ms=0.1)
+
+
+def test_step_time_reports_each_arms_trace_against_the_muon_arms_floor(tmp_path, capsys) -> None:
+    """``step_time.py --trace DIR``'s end: each arm's trace read by trace_streams.py, printed and written to
+    ``DIR/<arm>.txt``, with the first Muon arm's ``ns_floor_s``; an arm without a trace is passed over."""
+    import json
+    step_time = repo_module("benchmarks/step_time.py")
+    arms = ["ds_muon_overlap:bench.clip=0", "adamw:bench.clip=0", "builtin_muon"]
+    (tmp_path / "adamw_bench.clip_0.json").write_text(json.dumps({"traceEvents": _events()}))
+    step_time.report_traces(str(tmp_path), arms, {arms[0]: {"ns_floor_s": 0.001}, arms[1]: {}})
+    text = (tmp_path / "adamw_bench.clip_0.txt").read_text()
+    assert "idle 0.4 ms (40% of the window)" in text and "floor 1.0 ms: the idle time is 0.40x it" in text, text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adamw_bench.clip_0.json", "adamw_bench.clip_0.txt"]
+    assert "adamw:bench.clip=0, trace" in capsys.readouterr().out
