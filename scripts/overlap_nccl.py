@@ -63,8 +63,8 @@ def main() -> int:
         runs = {}
         for name, overlap, graphs in (("graphs", True, True), ("eager", True, False), ("off", False, False)):
             c = {**case, "params": {**case.get("params", {}), "overlap_cuda_graphs": graphs}}
-            state, stats, *_ = _train(rank, c, overlap, args.steps)
-            runs[name] = (state, stats)
+            trained = _train(rank, c, overlap, args.steps)
+            runs[name] = (trained.state, trained.stats)
         same = _difference(runs["graphs"][0], runs["eager"][0])
         results[case["name"]] = {"graphs_vs_eager": same, "overlap_vs_off": _difference(runs["graphs"][0], runs["off"][0]),
                                  "stats": runs["graphs"][1], "eager_stats": runs["eager"][1]}

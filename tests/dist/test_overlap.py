@@ -10,6 +10,7 @@ step, clipping that never fires must commit the speculation. One process group p
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -39,7 +40,23 @@ CASES = [
 ]
 
 
-def _train(rank: int, case: dict, overlap: bool, steps: int = STEPS):
+class Trained(NamedTuple):
+    """One case trained by :func:`_train`. ``state``: :func:`state_snapshot` (weights, momentum, AdamW state, step
+    counts); ``stats``: the optimizer's ``overlap_stats``; ``init``/``tags``: the parameters before training and their
+    Muon tags (for the oracle); ``got``: the trained parameters gathered; ``cfg``: the DeepSpeed config used;
+    ``momentum_dtypes``: :func:`momentum_dtypes`; ``bucket``: ``(engine.zero_reduce_bucket_size(), the ZeRO
+    optimizer's reduce_bucket_size)`` in elements."""
+    state: dict
+    stats: dict
+    init: dict
+    tags: dict
+    got: dict
+    cfg: dict
+    momentum_dtypes: dict
+    bucket: tuple
+
+
+def _train(rank: int, case: dict, overlap: bool, steps: int = STEPS) -> Trained:
     cfg = ds_config(gas=case.get("gas", 1), clip=case.get("clip", 0.0), **case.get("zero", {}))
     cfg["optimizer"]["params"].update(case.get("params", {}), overlap_backward=overlap)
     if case.get("bf16"):
@@ -55,7 +72,7 @@ def _train(rank: int, case: dict, overlap: bool, steps: int = STEPS):
     dtypes = momentum_dtypes(engine)
     bucket = (engine.zero_reduce_bucket_size(), int(engine.optimizer.reduce_bucket_size))
     engine.destroy()
-    return state, stats, init, tags, got, cfg, dtypes, bucket
+    return Trained(state, stats, init, tags, got, cfg, dtypes, bucket)
 
 
 def train_on_off(rank: int, world_size: int, cases: list[dict]) -> dict:
@@ -64,13 +81,12 @@ def train_on_off(rank: int, world_size: int, cases: list[dict]) -> dict:
     from tests.support.harness import assert_same_state
     out = {}
     for case in cases:
-        on, stats, init, tags, got, cfg, dtypes, bucket = _train(rank, case, True)
-        off, off_stats, *_, off_bucket = _train(rank, case, False)
-        assert_same_state(on, off, f"{case['name']} W={world_size}")
-        out[case["name"]] = {"stats": stats, "off_stats": off_stats, "momentum_dtypes": dtypes,
-                             "reduce_bucket_size": {"on": bucket, "off": off_bucket}}
+        on, off = _train(rank, case, True), _train(rank, case, False)
+        assert_same_state(on.state, off.state, f"{case['name']} W={world_size}")
+        out[case["name"]] = {"stats": on.stats, "off_stats": off.stats, "momentum_dtypes": on.momentum_dtypes,
+                             "reduce_bucket_size": {"on": on.bucket, "off": off.bucket}}
         if case.get("oracle") and rank == 0:
-            out[case["name"]]["errors"] = oracle_errors(case, cfg, init, tags, got, world_size)
+            out[case["name"]]["errors"] = oracle_errors(case, on.cfg, on.init, on.tags, on.got, world_size)
     return out
 
 

@@ -67,7 +67,7 @@ def _refusals(rank: int) -> dict:
                        ("stage2_offload", {"stage": 2, "offload_optimizer": {"device": "cpu"}})):
         for setting in (True, "auto"):
             try:
-                _, stats, *_ = _train(rank, {"zero": zero}, setting, steps=1)
+                stats = _train(rank, {"zero": zero}, setting, steps=1).stats
                 out.setdefault(name, {})[str(setting)] = stats
             except ConfigError as exc:
                 out.setdefault(name, {})[str(setting)] = str(exc)
