@@ -432,18 +432,23 @@ def trace_steps(engine, vocab: int, args, g, device, path: str, steps: int = 2) 
 def report_traces(trace_dir: str, arms: list[str], results: dict) -> None:
     """Each arm's trace (``trace_dir/<arm>.json``) read by ``benchmarks/trace_streams.py``, printed and written next to
     it as ``<arm>.txt``, with the Newton-Schulz floor of the first arm that has one (``ns_floor_s``): on an AdamW or
-    built-in trace, how much of ds_muon's Newton-Schulz backward's idle GPU time could absorb."""
+    built-in trace, an estimate of how much of ds_muon's Newton-Schulz backward's idle GPU time could absorb.
+    An arm whose rounds all failed (``"error"``) is passed over (a trace left from an earlier run may lie there), and
+    a report that fails or takes over 300 s is printed as such: the tables above are never lost to it."""
     floors = [results[a]["ns_floor_s"] for a in arms if results.get(a, {}).get("ns_floor_s")]
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trace_streams.py")
     for arm in arms:
         path = os.path.join(trace_dir, re.sub(r'[^A-Za-z0-9_.-]', '_', arm) + ".json")
-        if not os.path.exists(path):
+        if not os.path.exists(path) or "error" in results.get(arm, {"error": "no result"}):
             continue
         cmd = [sys.executable, script, path, *(["--ns-floor-ms", f"{floors[0] * 1e3:.3f}"] if floors else [])]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        text = proc.stdout if proc.returncode == 0 else f"trace_streams failed (exit {proc.returncode}):\n{proc.stderr}"
-        with open(path[:-len(".json")] + ".txt", "w") as f:
-            f.write(text)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            text = proc.stdout if proc.returncode == 0 else f"trace_streams failed (exit {proc.returncode}):\n{proc.stderr}"
+            with open(path[:-len(".json")] + ".txt", "w") as f:
+                f.write(text)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            text = f"trace_streams not reported: {type(exc).__name__}: {exc}"
         print(f"\n{arm}, trace ({path}):\n{text}", flush=True)
 
 
@@ -760,8 +765,6 @@ def main() -> None:
                     with open(args.out, "w") as f:
                         json.dump(results, f, indent=2)
     print_table({k: v for k, v in results.items() if k != "ns_micro"})
-    if args.trace:
-        report_traces(args.trace, arms, results)
     for arm, v in results.items():
         for phase, lines in (v.get("sync_points") or {}).items():
             print(f"\n{arm}, {phase}: {sum(lines.values())} host-device syncs: " +
@@ -771,6 +774,8 @@ def main() -> None:
             print(f"\ntorch.profiler, 3 {arm} steps, rank 0:\n" + results[arm]["profile"])
     if "ns_micro" in results:
         print_ns_table(results["ns_micro"])
+    if args.trace:  # last: what it prints comes after every measured table
+        report_traces(args.trace, arms, results)
 
 
 TIMINGS = ("step_s", "fwd_bwd_s", "opt_step_s", "step_s_events", "fwd_bwd_s_events", "opt_step_s_events",

@@ -7,10 +7,13 @@ steps, rank 0) and prints, for the second step's fwd+bwd:
 - the side stream's work left after the main stream's last backward kernel (the spill into the step);
 - the host milliseconds and calls of every ``ds_muon/...`` record_function range inside fwd+bwd (the speculation's
   launches run on backward's thread);
-- the GPU's idle milliseconds inside fwd+bwd (no kernel, copy or memset on any stream: the union of their
-  intervals), and with ``--ns-floor-ms`` (``benchmarks/step_time.py``'s ``ns_floor_s`` × 1000, the Muon arm's
-  Newton–Schulz at the measured matmul rate) the share of that floor an idle GPU could absorb. Read on an AdamW or
-  built-in trace, this bounds what any overlap of the Muon step with backward can hide on that setting.
+- the GPU's idle milliseconds inside fwd+bwd (from forward's start to the later of the host's fwd+bwd range and
+  the main stream's last fwd+bwd kernel; idle: no kernel, copy or memset on any stream, the union of their
+  intervals, kernels running across the window's edges counted for their part inside it), and with
+  ``--ns-floor-ms`` (``benchmarks/step_time.py``'s ``ns_floor_s`` × 1000, the Muon arm's Newton–Schulz at the
+  measured matmul rate) the ratio idle / floor. Read on an AdamW or built-in trace, this estimates how much of
+  the Muon step an overlap with that backward could hide: an estimate, not a bound (Newton–Schulz can also run
+  beside kernels that leave SMs free, such as NCCL's, and slows the kernels it shares SMs with).
 
     python benchmarks/trace_streams.py TRACE.json[.gz] [--bin-ms 10] [--ns-floor-ms 54]
 """
@@ -57,14 +60,19 @@ def report(events: list[dict], bin_ms: float = 10.0, ns_floor_ms: float | None =
              + ", ".join(f"{s}{' (main)' if s == main else ''}: {len(v)}" for s, v in sorted(by_stream.items()))]
     main_end = max(k["ts"] + k["dur"] for k in by_stream[main] if k["ts"] <= t1)
     lines.append(f"main stream's last fwd+bwd kernel ends at {(main_end - t0) / 1e3:.1f} ms")
-    window = t1 - t0
-    gpu = busy_us([(k["ts"], k["ts"] + k["dur"]) for k in kernels], t0, t1)
-    main_busy = busy_us([(k["ts"], k["ts"] + k["dur"]) for k in by_stream[main]], t0, t1)
+    hi = max(t1, main_end)
+    device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+              and e["ts"] < hi and e["ts"] + e["dur"] > t0]  # also those running across the window's edges
+    window = hi - t0
+    gpu = busy_us([(k["ts"], k["ts"] + k["dur"]) for k in device], t0, hi)
+    main_busy = busy_us([(k["ts"], k["ts"] + k["dur"]) for k in device if k["args"].get("stream") == main], t0, hi)
     idle = window - gpu
-    lines.append(f"inside fwd+bwd: GPU busy {gpu / 1e3:.1f} ms (main stream {main_busy / 1e3:.1f} ms), idle "
-                 f"{idle / 1e3:.1f} ms ({100 * idle / window:.0f}% of the window)")
+    lines.append(f"inside fwd+bwd ({window / 1e3:.1f} ms to the later of the host range and the main stream's "
+                 f"last kernel): GPU busy {gpu / 1e3:.1f} ms (main stream {main_busy / 1e3:.1f} ms), idle "
+                 f"{idle / 1e3:.1f} ms ({100 * idle / window if window > 0 else 0:.0f}% of the window)")
     if ns_floor_ms:
-        lines.append(f"Newton-Schulz floor {ns_floor_ms:.1f} ms: the idle time is {idle / 1e3 / ns_floor_ms:.2f}x it")
+        lines.append(f"Newton-Schulz floor {ns_floor_ms:.1f} ms: idle / floor = {idle / 1e3 / ns_floor_ms:.2f} "
+                     f"(an estimate of the share an overlap could hide: see the module docstring)")
     for s, v in sorted(by_stream.items()):
         if s == main:
             continue

@@ -15,13 +15,14 @@ def _kernel(ts: float, dur: float, stream: int) -> dict:
 
 
 def _events() -> list[dict]:
-    """fwd+bwd from 1000 to 2000 us, the step after it to 2500 us. Main stream (7) busy 1000-1300 and 1500-1600, the
-    side stream (20) 1250-1400 (overlaps main 1250-1300) and 1900-2100 (all of it after main's last fwd+bwd kernel)."""
+    """fwd+bwd from 1000 to 2000 us, the step after it to 2500 us. Main stream (7) busy 1000-1300 and 1500-1600 (and
+    kernels of the step before, 500-600 and 900-1050, the second running across forward's start), the side stream
+    (20) 1250-1400 (overlaps main 1250-1300) and 1900-2100 (all of it after main's last fwd+bwd kernel)."""
     return [
         {"ph": "X", "cat": "user_annotation", "name": "bench/forward_backward", "ts": 1000.0, "dur": 1000.0},
         {"ph": "X", "cat": "user_annotation", "name": "bench/step", "ts": 2000.0, "dur": 500.0},
-        _kernel(1000, 300, 7), _kernel(1500, 100, 7), _kernel(2050, 100, 7),
-        _kernel(1250, 150, 20), _kernel(1900, 200, 20),
+        _kernel(500, 100, 7), _kernel(900, 150, 7), _kernel(1000, 300, 7), _kernel(1500, 100, 7),
+        _kernel(2050, 100, 7), _kernel(1250, 150, 20), _kernel(1900, 200, 20),
     ]
 
 
@@ -29,14 +30,25 @@ def test_busy_us_is_the_union_clipped_to_the_window() -> None:
     assert trace_streams.busy_us([(0, 10), (5, 20), (30, 40)], 0, 100) == 30
     assert trace_streams.busy_us([(30, 40), (0, 10), (5, 20)], 8, 35) == 12 + 5  # unsorted, clipped at both ends
     assert trace_streams.busy_us([], 0, 100) == 0
+    assert trace_streams.busy_us([(0, 100), (10, 20), (30, 40)], 0, 100) == 100  # nested: counted once
+    assert trace_streams.busy_us([(-50, -10), (200, 300)], 0, 100) == 0  # entirely outside
 
 
 def test_report_states_the_idle_time_and_the_floor_it_could_absorb() -> None:
     text = trace_streams.report(_events(), bin_ms=0.1, ns_floor_ms=1.0)
-    # union inside [1000, 2000]: 1000-1400 (400) + 1500-1600 (100) + 1900-2000 (100) = 600 us busy, 400 us idle
+    # union inside [1000, 2000]: 1000-1400 (400) + 1500-1600 (100) + 1900-2000 (100) = 600 us busy, 400 us idle; the
+    # kernel across forward's start (900-1050) lies inside 1000-1300 there, the one at 500-600 is outside
     line = next(x for x in text.splitlines() if x.startswith("inside fwd+bwd"))
     assert re.search(r"GPU busy 0\.6 ms \(main stream 0\.4 ms\), idle 0\.4 ms \(40% of the window\)", line), line
-    assert "Newton-Schulz floor 1.0 ms: the idle time is 0.40x it" in text
+    assert "Newton-Schulz floor 1.0 ms: idle / floor = 0.40" in text
+    # a kernel across forward's start counts for its part inside: main's first fwd+bwd kernel now 1100-1300, the one
+    # before 900-1100
+    events = [e for e in _events() if not (e["cat"] == "kernel" and e["ts"] in (900, 1000))]
+    events += [_kernel(900, 200, 7), _kernel(1100, 200, 7)]
+    assert "idle 0.4 ms (40% of the window)" in trace_streams.report(events, bin_ms=0.1)
+    # the window runs on to the main stream's last fwd+bwd kernel where that ends after the host's range
+    events = _events() + [_kernel(1950, 250, 7)]  # main busy to 2200: window 1200 us
+    assert "inside fwd+bwd (1.2 ms" in trace_streams.report(events, bin_ms=0.1)
     # the side stream's work after main's last fwd+bwd kernel (at 1600 us): 1900-2100
     assert "of it 0.2 ms after the main stream's end" in text
     assert "Newton-Schulz floor" not in trace_streams.report(_events(), bin_ms=0.1)
@@ -44,13 +56,17 @@ def test_report_states_the_idle_time_and_the_floor_it_could_absorb() -> None:
 
 def test_step_time_reports_each_arms_trace_against_the_muon_arms_floor(tmp_path, capsys) -> None:
     """``step_time.py --trace DIR``'s end: each arm's trace read by trace_streams.py, printed and written to
-    ``DIR/<arm>.txt``, with the first Muon arm's ``ns_floor_s``; an arm without a trace is passed over."""
+    ``DIR/<arm>.txt``, with the first Muon arm's ``ns_floor_s``; an arm without a trace, or whose rounds failed, is
+    passed over."""
     import json
     step_time = repo_module("benchmarks/step_time.py")
     arms = ["ds_muon_overlap:bench.clip=0", "adamw:bench.clip=0", "builtin_muon"]
     (tmp_path / "adamw_bench.clip_0.json").write_text(json.dumps({"traceEvents": _events()}))
-    step_time.report_traces(str(tmp_path), arms, {arms[0]: {"ns_floor_s": 0.001}, arms[1]: {}})
+    (tmp_path / "builtin_muon.json").write_text("a trace from an earlier run")  # this run's arm failed: passed over
+    step_time.report_traces(str(tmp_path), arms, {arms[0]: {"ns_floor_s": 0.001}, arms[1]: {},
+                                                  arms[2]: {"error": "exit 1"}})
     text = (tmp_path / "adamw_bench.clip_0.txt").read_text()
-    assert "idle 0.4 ms (40% of the window)" in text and "floor 1.0 ms: the idle time is 0.40x it" in text, text
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["adamw_bench.clip_0.json", "adamw_bench.clip_0.txt"]
+    assert "idle 0.4 ms (40% of the window)" in text and "floor 1.0 ms: idle / floor = 0.40" in text, text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adamw_bench.clip_0.json", "adamw_bench.clip_0.txt",
+                                                          "builtin_muon.json"]
     assert "adamw:bench.clip=0, trace" in capsys.readouterr().out
