@@ -429,6 +429,12 @@ def trace_steps(engine, vocab: int, args, g, device, path: str, steps: int = 2) 
         prof.export_chrome_trace(path)
 
 
+def trace_path(trace_dir: str, arm: str) -> str:
+    """Where ``--trace`` keeps ``arm``'s Chrome trace: ``trace_dir/<arm>.json``, the arm's characters other than
+    letters, digits, ``_``, ``.`` and ``-`` written as ``_``."""
+    return os.path.join(trace_dir, re.sub(r'[^A-Za-z0-9_.-]', '_', arm) + ".json")
+
+
 def report_traces(trace_dir: str, arms: list[str], results: dict) -> None:
     """Each arm's trace (``trace_dir/<arm>.json``) read by ``benchmarks/trace_streams.py``, printed and written next to
     it as ``<arm>.txt``, with the Newton-Schulz floor of the first arm that has one (``ns_floor_s``): on an AdamW or
@@ -438,7 +444,7 @@ def report_traces(trace_dir: str, arms: list[str], results: dict) -> None:
     floors = [results[a]["ns_floor_s"] for a in arms if results.get(a, {}).get("ns_floor_s")]
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trace_streams.py")
     for arm in arms:
-        path = os.path.join(trace_dir, re.sub(r'[^A-Za-z0-9_.-]', '_', arm) + ".json")
+        path = trace_path(trace_dir, arm)
         if not os.path.exists(path) or "error" in results.get(arm, {"error": "no result"}):
             continue
         cmd = [sys.executable, script, path, *(["--ns-floor-ms", f"{floors[0] * 1e3:.3f}"] if floors else [])]
@@ -618,7 +624,7 @@ def worker(args) -> None:
         syncs = {"fwd_bwd": sync_points(lambda: engine.backward(engine(x[:, :-1], x[:, 1:]))),
                  "step": sync_points(engine.step)}
     if args.trace:
-        trace_steps(engine, vocab, args, g, device, os.path.join(args.trace, re.sub(r'[^A-Za-z0-9_.-]', '_', args.optimizer) + '.json'))
+        trace_steps(engine, vocab, args, g, device, trace_path(args.trace, args.optimizer))
     profile = None
     if args.profile and kind in ("ds_muon", "adamw"):  # AdamW's profile is the fwd+bwd baseline
         profile = profile_steps(engine, vocab, args, g, device)

@@ -25,6 +25,10 @@ import gzip
 import json
 
 
+#: the trace categories of work on a CUDA stream
+DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
 def load(path: str) -> list[dict]:
     """The trace's complete events (``ph == "X"``)."""
     opener = gzip.open if path.endswith(".gz") else open
@@ -51,7 +55,7 @@ def report(events: list[dict], bin_ms: float = 10.0, ns_floor_ms: float | None =
     after = [e for e in steps if e["ts"] > fwd_bwd["ts"]]
     t0, t1 = fwd_bwd["ts"], fwd_bwd["ts"] + fwd_bwd["dur"]
     t_end = after[0]["ts"] + after[0]["dur"] if after else t1
-    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and t0 <= e["ts"] <= t_end]
+    kernels = [e for e in events if e.get("cat") in DEVICE_WORK and t0 <= e["ts"] <= t_end]
     by_stream = collections.defaultdict(list)
     for k in kernels:
         by_stream[k["args"].get("stream")].append(k)
@@ -61,7 +65,7 @@ def report(events: list[dict], bin_ms: float = 10.0, ns_floor_ms: float | None =
     main_end = max(k["ts"] + k["dur"] for k in by_stream[main] if k["ts"] <= t1)
     lines.append(f"main stream's last fwd+bwd kernel ends at {(main_end - t0) / 1e3:.1f} ms")
     hi = max(t1, main_end)
-    device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    device = [e for e in events if e.get("cat") in DEVICE_WORK
               and e["ts"] < hi and e["ts"] + e["dur"] > t0]  # also those running across the window's edges
     window = hi - t0
     gpu = busy_us([(k["ts"], k["ts"] + k["dur"]) for k in device], t0, hi)
