@@ -14,7 +14,9 @@ Runs the main job, ``examples/train.py`` (tiny model, ``examples/ds_config_cpu.j
   (``ds_muon.checkpoint.convert_to_universal``). The last segment runs to the end and exits normally.
 
 The ranks are started by this script itself (``RANK``/``WORLD_SIZE``/``MASTER_*`` as torchrun sets them, one
-process group each, ``OMP_NUM_THREADS=1``), so that each can be killed. Checks:
+process group each, ``OMP_NUM_THREADS=1``), so that each can be killed. Each runs train.py through
+``tests/support/exit_after.py`` (no interpreter finalization once train.py returned: torch's intermittent gloo
+abort there, docs/troubleshooting.md, is not what a soak measures). Checks:
 
 * every step 1..steps has a training loss, and every segment but the last was killed (not exited) after its save;
 * before the first resume, each step's loss equals the uninterrupted run's exactly (the same processes'
@@ -44,6 +46,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # for tests/support/spawn.py: the repository's one free-port helper
+from tests.support.exit_after import PATH as EXIT_AFTER  # noqa: E402
 from tests.support.spawn import free_port  # noqa: E402
 TRAIN = os.path.join(ROOT, "examples", "train.py")
 STREAMS = 2  # --data-streams of every run: W=2 and W=1 draw the same global batch
@@ -58,7 +61,7 @@ def launch(world: int, args: list[str], log_path: str) -> list[subprocess.Popen]
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                    LOCAL_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        procs.append(subprocess.Popen([sys.executable, TRAIN, *args], env=env, stdout=log, stderr=subprocess.STDOUT,
+        procs.append(subprocess.Popen([sys.executable, EXIT_AFTER, TRAIN, *args], env=env, stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True))
     log.close()
     return procs

@@ -1,7 +1,8 @@
 """Real clients kept green (CPU, 2 processes, a tiny Llama): Trainer, PEFT LoRA, Accelerate, TRL,
 ``engine.compile()``, gradient checkpointing, ``zero_to_fp32`` and Trainer resume at another world size.
 
-The Hugging Face jobs run ``tests/support/hf_clients.py`` under ``torchrun`` exactly as a user's script; the
+The Hugging Face jobs run ``tests/support/hf_clients.py`` under ``torchrun`` as a user's script (through
+``tests/support/exit_after.py``: no interpreter finalization after it returns, docs/troubleshooting.md); the
 engine-level checks run in-process through ``tests/dist_util.run_distributed``. Reference for each:
 the same job without the feature (gradient checkpointing and compile must not change a step), the
 uninterrupted run (save/resume), the gathered master weights (zero_to_fp32). Tolerance: 1e-5 relative
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support import exit_after
 from tests.support.spawn import run_distributed
 from tests.support.harness import fp32_master_params
 from tests.support.tools import REPO
@@ -32,7 +34,7 @@ RTOL = 1e-5
 def _job(mode: str, out: Path, nproc: int = 2, *extra: str) -> tuple[dict, dict, str]:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                           str(nproc), str(REPO / "tests" / "support" / "hf_clients.py"), mode, "--out", str(out), *extra],
+                           str(nproc), exit_after.PATH, str(REPO / "tests" / "support" / "hf_clients.py"), mode, "--out", str(out), *extra],
                           capture_output=True, text=True, timeout=900, env=env, cwd=out.parent)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-5000:]

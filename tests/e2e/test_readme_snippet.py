@@ -2,13 +2,13 @@
 CPU (gloo), train with ds_muon's ZeRO-3 Muon and the printed loss falls.
 
 The two blocks are read from README.md (the one ```json block, the ```python block that calls
-``ds_muon.initialize``), so an edit that breaks either fails here. Two lines are appended to the script: rank 0
-prints the optimizer's class, and every rank then flushes its output and leaves with ``os._exit(0)``, skipping
-interpreter finalization, as tests/support/spawn.py's workers and tests/e2e/test_autoload.py's scripts do: there a
-rank can abort now and then with torch's "terminate called without an active exception" after all its work
-(docs/troubleshooting.md; seen here once in a full suite on 2 cores, 2026-12-05, after the snippet's own barrier
-and ``destroy_process_group``). That abort is upstream and the snippet's teardown is checked where it is meant to
-be, on the main job (tests/e2e/test_clean_exit.py).
+``ds_muon.initialize``), so an edit that breaks either fails here. One line is appended to the script: rank 0
+prints the optimizer's class. It runs through ``tests/support/exit_after.py``, which ends each rank with
+``os._exit(0)`` once the script returned, skipping interpreter finalization: there a rank can abort now and then
+with torch's "terminate called without an active exception" after all its work (docs/troubleshooting.md; seen
+here once in a full suite on 2 cores, 2026-12-05, after the snippet's own barrier and ``destroy_process_group``).
+That abort is upstream and the teardown is checked where it is meant to be, on the main job
+(tests/e2e/test_clean_exit.py).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 
+from tests.support import exit_after
 from tests.support.spawn import free_port
 from tests.support.tools import REPO
 
@@ -33,11 +34,10 @@ def test_readme_config_and_initialize_snippet_train(tmp_path):
     config, script = _readme_blocks()
     (tmp_path / "ds_config.json").write_text(config)
     (tmp_path / "train.py").write_text(script + "if engine.global_rank == 0:\n"
-                                                "    print('optimizer', type(engine.optimizer).__name__)\n"
-                                                "import os, sys; sys.stdout.flush(); sys.stderr.flush(); os._exit(0)\n")
+                                                "    print('optimizer', type(engine.optimizer).__name__)\n")
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           "train.py"]
+           exit_after.PATH, "train.py"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert "optimizer MuonZeroOptimizer" in proc.stdout, proc.stdout[-3000:]

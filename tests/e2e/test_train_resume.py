@@ -10,6 +10,9 @@ Its ``latest`` is then pointed at step 2 and the run resumed from there:
   the uninterrupted losses to 1e-5;
 * at W=3, where the 2 streams do not divide: 3 streams from there on, said in the log, and the first resumed
   loss is the trained model's (near the uninterrupted step-3 loss), not a fresh model's.
+
+Each run goes through ``tests/support/exit_after.py`` (no interpreter finalization once train.py returned:
+torch's intermittent gloo abort there, docs/troubleshooting.md; test_clean_exit.py checks the teardown).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import subprocess
 import sys
 
 import pytest
+from tests.support import exit_after
 from tests.support.spawn import free_port
 from tests.support.tools import REPO
 
@@ -32,7 +36,7 @@ COMMON = ["--steps", "4", "--eval-every", "0", "--eval-batches", "1", "--max-byt
 def _train(nproc: int, cwd: str, *args: str) -> str:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(free_port()), TRAIN, *COMMON, *args]
+           "--master_port", str(free_port()), exit_after.PATH, TRAIN, *COMMON, *args]
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     # captured output is no terminal: progress lines, not tqdm's redraws (unit/test_train_progress.py)
