@@ -4,39 +4,16 @@
 #   scripts/test.sh                 # all tests
 #   scripts/test.sh -k parity -x    # extra arguments go to pytest
 #
-# Creates .venv (or $VENV) if missing, installs torch (torch==2.13.0 when there is no nvidia-smi: PyPI's Linux
-# wheel of it is the multi-GB CUDA build, so set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu for the CPU
-# one) unless torch is already importable, installs ds_muon with its
+# Creates .venv (or $VENV) if missing and installs torch unless it is importable (scripts/venv.sh: torch==2.13.0
+# when there is no nvidia-smi; set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu where PyPI would give the
+# CUDA build), installs ds_muon with its
 # test extra (pip install -e ".[test]"), installs libaio-dev with apt-get when missing (as root), then runs pytest. Multi-rank tests start 1-8 CPU processes on gloo.
 # pytest's exit code is the script's, so "no tests collected" (5) fails too.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-VENV="${VENV:-.venv}"
-PYTHON="${PYTHON:-python3}"
+source scripts/venv.sh  # $VENV, PATH, TORCH_EXTENSIONS_DIR, torch (the same as scripts/train.sh)
 
-if [[ ! -x "$VENV/bin/python" ]]; then
-    echo ">> creating virtual environment $VENV"
-    "$PYTHON" -m venv "$VENV"
-fi
-export PATH="$(cd "$VENV/bin" && pwd):$PATH"
-# One JIT-op cache per environment: DeepSpeed's CPU ops (shared-memory comm, FusedAdam) build on first use.
-export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$(cd "$VENV" && pwd)/torch_extensions}"
-# ... and `source $VENV/bin/activate` sets the same default later (deactivate removes it): without it, a
-# later `deepspeed examples/train.py` rebuilds every op in torch's default cache, silently, for minutes.
-python scripts/venv_hook.py "$VENV" || true
-
-if ! python -c "import torch" 2>/dev/null; then
-    if command -v nvidia-smi >/dev/null 2>&1; then
-        python -m pip install torch
-    else
-        echo ">> installing torch==2.13.0 (pip's ${TORCH_INDEX_URL:+index $TORCH_INDEX_URL}${TORCH_INDEX_URL:-configured index or local wheels})"
-        # TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu where PyPI would give the CUDA build
-        python -m pip install "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
-    fi
-    # what was installed, not what was meant: the index decides the build (CPU, or a CUDA version)
-    python -c 'import torch; cuda = torch.version.cuda; print(">> installed torch", torch.__version__, f"(CUDA {cuda} build)" if cuda else "(CPU build)")'
-fi
 # The NVMe offload tests need libaio for DeepSpeed's async_io op (JIT-built below; 165 s to 18 min on 2 loaded cores).
 if [[ ! -e /usr/include/libaio.h ]]; then
     if command -v apt-get >/dev/null 2>&1 && [[ "$(id -u)" == 0 ]]; then
