@@ -61,8 +61,8 @@ def launch(world: int, args: list[str], log_path: str) -> list[subprocess.Popen]
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                    LOCAL_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        procs.append(subprocess.Popen([sys.executable, EXIT_AFTER, TRAIN, *args], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True))
+        procs.append(subprocess.Popen([sys.executable, EXIT_AFTER, TRAIN, *args], env=env, stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=True))
     log.close()
     return procs
 

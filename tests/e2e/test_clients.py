@@ -34,7 +34,8 @@ RTOL = 1e-5
 def _job(mode: str, out: Path, nproc: int = 2, *extra: str) -> tuple[dict, dict, str]:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                           str(nproc), exit_after.PATH, str(REPO / "tests" / "support" / "hf_clients.py"), mode, "--out", str(out), *extra],
+                           str(nproc), exit_after.PATH, str(REPO / "tests" / "support" / "hf_clients.py"), mode,
+                           "--out", str(out), *extra],
                           capture_output=True, text=True, timeout=900, env=env, cwd=out.parent)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-5000:]
