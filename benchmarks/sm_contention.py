@@ -1,0 +1,225 @@
+"""Newton–Schulz on a side stream against a backward's matmuls on the main stream: the slowdown, and an SM carveout.
+
+Issue 40 at 2.9B (docs/benchmarks.md): with the overlapped Muon step, backward's own kernels ran 0.10 s longer
+(0.493 against 0.392 s of main-stream events, 34% of the gap to AdamW) while they shared the SMs with the
+speculative Newton–Schulz on the side stream. CUDA's stream priorities cannot put the side stream below the default
+stream (priority 0 is the lowest), so the lever left is how many SMs Newton–Schulz's matmuls may fill: torch's
+``torch._C._set_sm_carveout_experimental(k)`` asks cuBLASLt (and torch's CUTLASS kernels) to leave ``k`` SMs free
+(``CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET``; the value is read when a matmul is launched, so setting it only while the
+side stream's work is launched limits that work alone, and a CUDA graph captured so keeps it). Whether torch's
+batched matmul (``bmm``, what Newton–Schulz runs) honours it, and with which BLAS library, is part of what this
+measures: a carveout that changes nothing in the "side alone" column does not reach those kernels.
+
+One GPU, no DeepSpeed. For a model preset of ``examples/model.py``:
+
+- **main**: ``--main-iters`` bf16 matmuls ``(tokens, d_model) @ (d_model, ffn_hidden)`` back to back on the current
+  stream (``tokens`` = micro-batch 4 × ``max_seq_len``, the shapes of a backward's largest GEMMs);
+- **side**: ds_muon's compiled Newton–Schulz (``compiled_orthogonalize``, bf16, 5 steps, quintic) of ``--layers``
+  layers' Muon matrices (each shape a batch: q/k/v/o ``(d, d)``, gate/up ``(ffn, d)``, down ``(d, ffn)``) on a side
+  stream.
+
+Arms, interleaved in ``--rounds`` rounds (medians reported): main alone; side alone (with each carveout); both at
+once (the side work launched first, as the speculation's bucket is, then the main matmuls), with no carveout and
+with each ``--carveouts`` value, each once with torch's BLAS as configured and once with cuBLASLt preferred
+(``torch.backends.cuda.preferred_blas_library``) while the side work is launched. Columns: main and side time
+(CUDA events on their streams, each from its first launch), the makespan (from the earlier first launch to the
+later end), main's slowdown (× main alone), and the share of the side work hidden
+(``(main alone + side alone - makespan) / side alone``: 1 = all of Newton–Schulz hidden, 0 = none).
+
+**Target** (the decision this run makes): an SM carveout is worth a config option where, at some ``k``, main's
+slowdown is at most half of the no-carveout arm's excess (e.g. 1.20× -> ≤ 1.10×) while the share hidden does not
+fall. Otherwise the 34% stays as it is and the closing note says so with this run's numbers.
+
+    python benchmarks/sm_contention.py --model 2.9b --rounds 3 [--carveouts 0,16,32,48,66] [--out results.json]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+from typing import Callable, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def matrix_shapes(d_model: int, ffn_hidden: int, layers: int) -> list[tuple[int, int, int]]:
+    """The Muon matrices of ``layers`` dense transformer layers as ``(batch, rows, cols)``, one entry per shape:
+    q/k/v/o ``(d, d)``, gate/up ``(ffn, d)``, down ``(d, ffn)`` (the n_kv_heads = n_heads presets)."""
+    return [(4 * layers, d_model, d_model), (2 * layers, ffn_hidden, d_model), (layers, d_model, ffn_hidden)]
+
+
+def arm_names(carveouts: list[int]) -> list[str]:
+    """Every arm of a round, in launch order: ``main``, ``side`` and ``side/kK``, ``both`` and ``both/kK``, and the
+    cuBLASLt variants ``.../lt``."""
+    names = ["main", "side", "both"]
+    for k in carveouts:
+        names += [f"side/k{k}", f"both/k{k}", f"side/k{k}/lt", f"both/k{k}/lt"]
+    return names
+
+
+def summarize(rounds: list[dict[str, dict[str, float]]]) -> list[dict]:
+    """Per arm, the medians over rounds of ``main_ms``, ``side_ms``, ``makespan_ms`` (those it has), main's slowdown
+    against ``main`` alone, and the share of the side work hidden against ``main`` + the matching side-alone arm
+    (``both/kK/lt`` against ``side/kK/lt``; ``both`` against ``side``).
+
+    Args:
+        rounds: one ``{arm: {"main_ms": .., "side_ms": .., "makespan_ms": ..}}`` per round (milliseconds).
+
+    Raises:
+        KeyError: a round without the ``main`` or ``side`` arm.
+    """
+    arms = list(rounds[0])
+    med = {a: {key: statistics.median(r[a][key] for r in rounds) for key in rounds[0][a]} for a in arms}
+    main_alone = med["main"]["main_ms"]
+    rows = []
+    for a in arms:
+        row = {"arm": a, **med[a]}
+        if a.startswith("both"):
+            side_alone = med["side" + a[len("both"):]]["side_ms"]
+            row["main_slowdown"] = med[a]["main_ms"] / main_alone
+            row["hidden_share"] = (main_alone + side_alone - med[a]["makespan_ms"]) / side_alone
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """The rows of :func:`summarize` as a fixed-width table (milliseconds; ratios with 2 decimals)."""
+    def cell(row: dict, key: str, fmt: str) -> str:
+        return format(row[key], fmt) if key in row else "-"
+    lines = [f"{'arm':<14} {'main ms':>9} {'side ms':>9} {'makespan':>9} {'main x':>7} {'hidden':>7}"]
+    for r in rows:
+        lines.append(f"{r['arm']:<14} {cell(r, 'main_ms', '9.2f')} {cell(r, 'side_ms', '9.2f')} "
+                     f"{cell(r, 'makespan_ms', '9.2f')} {cell(r, 'main_slowdown', '7.2f')} "
+                     f"{cell(r, 'hidden_share', '7.2f')}")
+    return "\n".join(lines)
+
+
+def verdict(rows: list[dict]) -> str:
+    """The target's decision in one line: the best carveout arm against the no-carveout ``both`` arm."""
+    base = next(r for r in rows if r["arm"] == "both")
+    tried = [r for r in rows if r["arm"].startswith("both/")]
+    if not tried:
+        return "no carveout arm ran"
+    best = min(tried, key=lambda r: r["main_slowdown"])
+    halved = best["main_slowdown"] - 1 <= (base["main_slowdown"] - 1) / 2 + 1e-9  # 1e-9: float rounding
+    kept = best["hidden_share"] >= base["hidden_share"]
+    return (f"best {best['arm']}: main {best['main_slowdown']:.2f}x (no carveout {base['main_slowdown']:.2f}x), "
+            f"hidden {best['hidden_share']:.2f} (no carveout {base['hidden_share']:.2f}): target "
+            f"{'met' if halved and kept else 'not met'}")
+
+
+@contextlib.contextmanager
+def side_settings(torch, carveout: Optional[int], cublaslt: bool):
+    """While the side work is launched: torch's SM carveout ``carveout`` (None: none) and, with ``cublaslt``, cuBLASLt
+    as torch's preferred BLAS library; both restored after."""
+    old_k = torch._C._get_sm_carveout_experimental()
+    old_lib = torch.backends.cuda.preferred_blas_library()
+    torch._C._set_sm_carveout_experimental(carveout)
+    if cublaslt:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(old_k)
+        torch.backends.cuda.preferred_blas_library(old_lib)
+
+
+def run_arm(torch, arm: str, main_work: Callable[[], None], side_work: Callable[[], None], side_stream) -> dict:
+    """One arm once: its streams' times in milliseconds (CUDA events), the device synchronized before and after."""
+    parts = arm.split("/")
+    carveout = int(parts[1][1:]) if len(parts) > 1 else None
+    lt = parts[-1] == "lt"
+    ev = {name: torch.cuda.Event(enable_timing=True)
+          for name in ("start", "main_start", "main_end", "side_start", "side_end")}
+    torch.cuda.synchronize()
+    ev["start"].record()
+    out = {}
+    if parts[0] in ("side", "both"):
+        side_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side_stream), side_settings(torch, carveout, lt):
+            ev["side_start"].record()
+            side_work()
+            ev["side_end"].record()
+    if parts[0] in ("main", "both"):
+        ev["main_start"].record()  # after the side work's launches, as backward's next kernels come after a bucket's
+        main_work()
+        ev["main_end"].record()
+    torch.cuda.current_stream().wait_stream(side_stream)
+    end = torch.cuda.Event(enable_timing=True)
+    end.record()
+    torch.cuda.synchronize()
+    if parts[0] in ("main", "both"):
+        out["main_ms"] = ev["main_start"].elapsed_time(ev["main_end"])
+    if parts[0] in ("side", "both"):
+        out["side_ms"] = ev["side_start"].elapsed_time(ev["side_end"])
+    if parts[0] == "both":
+        first = min(ev["start"].elapsed_time(ev["main_start"]), ev["start"].elapsed_time(ev["side_start"]))
+        out["makespan_ms"] = ev["start"].elapsed_time(end) - first
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="2.9b", help="an examples/model.py preset (dense): 934m, 2.9b, ...")
+    ap.add_argument("--layers", type=int, default=4, help="layers whose Muon matrices the side work orthogonalizes")
+    ap.add_argument("--main-iters", type=int, default=60, help="main-stream matmuls per arm")
+    ap.add_argument("--carveouts", default="0,16,32,48,66",
+                    help="SMs left free, comma-separated (0: cuBLASLt told to use every SM, the carveout path's baseline)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first (compiles Newton–Schulz)")
+    ap.add_argument("--out", default=None, help="write the rounds, the table's rows and the settings as JSON")
+    args = ap.parse_args(argv)
+    import torch
+    if not torch.cuda.is_available():
+        print("sm_contention.py needs a CUDA GPU (streams, SM carveout); none is available here", file=sys.stderr)
+        return 2
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    sys.path.insert(0, ROOT)
+    from model import PRESETS
+    from ds_muon.core.ns_compile import compiled_orthogonalize
+    cfg = PRESETS[args.model]
+    carveouts = [int(k) for k in args.carveouts.split(",") if k]
+    dev = torch.device("cuda")
+    tokens = 4 * cfg.max_seq_len
+    a = torch.randn(tokens, cfg.d_model, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(cfg.d_model, cfg.ffn_hidden, device=dev, dtype=torch.bfloat16)
+    c = torch.empty(tokens, cfg.ffn_hidden, device=dev, dtype=torch.bfloat16)
+    mats = [torch.randn(s, device=dev, dtype=torch.bfloat16) for s in matrix_shapes(cfg.d_model, cfg.ffn_hidden,
+                                                                                    args.layers)]
+    ns = compiled_orthogonalize("standard", 5, torch.bfloat16)
+
+    def main_work() -> None:
+        for _ in range(args.main_iters):
+            torch.mm(a, b, out=c)
+
+    def side_work() -> None:
+        for m in mats:
+            ns(m)
+
+    side = torch.cuda.Stream()
+    arms = arm_names(carveouts)
+    rounds = []
+    for r in range(args.warmup + args.rounds):
+        got = {arm: run_arm(torch, arm, main_work, side_work, side) for arm in arms}
+        if r >= args.warmup:
+            rounds.append(got)
+    rows = summarize(rounds)
+    props = torch.cuda.get_device_properties(dev)
+    print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}; model {args.model}: main "
+          f"{args.main_iters} x ({tokens}x{cfg.d_model})@({cfg.d_model}x{cfg.ffn_hidden}) bf16, side Newton–Schulz "
+          f"of {args.layers} layers {matrix_shapes(cfg.d_model, cfg.ffn_hidden, args.layers)}; medians of "
+          f"{args.rounds} interleaved rounds")
+    print(table(rows))
+    print(verdict(rows))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+                       "settings": vars(args), "rounds": rounds, "rows": rows, "verdict": verdict(rows)}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""benchmarks/sm_contention.py without a GPU: the Muon matrices of a preset, the arms of a round, the medians and
+ratios of the table, the target's verdict, and a clear refusal where there is no CUDA."""
+from __future__ import annotations
+
+import torch
+
+from tests.support.tools import repo_module
+
+sm = repo_module("benchmarks/sm_contention.py")
+
+
+def test_matrix_shapes_cover_a_dense_layer() -> None:
+    shapes = sm.matrix_shapes(3072, 8192, layers=2)
+    assert shapes == [(8, 3072, 3072), (4, 8192, 3072), (2, 3072, 8192)]
+    assert sum(b for b, _, _ in shapes) == 7 * 2  # q, k, v, o, gate, up, down per layer
+
+
+def test_arm_names_pair_every_both_arm_with_its_side_arm() -> None:
+    names = sm.arm_names([0, 32])
+    assert names[:3] == ["main", "side", "both"]
+    assert {"side/k32", "both/k32", "side/k32/lt", "both/k32/lt", "side/k0/lt"} <= set(names)
+    for n in names:
+        if n.startswith("both"):
+            assert "side" + n[len("both"):] in names
+
+
+def _round(main: float, side: float, both_main: float, both_make: float, k_main: float, k_make: float,
+           k_side: float) -> dict:
+    return {"main": {"main_ms": main}, "side": {"side_ms": side},
+            "both": {"main_ms": both_main, "side_ms": side, "makespan_ms": both_make},
+            "side/k32": {"side_ms": k_side},
+            "both/k32": {"main_ms": k_main, "side_ms": k_side, "makespan_ms": k_make}}
+
+
+def test_summarize_takes_medians_and_pairs_side_arms() -> None:
+    rounds = [_round(100, 50, 120, 130, 105, 125, 60), _round(102, 52, 124, 134, 107, 127, 62),
+              _round(300, 90, 500, 900, 400, 900, 99)]  # an outlier round: medians ignore it
+    rows = {r["arm"]: r for r in sm.summarize(rounds)}
+    assert rows["main"] == {"arm": "main", "main_ms": 102}
+    assert rows["both"]["main_slowdown"] == 124 / 102
+    assert rows["both"]["hidden_share"] == (102 + 52 - 134) / 52
+    # the carveout arm's share is against its own side-alone time (62), not the unlimited one's
+    assert rows["both/k32"]["hidden_share"] == (102 + 62 - 127) / 62
+    assert "main_slowdown" not in rows["side/k32"]
+    text = sm.table(sm.summarize(rounds))
+    assert text.splitlines()[0].split()[:2] == ["arm", "main"] and len(text.splitlines()) == 6
+
+
+def test_verdict_needs_half_the_excess_gone_and_no_less_hidden() -> None:
+    def rows(k_main: float, k_make: float) -> list[dict]:
+        return sm.summarize([_round(100, 50, 120, 130, k_main, k_make, 50)])
+    assert sm.verdict(rows(110, 120)).endswith("target met")        # 1.10x against 1.20x, hidden 0.60 >= 0.40
+    assert sm.verdict(rows(111, 120)).endswith("target not met")    # 1.11x: less than half the excess gone
+    assert sm.verdict(rows(105, 140)).endswith("target not met")    # hidden 0.20 < 0.40
+
+
+def test_refuses_without_cuda(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert sm.main(["--model", "tiny"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
