@@ -1,6 +1,7 @@
 """docs/design.md's walk of one Muon step holds: Newton–Schulz runs at most 6 frames below ``_optimizer_step`` (13
 before the dispatch moved into the shared base; issue 37 asked for at most half), and every ds_muon frame on the way
-is named in the walk's list, so the list cannot drift from the code.
+is named in the walk's list, so the list cannot drift from the code. The W=1 gloo job runs through
+``tests/support/exit_after.py`` (no interpreter finalization after it: torch's gloo abort, docs/troubleshooting.md).
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import re
 import subprocess
 import sys
 
+from tests.support import exit_after
 from tests.support.spawn import free_port
 from tests.support.tools import REPO
 
@@ -21,7 +23,8 @@ def test_newton_schulz_is_six_frames_below_the_dispatch_and_the_design_walk_name
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(key, None)
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "step_walk.py"), "--json"], env=env, cwd=REPO,
+    proc = subprocess.run([sys.executable, exit_after.PATH, str(REPO / "scripts" / "step_walk.py"), "--json"], env=env,
+                          cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
