@@ -3,8 +3,8 @@
     python tests/support/exit_after.py SCRIPT ARGS...
     python -m torch.distributed.run --nproc_per_node 2 tests/support/exit_after.py SCRIPT ARGS...
 
-Every test and tool that launches a multi-rank job as its own processes and judges it by their exit codes
-(``tests/e2e``, ``scripts/soak.py``) launches it through this file. After ``SCRIPT`` returns (or calls
+Every test and tool that launches a job with a process group as its own processes and judges it by their exit
+codes (``tests/e2e``, ``tests/dist/test_step_walk.py``, ``scripts/soak.py``) launches it through this file. After ``SCRIPT`` returns (or calls
 ``sys.exit(0)``), its output is flushed, and the process ends with ``os._exit(0)``: no interpreter finalization.
 The reason: on CPU (gloo) a rank can abort there now and then with torch's "terminate called without an active
 exception" (SIGABRT, exit code -6) after all its work and output, while a live DeepSpeed engine keeps the gloo
