@@ -32,6 +32,7 @@ if ! python -c "import torch" 2>/dev/null; then
         # TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu where PyPI would give the CUDA build
         python -m pip install "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
     fi
-    # what was installed, not what was meant: the index decides the build (CPU, or a CUDA version)
-    python -c 'import torch; cuda = torch.version.cuda; print(">> installed torch", torch.__version__, f"(CUDA {cuda} build)" if cuda else "(CPU build)")'
+    # what was installed, not what was meant: the index decides the build (CPU, or a CUDA version); -W ignore: torch
+    # warns that it cannot load numpy, which comes with the package install next
+    python -W ignore -c 'import torch; cuda = torch.version.cuda; print(">> installed torch", torch.__version__, f"(CUDA {cuda} build)" if cuda else "(CPU build)")'
 fi
