@@ -14,11 +14,13 @@ if [[ ! -x "$VENV/bin/python" ]]; then
     echo ">> creating virtual environment $VENV"
     "$PYTHON" -m venv "$VENV"
 fi
-export PATH="$(cd "$VENV/bin" && pwd):$PATH"
+venv_bin="$(cd "$VENV/bin" && pwd)"  # apart from the export, so that a failing cd stops the script (set -e)
+export PATH="$venv_bin:$PATH"
 # DeepSpeed JIT-builds a C++ op on first use (on CPU: its shared-memory all-reduce: 48 s on 2 idle cores, 284 s on 2
 # loaded ones). The default cache (~/.cache/torch_extensions) is shared by all environments, and each one rebuilds it
 # with its own include paths, so keep one cache per environment ...
-export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$(cd "$VENV" && pwd)/torch_extensions}"
+venv_dir="$(cd "$VENV" && pwd)"
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$venv_dir/torch_extensions}"
 # ... and `source $VENV/bin/activate` sets the same default later (deactivate removes it): without it, a
 # later `deepspeed examples/train.py` rebuilds every op in torch's default cache, silently, for minutes.
 python scripts/venv_hook.py "$VENV" || true

@@ -13,10 +13,15 @@ Each run goes through a small wrapper whose ``atexit`` hook (registered first, s
 finalization) prints whether the process group is still initialized: that the teardown ran on every rank is
 checked on every run, not left to the race (the abort is intermittent: 4 in 105 runs of a 3-step 2-rank ZeRO-3 job
 without the teardown, ds_muon's Muon or DeepSpeed's AdamW, on 2 loaded cores, 2026-12-04; 0 in 8 of this job
-without it, so the probe is what fails without the teardown, on every run). The wrapper then runs train.py
-through ``tests/support/exit_after.py``, as the other e2e tests do: the exit codes and stderr are checked too, and
-no interpreter finalization follows a successful run, so the upstream abort, which the teardown makes rarer but
-cannot exclude while DeepSpeed holds the gloo backend (docs/troubleshooting.md), cannot fail this test.
+without it, so the probe is what fails without the teardown, on every run).
+
+Unlike the other e2e tests (``tests/support/exit_after.py``), the job then exits as a user's does, interpreter
+finalization included, and its exit is checked: exit code 0 with nothing on stderr about a failed rank, or else
+exactly the upstream abort that the teardown makes rarer but cannot exclude while DeepSpeed holds the gloo backend
+(docs/troubleshooting.md): a rank's SIGABRT (torchrun's ``exitcode : -6``) with "terminate called without an
+active exception" (and the other rank SIGABRT too, or SIGTERM from torchrun), after both ranks' probes found the
+group destroyed and the step ran. Any other failure, a
+traceback, another signal or a hang at exit (the 300 s time-out), fails.
 """
 from __future__ import annotations
 
@@ -26,7 +31,6 @@ import subprocess
 import sys
 import textwrap
 
-from tests.support import exit_after
 from tests.support.spawn import free_port
 from tests.support.tools import REPO
 
@@ -35,8 +39,7 @@ ARGS = ["--steps", "1", "--eval-every", "0", "--eval-batches", "1", "--max-bytes
         "--save-dir", ""]
 RUNS = 1  # the teardown check is deterministic (the exit probe); the abort itself is intermittent and upstream
 
-# Runs examples/train.py as `python tests/support/exit_after.py examples/train.py ...` would, after registering
-# the exit probe.
+# Runs examples/train.py as `python examples/train.py ...` would, after registering the exit probe.
 WRAPPER = textwrap.dedent('''
     import atexit, os, runpy, sys
 
@@ -46,23 +49,29 @@ WRAPPER = textwrap.dedent('''
         os.write(1, f"\\nEXIT-PROBE rank={os.environ.get('RANK')} process_group={state}\\n".encode())  # one write
 
     atexit.register(probe)
-    sys.argv = [EXIT_AFTER, TRAIN] + sys.argv[1:]
-    runpy.run_path(EXIT_AFTER, run_name="__main__")
+    sys.argv = [TRAIN] + sys.argv[1:]
+    runpy.run_path(TRAIN, run_name="__main__")
 ''')
 
 
 def test_main_job_tears_down_and_exits_cleanly_on_every_rank(tmp_path) -> None:
     wrapper = tmp_path / "run_train.py"
-    wrapper.write_text(f"TRAIN = {TRAIN!r}\nEXIT_AFTER = {exit_after.PATH!r}\n" + WRAPPER)
+    wrapper.write_text(f"TRAIN = {TRAIN!r}\n" + WRAPPER)
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     for run in range(RUNS):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                str(free_port()), str(wrapper), *ARGS]
         proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         tail = f"run {run}: {' '.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-        # torchrun exits 0 only when every rank did; a rank killed by a signal is reported as "exitcode: -N"
-        assert proc.returncode == 0, tail
-        assert "terminate called" not in proc.stderr and "exitcode" not in proc.stderr, tail
+        # torchrun exits 0 only when every rank did; a rank killed by a signal is reported as "exitcode : -N"
+        codes = re.findall(r"exitcode\s*:\s*(-?\d+)", proc.stderr)
+        # torchrun SIGTERMs (-15) a rank still alive when another failed: past its probe (checked below), it was
+        # in finalization too
+        upstream_abort = (proc.returncode != 0 and "-6" in codes and set(codes) <= {"-6", "-15"}
+                          and "terminate called without an active exception" in proc.stderr)
+        assert proc.returncode == 0 or upstream_abort, tail
+        if proc.returncode == 0:
+            assert "terminate called" not in proc.stderr and not codes, tail
         probes = dict(re.findall(r"EXIT-PROBE rank=(\d+) process_group=(initialized|destroyed)", proc.stdout))
         assert probes == {"0": "destroyed", "1": "destroyed"}, tail
         assert re.search(r"^step 1/1: loss [\d.]+", proc.stdout, flags=re.M), tail
