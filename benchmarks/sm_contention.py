@@ -208,8 +208,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     a = torch.randn(tokens, cfg.d_model, device=dev, dtype=torch.bfloat16)
     b = torch.randn(cfg.d_model, cfg.ffn_hidden, device=dev, dtype=torch.bfloat16)
     c = torch.empty(tokens, cfg.ffn_hidden, device=dev, dtype=torch.bfloat16)
-    mats = [torch.randn(s, device=dev, dtype=torch.bfloat16) for s in matrix_shapes(cfg.d_model, cfg.ffn_hidden,
-                                                                                    args.layers)]
+    shapes = matrix_shapes(cfg.d_model, cfg.ffn_hidden, args.layers)
+    mats = [torch.randn(s, device=dev, dtype=torch.bfloat16) for s in shapes]
     ns = compiled_orthogonalize("standard", 5, torch.bfloat16)
 
     iters = [args.main_iters or 20]  # a list: calibrated below when --main-iters is 0
@@ -236,7 +236,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     props = torch.cuda.get_device_properties(dev)
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}; model {args.model}: main "
           f"{iters[0]} x ({tokens}x{cfg.d_model})@({cfg.d_model}x{cfg.ffn_hidden}) bf16, side Newton–Schulz "
-          f"of {args.layers} layers {matrix_shapes(cfg.d_model, cfg.ffn_hidden, args.layers)}; medians of "
+          f"of {args.layers} layers {shapes}; medians of "
           f"{args.rounds} interleaved rounds")
     print(f"main alone / side alone: {rows[0]['main_ms'] / rows[1]['side_ms']:.2f}")
     print(table(rows))
