@@ -626,7 +626,8 @@ def worker(args) -> None:
     if args.trace:
         trace_steps(engine, vocab, args, g, device, trace_path(args.trace, args.optimizer))
     profile = None
-    if args.profile and kind in ("ds_muon", "adamw"):  # AdamW's profile is the fwd+bwd baseline
+    # AdamW's profile is the fwd+bwd baseline; the built-in's runs the same DeepSpeed classes with its own settings
+    if args.profile and kind in ("ds_muon", "adamw", "builtin_muon"):
         profile = profile_steps(engine, vocab, args, g, device)
     samples, medians = step_medians(samples)
     result = dict(optimizer=args.optimizer, samples=samples, **medians,
@@ -691,7 +692,8 @@ def main() -> None:
                     help="after the timed steps, list the lines where fwd+bwd and the optimizer step make the host "
                          "wait for the GPU (torch.cuda.set_sync_debug_mode)")
     ap.add_argument("--profile", action="store_true",
-                    help="also profile 3 ds_muon and 3 AdamW steps with torch.profiler and print the summary tables")
+                    help="also profile the fwd+bwd of 3 steps of every ds_muon, AdamW and built-in Muon arm "
+                         "(round 1) with torch.profiler and print the summary tables")
     ap.add_argument("--trace", default=None, metavar="DIR",
                     help="after the timed steps of round 1, write a Chrome trace of 2 whole steps of each arm to "
                          "DIR/<arm>.json (rank 0), and at the end benchmarks/trace_streams.py's report of each to "
@@ -775,9 +777,9 @@ def main() -> None:
         for phase, lines in (v.get("sync_points") or {}).items():
             print(f"\n{arm}, {phase}: {sum(lines.values())} host-device syncs: " +
                   ", ".join(f"{k} x{n}" for k, n in sorted(lines.items(), key=lambda kv: -kv[1])))
-    for arm in ("adamw", "ds_muon"):
-        if results.get(arm, {}).get("profile"):
-            print(f"\ntorch.profiler, 3 {arm} steps, rank 0:\n" + results[arm]["profile"])
+    for arm, v in results.items():  # every profiled arm, overrides included ("adamw:bench.clip=0")
+        if v.get("profile"):
+            print(f"\ntorch.profiler, 3 {arm} steps, rank 0:\n" + v["profile"])
     if "ns_micro" in results:
         print_ns_table(results["ns_micro"])
     if args.trace:  # last: what it prints comes after every measured table
