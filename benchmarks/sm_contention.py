@@ -15,8 +15,8 @@ One GPU, no DeepSpeed. For a model preset of ``examples/model.py``:
 - **main**: bf16 matmuls ``(tokens, d_model) @ (d_model, ffn_hidden)`` back to back on the current
   stream (``tokens`` = micro-batch 4 × ``max_seq_len``, the shapes of a backward's largest GEMMs);
 - **side**: ds_muon's compiled Newton–Schulz (``compiled_orthogonalize``, bf16, 5 steps, quintic) of ``--layers``
-  layers' Muon matrices (each shape a batch: q/k/v/o ``(d, d)``, gate/up ``(ffn, d)``, down ``(d, ffn)``) on a side
-  stream.
+  layers' Muon matrices as ds_muon selects them (each shape a batch: q/k/v/o, gate/up, down; :func:`matrix_shapes`)
+  on a side stream.
 
 Arms, interleaved in ``--rounds`` rounds (medians reported): main alone; side alone (with each carveout); both at
 once (the side work launched first, as the speculation's bucket is, then the main matmuls), with no carveout and
@@ -50,10 +50,32 @@ from typing import Callable, Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def matrix_shapes(d_model: int, ffn_hidden: int, layers: int) -> list[tuple[int, int, int]]:
-    """The Muon matrices of ``layers`` dense transformer layers as ``(batch, rows, cols)``, one entry per shape:
-    q/k/v/o ``(d, d)``, gate/up ``(ffn, d)``, down ``(d, ffn)`` (the n_kv_heads = n_heads presets)."""
-    return [(4 * layers, d_model, d_model), (2 * layers, ffn_hidden, d_model), (layers, d_model, ffn_hidden)]
+def matrix_shapes(model) -> list[tuple[int, int, int]]:
+    """The Muon matrices of ``model`` as ``(batch, rows, cols)``, one entry per shape in first-seen order, as ds_muon
+    selects them (:func:`ds_muon.model.selection.select_muon_params` with the default rules; a stacked parameter
+    ``(..., rows, cols)`` counts as that many matrices). ``model`` may live on the meta device (no memory).
+    For a dense layer: q/o ``(d, d)``, k/v ``(kv_heads * head_dim, d)``, gate/up ``(ffn, d)``, down ``(d, ffn)``."""
+    import math
+
+    from ds_muon.model.selection import select_muon_params
+    use_muon = select_muon_params(model).use_muon
+    counts: dict[tuple[int, int], int] = {}
+    for name, p in model.named_parameters():
+        if use_muon.get(name):
+            key = (p.shape[-2], p.shape[-1])
+            counts[key] = counts.get(key, 0) + math.prod(p.shape[:-2])
+    return [(n, rows, cols) for (rows, cols), n in counts.items()]
+
+
+def preset_matrix_shapes(cfg, layers: int) -> list[tuple[int, int, int]]:
+    """:func:`matrix_shapes` of ``layers`` layers of the ``examples/model.py`` preset ``cfg`` (a ``ModelConfig``),
+    built on the meta device (``examples`` must be importable as ``model``)."""
+    import dataclasses
+
+    import torch
+    from model import CausalLM
+    with torch.device("meta"):
+        return matrix_shapes(CausalLM(dataclasses.replace(cfg, n_layers=layers)))
 
 
 def arm_names(carveouts: list[int]) -> list[str]:
@@ -198,9 +220,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     from model import PRESETS
     from ds_muon.core.ns_compile import compiled_orthogonalize
     cfg = PRESETS[args.model]
-    if cfg.n_experts or cfg.n_kv_heads != cfg.n_heads:
-        print(f"sm_contention.py takes a dense preset with n_kv_heads == n_heads (its matrix shapes); {args.model} "
-              f"has n_experts={cfg.n_experts}, n_kv_heads={cfg.n_kv_heads}, n_heads={cfg.n_heads}", file=sys.stderr)
+    if cfg.n_experts:  # the main matmuls are a dense MLP's
+        print(f"sm_contention.py takes a dense preset (its main matmuls are a dense MLP's); {args.model} has "
+              f"n_experts={cfg.n_experts}", file=sys.stderr)
         return 2
     carveouts = [int(k) for k in args.carveouts.split(",") if k]
     dev = torch.device("cuda")
@@ -208,7 +230,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     a = torch.randn(tokens, cfg.d_model, device=dev, dtype=torch.bfloat16)
     b = torch.randn(cfg.d_model, cfg.ffn_hidden, device=dev, dtype=torch.bfloat16)
     c = torch.empty(tokens, cfg.ffn_hidden, device=dev, dtype=torch.bfloat16)
-    shapes = matrix_shapes(cfg.d_model, cfg.ffn_hidden, args.layers)
+    shapes = preset_matrix_shapes(cfg, args.layers)
     mats = [torch.randn(s, device=dev, dtype=torch.bfloat16) for s in shapes]
     ns = compiled_orthogonalize("standard", 5, torch.bfloat16)
 

@@ -2,6 +2,8 @@
 ratios of the table, the target's verdict, and a clear refusal where there is no CUDA."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from tests.support.tools import repo_module
@@ -9,10 +11,22 @@ from tests.support.tools import repo_module
 sm = repo_module("benchmarks/sm_contention.py")
 
 
-def test_matrix_shapes_cover_a_dense_layer() -> None:
-    shapes = sm.matrix_shapes(3072, 8192, layers=2)
-    assert shapes == [(8, 3072, 3072), (4, 8192, 3072), (2, 3072, 8192)]
-    assert sum(b for b, _, _ in shapes) == 7 * 2  # q, k, v, o, gate, up, down per layer
+def _shapes(preset: str, layers: int = 2) -> list:
+    example = repo_module("examples/model.py")
+    with torch.device("meta"):
+        model = example.CausalLM(dataclasses.replace(example.PRESETS[preset], n_layers=layers))
+    return sm.matrix_shapes(model)
+
+
+def test_matrix_shapes_are_ds_muons_selection() -> None:
+    # 2.9B preset (n_kv_heads == n_heads): q, k, v, o (d, d), gate and up (ffn, d), down (d, ffn) per layer; the
+    # embedding and the output head are AdamW's
+    assert sorted(_shapes("2.9b")) == sorted([(8, 3072, 3072), (4, 8192, 3072), (2, 3072, 8192)])
+    # grouped-query attention (tiny: 4 heads, 2 KV heads of 32): k and v are (64, 128), not (d, d)
+    assert sorted(_shapes("tiny")) == sorted([(4, 128, 128), (4, 64, 128), (4, 352, 128), (2, 128, 352)])
+    # stacked experts count one matrix per expert: 8 experts' gate_up (2 * expert_hidden, d) and down (d,
+    # expert_hidden) beside q and o (d, d); the router is AdamW's
+    assert sorted(_shapes("moe", layers=1)) == sorted([(10, 128, 128), (2, 64, 128), (8, 256, 128)])
 
 
 def test_arm_names_pair_every_both_arm_with_its_side_arm() -> None:
