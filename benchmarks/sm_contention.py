@@ -51,19 +51,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def matrix_shapes(model) -> list[tuple[int, int, int]]:
-    """The Muon matrices of ``model`` as ``(batch, rows, cols)``, one entry per shape in first-seen order, as ds_muon
-    selects them (:func:`ds_muon.model.selection.select_muon_params` with the default rules; a stacked parameter
-    ``(..., rows, cols)`` counts as that many matrices). ``model`` may live on the meta device (no memory).
-    For a dense layer: q/o ``(d, d)``, k/v ``(kv_heads * head_dim, d)``, gate/up ``(ffn, d)``, down ``(d, ffn)``."""
-    import math
-
+    """The blocks ds_muon orthogonalizes in ``model`` as ``(batch, rows, cols)``, one entry per block shape in
+    first-seen order: the Muon parameters of :func:`ds_muon.model.selection.select_muon_params` (default rules), each
+    cut by its matrix view (``Selection.view``: a stacked parameter is one block per matrix, a fused gate/up
+    projection two). ``model`` may live on the meta device (no memory). For a dense layer: q/o ``(d, d)``, k/v
+    ``(kv_heads * head_dim, d)``, gate/up ``(ffn, d)``, down ``(d, ffn)``."""
     from ds_muon.model.selection import select_muon_params
-    use_muon = select_muon_params(model).use_muon
+    selection = select_muon_params(model)
     counts: dict[tuple[int, int], int] = {}
-    for name, p in model.named_parameters():
-        if use_muon.get(name):
-            key = (p.shape[-2], p.shape[-1])
-            counts[key] = counts.get(key, 0) + math.prod(p.shape[:-2])
+    for name, used in selection.use_muon.items():
+        if used:
+            for group in selection.view(name).groups:
+                counts[group.rows, group.cols] = counts.get((group.rows, group.cols), 0) + group.count
     return [(n, rows, cols) for (rows, cols), n in counts.items()]
 
 

@@ -626,8 +626,7 @@ def worker(args) -> None:
     if args.trace:
         trace_steps(engine, vocab, args, g, device, trace_path(args.trace, args.optimizer))
     profile = None
-    # AdamW's profile is the fwd+bwd baseline; the built-in's runs the same DeepSpeed classes with its own settings
-    if args.profile and kind in ("ds_muon", "adamw", "builtin_muon"):
+    if args.profile:  # every arm: AdamW's profile is the fwd+bwd baseline
         profile = profile_steps(engine, vocab, args, g, device)
     samples, medians = step_medians(samples)
     result = dict(optimizer=args.optimizer, samples=samples, **medians,
@@ -692,8 +691,8 @@ def main() -> None:
                     help="after the timed steps, list the lines where fwd+bwd and the optimizer step make the host "
                          "wait for the GPU (torch.cuda.set_sync_debug_mode)")
     ap.add_argument("--profile", action="store_true",
-                    help="also profile the fwd+bwd of 3 steps of every ds_muon, AdamW and built-in Muon arm "
-                         "(round 1) with torch.profiler and print the summary tables")
+                    help="also profile the fwd+bwd of 3 steps of every arm (round 1) with torch.profiler and print "
+                         "the summary tables")
     ap.add_argument("--trace", default=None, metavar="DIR",
                     help="after the timed steps of round 1, write a Chrome trace of 2 whole steps of each arm to "
                          "DIR/<arm>.json (rank 0), and at the end benchmarks/trace_streams.py's report of each to "

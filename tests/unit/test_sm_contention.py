@@ -24,9 +24,9 @@ def test_matrix_shapes_are_ds_muons_selection() -> None:
     assert sorted(_shapes("2.9b")) == sorted([(8, 3072, 3072), (4, 8192, 3072), (2, 3072, 8192)])
     # grouped-query attention (tiny: 4 heads, 2 KV heads of 32): k and v are (64, 128), not (d, d)
     assert sorted(_shapes("tiny")) == sorted([(4, 128, 128), (4, 64, 128), (4, 352, 128), (2, 128, 352)])
-    # stacked experts count one matrix per expert: 8 experts' gate_up (2 * expert_hidden, d) and down (d,
-    # expert_hidden) beside q and o (d, d); the router is AdamW's
-    assert sorted(_shapes("moe", layers=1)) == sorted([(10, 128, 128), (2, 64, 128), (8, 256, 128)])
+    # stacked experts, as ds_muon's matrix views cut them: 8 experts' fused gate_up (2 * expert_hidden, d) as a gate
+    # and an up block each, and down (d, expert_hidden) beside q and o (d, d); the router is AdamW's
+    assert sorted(_shapes("moe", layers=1)) == sorted([(2 * 8 + 8 + 2, 128, 128), (2, 64, 128)])
 
 
 def test_arm_names_pair_every_both_arm_with_its_side_arm() -> None:
