@@ -66,15 +66,14 @@ def matrix_shapes(model) -> list[tuple[int, int, int]]:
     return [(n, rows, cols) for (rows, cols), n in counts.items()]
 
 
-def preset_matrix_shapes(cfg, layers: int) -> list[tuple[int, int, int]]:
-    """:func:`matrix_shapes` of ``layers`` layers of the ``examples/model.py`` preset ``cfg`` (a ``ModelConfig``),
-    built on the meta device (``examples`` must be importable as ``model``)."""
+def preset_matrix_shapes(causal_lm, cfg, layers: int) -> list[tuple[int, int, int]]:
+    """:func:`matrix_shapes` of ``layers`` layers of ``causal_lm(cfg)`` (``examples/model.py``'s ``CausalLM`` and a
+    ``ModelConfig`` preset), built on the meta device."""
     import dataclasses
 
     import torch
-    from model import CausalLM
     with torch.device("meta"):
-        return matrix_shapes(CausalLM(dataclasses.replace(cfg, n_layers=layers)))
+        return matrix_shapes(causal_lm(dataclasses.replace(cfg, n_layers=layers)))
 
 
 def arm_names(carveouts: list[int]) -> list[str]:
@@ -216,7 +215,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     sys.path.insert(0, ROOT)
-    from model import PRESETS
+    from model import PRESETS, CausalLM
     from ds_muon.core.ns_compile import compiled_orthogonalize
     cfg = PRESETS[args.model]
     if cfg.n_experts:  # the main matmuls are a dense MLP's
@@ -229,7 +228,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     a = torch.randn(tokens, cfg.d_model, device=dev, dtype=torch.bfloat16)
     b = torch.randn(cfg.d_model, cfg.ffn_hidden, device=dev, dtype=torch.bfloat16)
     c = torch.empty(tokens, cfg.ffn_hidden, device=dev, dtype=torch.bfloat16)
-    shapes = preset_matrix_shapes(cfg, args.layers)
+    shapes = preset_matrix_shapes(CausalLM, cfg, args.layers)
     mats = [torch.randn(s, device=dev, dtype=torch.bfloat16) for s in shapes]
     ns = compiled_orthogonalize("standard", 5, torch.bfloat16)
 

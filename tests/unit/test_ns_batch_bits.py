@@ -3,20 +3,14 @@ matrix on the CPU does not depend on the other matrices of its batched call, and
 does report a batch-dependent result."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "ns_batch_bits.py"
+from tests.support.tools import repo_module
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("ns_batch_bits", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return repo_module("scripts/ns_batch_bits.py")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

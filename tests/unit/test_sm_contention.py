@@ -2,8 +2,6 @@
 ratios of the table, the target's verdict, and a clear refusal where there is no CUDA."""
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from tests.support.tools import repo_module
@@ -13,9 +11,7 @@ sm = repo_module("benchmarks/sm_contention.py")
 
 def _shapes(preset: str, layers: int = 2) -> list:
     example = repo_module("examples/model.py")
-    with torch.device("meta"):
-        model = example.CausalLM(dataclasses.replace(example.PRESETS[preset], n_layers=layers))
-    return sm.matrix_shapes(model)
+    return sm.preset_matrix_shapes(example.CausalLM, example.PRESETS[preset], layers)
 
 
 def test_matrix_shapes_are_ds_muons_selection() -> None:
