@@ -10,8 +10,9 @@ The driver launches one ``torchrun`` worker group per optimizer (a fresh process
 memory is per optimizer), then prints a table and the ratios against AdamW and the built-in.
 An arm is an optimizer with optional ``zero_optimization`` overrides, ``name:key=value:key=value`` (e.g.
 ``adamw:reduce_scatter=false``; values are JSON: true, false, numbers); the table states every arm's ZeRO
-settings. ``--rounds N`` runs the arms in rounds, ``A B C A B C ...``, one fresh worker group per arm per
-round, so a drift of the machine over the run touches every arm alike; each timing column is the median
+settings. ``--rounds N`` runs the arms in rounds, ``A B C A B C ...`` (``--rotate``: ``A B C B C A ...``), one
+fresh worker group per arm per round, so a drift of the machine over the run touches every arm alike (and with
+``--rotate`` and N equal to the number of arms, the arm's place in the round too); each timing column is the median
 over all timed steps of all rounds with its spread (the min-max of the per-round medians; with one round,
 the quartiles of the steps). On CUDA every step is timed with CUDA events as well as the wall clock
 (both are reported). ``--out`` is rewritten after every arm of every round, so a run cut short keeps
@@ -675,6 +676,9 @@ def main() -> None:
                          "overrides name:key=value:... (e.g. adamw:reduce_scatter=false)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the arms this many times in rounds (A B C A B C ...), a fresh worker group each time")
+    ap.add_argument("--rotate", action="store_true",
+                    help="rotate the arms' order by one place each round (A B C, B C A, C A B): with --rounds equal "
+                         "to the number of arms, every arm runs once in every place of the round")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--model", default="934m", help="an examples/model.py preset (934m, 2.9b, moe-1.5b, ...)")
     ap.add_argument("--micro-batch", type=int, default=4)
@@ -748,7 +752,7 @@ def main() -> None:
                     return json.load(f)
             return {"error": f"exit {proc.returncode}"}
 
-        run_rounds(arms, args.rounds, run_arm, publish)
+        run_rounds(arms, args.rounds, run_arm, publish, rotate=args.rotate)
         if args.ns_micro:
             out = os.path.join(tmp, "ns.json")
             print(NS_TABLE_HEADER, flush=True)
@@ -792,14 +796,24 @@ TIMINGS = ("step_s", "fwd_bwd_s", "opt_step_s", "step_s_events", "fwd_bwd_s_even
 DIAGNOSTICS = ("fwd_bwd_cpu_s", "fwd_bwd_gc_s", "fwd_bwd_device_allocs")
 
 
-def run_rounds(arms, rounds: int, run_arm, on_result=None) -> dict:
-    """Run every arm ``rounds`` times, in rounds (``A B C A B C ...``): ``run_arm(arm, round)`` returns one worker
-    result (or ``{"error": ...}``); ``on_result(raw)`` is called after every arm of every round. Returns
-    ``{arm: [its result per round so far]}``."""
+def round_order(arms, rnd: int, rotate: bool = False) -> list:
+    """The arms in the order round ``rnd`` (0-based) runs them: as given, or with ``rotate`` shifted left by ``rnd``
+    (``A B C``, ``B C A``, ``C A B``), so that over ``len(arms)`` rounds every arm runs once in every place of the
+    round and an effect of the place (a warm GPU clock, the page cache, what the previous worker left) touches
+    every arm alike."""
+    shift = rnd % len(arms) if rotate and arms else 0
+    return list(arms[shift:]) + list(arms[:shift])
+
+
+def run_rounds(arms, rounds: int, run_arm, on_result=None, rotate: bool = False) -> dict:
+    """Run every arm ``rounds`` times, in rounds (``A B C A B C ...``, or rotated: :func:`round_order`):
+    ``run_arm(arm, round)`` returns one worker result (or ``{"error": ...}``), to which the arm's 0-based place in
+    its round is added as ``round_position``; ``on_result(raw)`` is called after every arm of every round.
+    Returns ``{arm: [its result per round so far]}``."""
     raw: dict = {arm: [] for arm in arms}
     for rnd in range(rounds):
-        for arm in arms:
-            raw[arm].append(run_arm(arm, rnd))
+        for position, arm in enumerate(round_order(arms, rnd, rotate)):
+            raw[arm].append(dict(run_arm(arm, rnd), round_position=position))
             if on_result is not None:
                 on_result(raw)
     return raw

@@ -116,6 +116,25 @@ def test_rounds_alternate_and_out_is_written_after_every_arm(tmp_path, monkeypat
     assert "ds_muon/built-in in a training loop (no sync between phases): " in table
 
 
+def test_rotated_rounds_put_every_arm_in_every_place() -> None:
+    calls = []
+
+    def run_arm(arm, rnd):
+        calls.append((rnd, arm))
+        return {"error": "exit 1"} if (rnd, arm) == (2, "A") else {"step_s": 0.3}
+
+    raw = step_time.run_rounds(["A", "B", "C"], 3, run_arm, rotate=True)
+    assert [a for _, a in calls] == list("ABCBCACAB") and [r for r, _ in calls] == [0] * 3 + [1] * 3 + [2] * 3
+    for arm in "ABC":  # once in each place of the round
+        assert sorted(r["round_position"] for r in raw[arm]) == [0, 1, 2]
+    assert raw["A"][2] == {"error": "exit 1", "round_position": 1}
+    assert step_time.aggregate_rounds(raw["A"])["round_errors"] == ["exit 1"]
+    # without rotate: A B C in every round
+    assert step_time.round_order(["A", "B", "C"], 4) == ["A", "B", "C"]
+    assert step_time.round_order(["A", "B", "C"], 4, rotate=True) == ["B", "C", "A"]
+    assert [r["round_position"] for r in step_time.run_rounds(["A", "B"], 2, lambda a, r: {})["B"]] == [1, 1]
+
+
 def test_sync_points_name_the_lines_that_wait(monkeypatch) -> None:
     """``--sync-debug``'s collector: each "synchronizing" warning counted at the line that raised it (on a GPU
     torch raises them in sync debug mode; here a stand-in warns, since the CPU build has no such mode); other
