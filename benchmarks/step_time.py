@@ -776,6 +776,10 @@ def main() -> None:
                     with open(args.out, "w") as f:
                         json.dump(results, f, indent=2)
     print_table({k: v for k, v in results.items() if k != "ns_micro"})
+    places = place_table({k: v for k, v in results.items() if k != "ns_micro"})
+    if places:
+        print("\nEach arm's rounds by its place in the round (--rotate): medians of the round's timed steps, s")
+        print("\n".join(places))
     for arm, v in results.items():
         for phase, lines in (v.get("sync_points") or {}).items():
             print(f"\n{arm}, {phase}: {sum(lines.values())} host-device syncs: " +
@@ -914,6 +918,31 @@ def timing_cell(result: dict, key: str) -> str:
         return f"{result[key]:.3f}"
     lo, hi = (spread["min"], spread["max"]) if len(spread["round_medians"]) > 1 else (spread["q1"], spread["q3"])
     return f"{result[key]:.3f} ({lo:.3f}-{hi:.3f})"
+
+
+def place_table(results: dict) -> list[str]:
+    """Markdown rows, one per arm and round: the arm's place in its round (``round_position``, 1-based) and the
+    medians of that round's timed steps (step, fwd+bwd, optimizer step, loop; seconds), so that an effect of the
+    place in the round shows beside the arm's other rounds (``--rotate``). Empty where no round result states its
+    place or every arm kept one place."""
+    rows, places = [], set()
+    for arm, v in results.items():
+        for rnd, r in enumerate(v.get("round_results") or ()):
+            if "round_position" not in r:
+                continue
+            places.add((arm, r["round_position"]))
+            if "error" in r:
+                rows.append(f"| {arm} | {rnd + 1} | {r['round_position'] + 1} | failed: {r['error']} | | | |")
+                continue
+            cells = []
+            for key in ("step_s", "fwd_bwd_s", "opt_step_s", "loop_step_s"):
+                steps = (r.get("samples") or {}).get(key) or ([r[key]] if key in r else [])
+                cells.append(f"{statistics.median(steps):.3f}" if steps else "")
+            rows.append(f"| {arm} | {rnd + 1} | {r['round_position'] + 1} | " + " | ".join(cells) + " |")
+    if len(places) == len({arm for arm, _ in places}):  # no arm ran in more than one place
+        return []
+    return ["| arm | round | place in round | step s | fwd+bwd s | optimizer step s | loop s/step |",
+            "|---|---|---|---|---|---|---|"] + rows
 
 
 def print_table(results: dict) -> None:

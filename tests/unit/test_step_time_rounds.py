@@ -135,6 +135,20 @@ def test_rotated_rounds_put_every_arm_in_every_place() -> None:
     assert [r["round_position"] for r in step_time.run_rounds(["A", "B"], 2, lambda a, r: {})["B"]] == [1, 1]
 
 
+def test_place_table_lists_each_round_by_its_place() -> None:
+    def result(steps, place):
+        return dict(_result("x", steps, [0.2] * len(steps)), round_position=place)
+
+    rotated = {"adamw": {"round_results": [result([0.30, 0.32, 0.31], 0), result([0.40], 1)]},
+               "ds_muon": {"round_results": [result([0.35], 1), {"error": "exit 1", "round_position": 0}]}}
+    rows = step_time.place_table(rotated)
+    assert rows[0].startswith("| arm | round | place in round | step s | fwd+bwd s |")
+    assert rows[2] == "| adamw | 1 | 1 | 0.310 | 0.200 | 0.110 |  |"
+    assert rows[3].startswith("| adamw | 2 | 2 | 0.400 |") and rows[5] == "| ds_muon | 2 | 1 | failed: exit 1 | | | |"
+    fixed = {"adamw": {"round_results": [result([0.3], 0), result([0.3], 0)]}, "ds_muon": {"round_results": []}}
+    assert step_time.place_table(fixed) == [] and step_time.place_table({"adamw": {}}) == []
+
+
 def test_sync_points_name_the_lines_that_wait(monkeypatch) -> None:
     """``--sync-debug``'s collector: each "synchronizing" warning counted at the line that raised it (on a GPU
     torch raises them in sync debug mode; here a stand-in warns, since the CPU build has no such mode); other
