@@ -17,9 +17,11 @@ engine's global sample count after this step, DeepSpeed's own x axis):
   of the step, all layers and ranks), ``Train/ds_muon/qk_clip/max_logit/<module>`` per attention module and,
   unless ``qk_clip.monitor_per_head`` is off, ``Train/ds_muon/qk_clip/max_logit/<module>/head_<h>`` per query
   head (``S_h``; ``-inf`` for a head that saw no allowed key);
-* with the overlapped step on (``overlap_backward``): ``Train/ds_muon/overlap/commits`` and
-  ``Train/ds_muon/overlap/fallback_<reason>`` (``clip``, ``overflow``, ``no_grad_block``, ``not_ready``): Muon
-  sub-group steps since the start that applied the update computed in backward, and those that recomputed it.
+* with the overlapped step on (``overlap_backward``): ``Train/ds_muon/overlap/commits`` (of them
+  ``Train/ds_muon/overlap/commits_idle_blocks``: with blocks that had no gradient set aside),
+  ``Train/ds_muon/overlap/fallback_<reason>``
+  (``clip``, ``overflow``, ``not_ready``, ``loss_scale``) and the CUDA-graph counters (``graph_*``): Muon sub-group
+  steps since the start that applied the update computed in backward, and those that recomputed it.
 
 After each step skipped for a non-finite gradient norm: ``Train/ds_muon/skipped_steps`` (a count).
 """

@@ -16,7 +16,8 @@ which keeps everything here but the backward hook (``partition_grads`` is ZeRO-3
 - ``_get_norm_groups``: with clipping on, whether clipping fires this step, computed on the device from the same
   norms and copied to the host ahead of DeepSpeed's host read of the norm (no host sync of its own).
 - ``_commit_speculation(i, ...)``, asked by the base's ``_muon_step``: commits sub-group ``i``'s speculation when
-  exact (clip coefficient 1, every block had a gradient, the speculation complete), else the ordinary step runs.
+  exact (clip coefficient 1, the loss scale the speculation divided by, the speculation complete; blocks without
+  gradient set aside as the ordinary step sets them aside), else the ordinary step runs.
 - ``zero_grad`` outside a step and a backward that is not the last micro-batch's: any speculation is dropped
   (a backward never followed by a step leaks nothing).
 """
@@ -88,7 +89,7 @@ class OverlapHooks:
 
     Attributes:
         speculative: the :class:`~ds_muon.sharded.overlap.SpeculativeMuon`, or None (overlap off).
-        overlap_stats: ``{"commits": n, "fallback_clip": n, "fallback_overflow": n, "fallback_no_grad_block": n,
+        overlap_stats: ``{"commits": n, "commits_idle_blocks": n, "fallback_clip": n, "fallback_overflow": n,
             "fallback_not_ready": n, "fallback_loss_scale": n, "graph_captures": n, "graph_replays": n,
             "graph_recaptures_<grad|momentum|stash|loss_scale>": n, "graph_pinned_stashes": n}`` since construction
             (all zero with overlap off; :meth:`~ds_muon.sharded.overlap.SpeculativeMuon.stats`).

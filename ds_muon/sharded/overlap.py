@@ -6,11 +6,13 @@ parameter of an owner-plan bucket is final, that bucket's update is computed wit
 gradient: ``u = lerp(g/s, beta*m + (1-beta)*g/s, beta)`` (Nesterov) or ``beta*m + (1-beta)*g/s`` into a scratch
 buffer (``s`` the loss scale, clip coefficient 1 assumed), the owner exchange and Newton–Schulz of the bucket, and
 the orthogonalized update ``o`` (this rank's chunks) kept in the bucket's stash. At the step, :meth:`SpeculativeMuon.commit`
-applies ``m <- beta*m + (1-beta)*g`` (the same kernel as today) and ``p <- p*(1-lr*wd) - lr*o`` from the stashes;
-any step where that would not be exact (clipping fired, a block had no gradient, the sub-group was not fully
-speculated, the loss scale changed) is left to the ordinary step, which is exact because ``g`` and ``m`` are as
-they were. Every rank marks the same parameters in the same order (ZeRO's reduce-scatter sequence is the same on
-every rank), so the buckets' collectives are issued in the same order everywhere.
+applies ``m <- beta*m + (1-beta)*g`` (the same kernel as today) and ``p <- p*(1-lr*wd) - lr*o`` from the stashes,
+with the blocks that had no gradient on any rank set aside around it as the ordinary step sets them aside (a
+stacked expert without tokens keeps its momentum and weights; an expert that is a parameter of its own gets no
+gradient at all and leaves the speculation incomplete); any step where that would not be exact (clipping fired, the sub-group was not fully speculated, the loss
+scale changed) is left to the ordinary step, which is exact because ``g`` and ``m`` are as they were. Every rank
+marks the same parameters in the same order (ZeRO's reduce-scatter sequence is the same on every rank), so the
+buckets' collectives are issued in the same order everywhere.
 
 Memory per rank: a stash per speculated bucket, this rank's stretch of the shard that the bucket covers in the
 exchange dtype (bf16 by default off the CPU), allocated when the bucket is speculated and freed by the commit: at
@@ -60,11 +62,12 @@ __all__ = ["SpeculativeMuon", "FALLBACK_REASONS", "RUN_ELEMENTS", "PIN_AFTER"]
 RUN_ELEMENTS = 1 << 24
 
 #: why a sub-group's step fell back to the ordinary path: the clip coefficient was not 1, the step was skipped for
-#: an fp16 overflow (or never came), a block had no gradient on any rank, the sub-group's speculation was not
-#: complete (a parameter without gradient, or a gradient reduced again after its bucket started), the loss scale
-#: the step unscales by is not the one the speculation divided by (fp16's dynamic scale grew at this step:
-#: DeepSpeed updates it before unscaling).
-FALLBACK_REASONS = ("clip", "overflow", "no_grad_block", "not_ready", "loss_scale")
+#: an fp16 overflow (or never came), the sub-group's speculation was not complete (a parameter without gradient,
+#: or a gradient reduced again after its bucket started), the loss scale the step unscales by is not the one the
+#: speculation divided by (fp16's dynamic scale grew at this step: DeepSpeed updates it before unscaling). A block
+#: without gradient inside a parameter that has one (an expert without tokens) is not a reason: the commit sets it
+#: aside (``commits_idle_blocks``).
+FALLBACK_REASONS = ("clip", "overflow", "not_ready", "loss_scale")
 
 #: the parts of a graph's key before its settings, in key order: what a recapture is counted by (``stats``).
 _KEY_PARTS = ("grad", "momentum", "stash", "loss_scale")
@@ -114,7 +117,8 @@ class SpeculativeMuon:
             over the same tensors); None: :func:`torch.cuda.CUDAGraph` capture into one shared pool.
 
     Attributes:
-        commits: sub-group steps that applied a stash. fallbacks: ``Counter`` over :data:`FALLBACK_REASONS`.
+        commits: sub-group steps that applied a stash; commits_idle_blocks: those of them that set aside blocks
+            without gradient. fallbacks: ``Counter`` over :data:`FALLBACK_REASONS`.
         captures, replays: buckets captured as a graph, and bucket speculations run by replaying one.
     """
 
@@ -123,7 +127,7 @@ class SpeculativeMuon:
                  capture: Optional[Callable[[Callable[[], None]], Callable[[], None]]] = None) -> None:
         self.steps, self.exchanges, self.stream = steps, exchanges, stream
         self.graphs, self._capture = graphs, capture or self._cuda_graph
-        self.commits = self.captures = self.replays = 0
+        self.commits = self.commits_idle_blocks = self.captures = self.replays = 0
         self.fallbacks: Counter = Counter({r: 0 for r in FALLBACK_REASONS})
         self._state: dict[int, _SubGroupState] = {}
         self._run_cache: dict[tuple[int, int], list[tuple[int, int]]] = {}
@@ -136,12 +140,14 @@ class SpeculativeMuon:
         self._pool = None
 
     def stats(self) -> dict:
-        """``{"commits": int, "fallback_<reason>": int, ..., "graph_captures": int, "graph_replays": int,
+        """``{"commits": int, "commits_idle_blocks": int, "fallback_<reason>": int, ...,
+        "graph_captures": int, "graph_replays": int,
         "graph_recaptures_<what>": int, ...}`` since construction (for the monitor and benchmarks). A recapture is a
         capture of a bucket that had a graph whose key changed, counted under each part of the key that did
         (``grad``, ``momentum``, ``stash``: an address; ``loss_scale``); ``graph_captures`` counts it once.
         ``graph_pinned_stashes``: buckets whose stash is kept across steps now (:data:`PIN_AFTER`)."""
-        return {"commits": self.commits, **{f"fallback_{r}": n for r, n in self.fallbacks.items()},
+        return {"commits": self.commits, "commits_idle_blocks": self.commits_idle_blocks,
+                **{f"fallback_{r}": n for r, n in self.fallbacks.items()},
                 "graph_captures": self.captures, "graph_replays": self.replays,
                 **{f"graph_recaptures_{w}": n for w, n in self.recaptures.items()},
                 "graph_pinned_stashes": len(self._pinned)}
@@ -389,10 +395,11 @@ class SpeculativeMuon:
         """Apply sub-group ``i``'s speculation if that is exact, else count why not and leave the step to the caller.
 
         Exact when the speculation is complete, ``clipped`` is False and ``loss_scale`` is the scale the speculation
-        divided by (DeepSpeed's combined scale was that loss scale) and every block had a gradient: then
-        ``m <- beta*m + (1-beta)*g`` (the same kernel as :meth:`MuonShardStep.prepare`, on the final ``g``) and
-        ``p <- p*(1-lr*wd) - lr*o`` with the stash (:meth:`MuonShardStep.finalize`, lr and weight decay read now). The same decision on every rank (its inputs
-        are agreed: the global norm, the agreed flags, the same reduce sequence).
+        divided by (DeepSpeed's combined scale was that loss scale): then ``m <- beta*m + (1-beta)*g`` (the same
+        kernel as :meth:`MuonShardStep.prepare`, on the final ``g``) and ``p <- p*(1-lr*wd) - lr*o`` with the stash
+        (:meth:`MuonShardStep.finalize`, lr and weight decay read now), the blocks that had no gradient set aside
+        around both (:meth:`MuonShardStep.set_aside`, as the ordinary step does). The same decision on every rank
+        (its inputs are agreed: the global norm, the agreed flags, the same reduce sequence).
 
         Args:
             fp32: ``(n,)`` float32 partition. grad: ``(n,)`` float32 final gradient (overwritten).
@@ -410,14 +417,17 @@ class SpeculativeMuon:
             reason = "clip"
         elif st.loss_scale is not None and st.loss_scale != loss_scale:
             reason = "loss_scale"
-        elif had is not None and not bool(had.all()):
-            reason = "no_grad_block"
         else:
             reason = None
         if reason is not None:
             self.fallbacks[reason] += 1
             return False
+        if had is not None and not bool(had.any()):  # as the ordinary step: nothing changes, no exchange
+            self.commits += 1
+            self.commits_idle_blocks += 1
+            return True
         step, dst, src = self.steps[i], [], []
+        put_back = step.set_aside(had, momentum, fp32)  # None where every block had a gradient
         for k, stash in st.stashes.items():
             if self.stream is not None:  # read on the step's stream (a no-op where that is the home stream)
                 stash.record_stream(torch.cuda.current_stream())
@@ -430,6 +440,9 @@ class SpeculativeMuon:
         # o: the fp32 values the ordinary exchange writes (the stashes hold the wire dtype's); one launch
         torch._foreach_copy_(dst, src)
         step.finalize(fp32, grad, group)
+        if put_back is not None:
+            put_back()
+            self.commits_idle_blocks += 1
         self.commits += 1
         return True
 

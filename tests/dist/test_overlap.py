@@ -37,6 +37,9 @@ CASES = [
     {"name": "small_ipg_subgroups", "zero": {"reduce_bucket_size": 100, "sub_group_size": 500}},
     {"name": "allreduce_gas2_clip", "gas": 2, "clip": 0.5,
      "zero": {"reduce_scatter": False, "contiguous_gradients": False, "overlap_comm": True}},
+    # an expert without tokens: one block of the stacked experts gets an exactly zero gradient on even steps while
+    # the parameter gets one, so the speculation completes and the commit sets that block aside
+    {"name": "idle_expert", "idle_expert": True},
 ]
 
 
@@ -65,6 +68,8 @@ def _train(rank: int, case: dict, overlap: bool, steps: int = STEPS) -> Trained:
     torch.manual_seed(0)
     engine, model = build_engine(cfg)
     init, tags = gathered_params(model), clone_tags(model)
+    if case.get("idle_expert"):
+        model.experts.register_hook(idle_expert_hook(engine))
     train_engine(engine, steps, rank, case.get("gas", 1))
     state = state_snapshot(engine)
     stats = dict(engine.optimizer.overlap_stats)
@@ -73,6 +78,19 @@ def _train(rank: int, case: dict, overlap: bool, steps: int = STEPS) -> Trained:
     bucket = (engine.zero_reduce_bucket_size(), int(engine.optimizer.reduce_bucket_size))
     engine.destroy()
     return Trained(state, stats, init, tags, got, cfg, dtypes, bucket)
+
+
+def idle_expert_hook(engine, expert: int = 1):
+    """A gradient hook for ParityNet's stacked ``experts`` ``(3, dim, expert)``: on even optimizer steps (those where
+    ``extra`` has a gradient, so that the rest of the sub-group can be speculated) its block ``expert`` gets an
+    exactly zero gradient, as an expert that routed no token has (the parameter as a whole still has a gradient)."""
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if engine.global_steps % 2 == 1:
+            return grad
+        grad = grad.clone()
+        grad[expert] = 0
+        return grad
+    return hook
 
 
 def train_on_off(rank: int, world_size: int, cases: list[dict]) -> dict:
@@ -168,6 +186,9 @@ def test_overlap_exact(world_size, tmp_path):
     assert r["plain"]["momentum_dtypes"] == ["torch.float32"], r["plain"]
     for name in ("gas2", "bf16", "bf16_momentum", "no_nesterov", "small_buckets", "small_ipg_subgroups", "resume"):
         assert r[name]["stats"]["commits"] > 0, (name, r[name])
+    # the idle expert's steps committed with the block set aside (2 of 4 steps), not recomputed
+    assert r["idle_expert"]["stats"]["commits_idle_blocks"] >= 2, r["idle_expert"]
+    assert r["plain"]["stats"]["commits_idle_blocks"] == 0, r["plain"]
     assert r["eval_stats"]["commits"] > 0, r["eval_stats"]
     check_oracle(r["plain"]["errors"])  # test_zero3_parity.py's tolerances
     # reduce_bucket_size unset: the overlapped step runs with ds_muon's bucket (engine and ZeRO optimizer agree),

@@ -54,6 +54,8 @@ CASES = [
     # bf16 model, fp32 accumulation: DeepSpeed reduces into its own flat fp32 partition, handed over as it is
     {"name": "bf16_fp32_accumulation", "gas": 2, "bf16": True, "config": {"data_types": {"grad_accum_dtype": "fp32"}},
      "zero": STAGE2},
+    # an expert without tokens (test_overlap's case): the commit sets the zero-gradient block aside
+    {"name": "idle_expert", "idle_expert": True, "zero": STAGE2},
 ]
 
 
@@ -96,6 +98,7 @@ def test_overlap_zero2_exact(world_size, tmp_path):
     every = r["clip_every_step"]["stats"]
     assert every["commits"] == 0 and every["fallback_clip"] > 0, every
     assert r["allreduce_clip"]["stats"]["fallback_clip"] > 0, r["allreduce_clip"]  # 0.5 clips the parity model
+    assert r["idle_expert"]["stats"]["commits_idle_blocks"] >= 2, r["idle_expert"]
     for name in ("plain", "gas2", "stage1_overlap_comm"):  # test_zero12_parity.py's fp32 tolerances
         check_oracle(r[name]["errors"])
     # every rank took the same path

@@ -206,6 +206,42 @@ def test_commit_equals_the_ordinary_step_with_runs_cut_and_a_bf16_stash(monkeypa
     assert torch.equal(got_m, want_m) and torch.equal(p, want_p)
 
 
+def test_commit_sets_blocks_without_gradient_aside_as_the_ordinary_step() -> None:
+    """A block with no gradient on any rank (a stacked expert without tokens) inside a complete speculation: the
+    commit equals the ordinary step with that block set aside (``set_aside`` before ``prepare``, put back after
+    ``finalize``), bit for bit, momentum and weights; where no block had one, nothing changes, the gradient buffer
+    included (the ordinary step returns early). Both count as ``commits_idle_blocks``."""
+    spec, step = _speculative(False)
+    n, group = step.plan.shard_numel, dict(GROUP)
+    gen = torch.Generator().manual_seed(2)
+    grad, p, m = torch.randn(n, generator=gen), torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    had = torch.ones(step.block_map.n_blocks, dtype=torch.bool)
+    had[2] = False
+    for lo, size in step.block_map.local_ranges([2]):
+        grad[lo:lo + size] = 0
+    order = [(0, s.index) for b in reversed(step.plan.buckets) for s in b.slots]
+    spec.mark_final(order, lambda i: grad, lambda i: m, lambda i: group, 1.0)
+    want_p, want_m, g = p.clone(), m.clone(), grad.clone()
+    put_back = step.set_aside(had, want_m, want_p)
+    step.orthogonalize(step.prepare(g, want_m, group), g, group)
+    step.finalize(want_p, g, group)
+    put_back()
+    got_p, got_m = p.clone(), m.clone()
+    assert spec.commit(0, got_p, grad.clone(), got_m, had, False, group)
+    assert torch.equal(got_m, want_m) and torch.equal(got_p, want_p)
+    idle = torch.zeros(n, dtype=torch.bool)
+    for lo, size in step.block_map.local_ranges([2]):
+        idle[lo:lo + size] = True
+    assert torch.equal(got_p[idle], p[idle]) and torch.equal(got_m[idle], m[idle]) and not torch.equal(got_p, p)
+    # no block had a gradient: the commit leaves everything as it was
+    spec.mark_final(order, lambda i: torch.zeros(n), lambda i: m, lambda i: group, 1.0)
+    got_p, got_m, untouched = p.clone(), m.clone(), torch.zeros(n)
+    assert spec.commit(0, got_p, untouched, got_m, torch.zeros_like(had), False, group)
+    assert torch.equal(got_p, p) and torch.equal(got_m, m) and torch.equal(untouched, torch.zeros(n))
+    assert spec.stats()["commits"] == spec.stats()["commits_idle_blocks"] == 2
+    assert not spec.active() and sum(spec.fallbacks.values()) == 0
+
+
 def test_stashes_live_from_their_bucket_to_the_commit() -> None:
     """No stash is held between steps (none in the forward, where the peak usually is): each bucket's is allocated
     when the bucket is speculated, covers that bucket's stretch of the shard only, and goes with the commit."""
