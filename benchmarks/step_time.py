@@ -837,7 +837,7 @@ def aggregate_rounds(rounds: list) -> dict:
     errors = [r["error"] for r in rounds if "error" in r]
     if not ok:
         return {"error": "; ".join(errors) or "no round ran", "rounds": len(rounds)}
-    out = {k: v for k, v in ok[0].items() if k != "samples"}
+    out = {k: v for k, v in ok[0].items() if k not in ("samples", "round_position")}
     out.update(rounds=len(rounds), rounds_ok=len(ok), spread={})
     if errors:
         out["round_errors"] = errors
