@@ -19,9 +19,9 @@ engine's global sample count after this step, DeepSpeed's own x axis):
   head (``S_h``; ``-inf`` for a head that saw no allowed key);
 * with the overlapped step on (``overlap_backward``): ``Train/ds_muon/overlap/commits`` (of them
   ``Train/ds_muon/overlap/commits_idle_blocks``: with blocks that had no gradient set aside),
-  ``Train/ds_muon/overlap/fallback_<reason>``
-  (``clip``, ``overflow``, ``not_ready``, ``loss_scale``) and the CUDA-graph counters (``graph_*``): Muon sub-group
-  steps since the start that applied the update computed in backward, and those that recomputed it.
+  ``Train/ds_muon/overlap/fallback_<reason>`` (``clip``, ``overflow``, ``not_ready``, ``loss_scale``) and the
+  CUDA-graph counters (``Train/ds_muon/overlap/graph_*``): Muon sub-group steps since the start that applied the
+  update computed in backward, those that recomputed it, and the graphs' captures and replays.
 
 After each step skipped for a non-finite gradient norm: ``Train/ds_muon/skipped_steps`` (a count).
 """

@@ -9,10 +9,11 @@ the orthogonalized update ``o`` (this rank's chunks) kept in the bucket's stash.
 applies ``m <- beta*m + (1-beta)*g`` (the same kernel as today) and ``p <- p*(1-lr*wd) - lr*o`` from the stashes,
 with the blocks that had no gradient on any rank set aside around it as the ordinary step sets them aside (a
 stacked expert without tokens keeps its momentum and weights; an expert that is a parameter of its own gets no
-gradient at all and leaves the speculation incomplete); any step where that would not be exact (clipping fired, the sub-group was not fully speculated, the loss
-scale changed) is left to the ordinary step, which is exact because ``g`` and ``m`` are as they were. Every rank
-marks the same parameters in the same order (ZeRO's reduce-scatter sequence is the same on every rank), so the
-buckets' collectives are issued in the same order everywhere.
+gradient at all and leaves the speculation incomplete); any step where that would not be exact (clipping fired,
+the sub-group was not fully speculated, the loss scale changed) is left to the ordinary step, which is exact
+because ``g`` and ``m`` are as they were. Every rank marks the same parameters in the same order (ZeRO's
+reduce-scatter sequence is the same on every rank), so the buckets' collectives are issued in the same order
+everywhere.
 
 Memory per rank: a stash per speculated bucket, this rank's stretch of the shard that the bucket covers in the
 exchange dtype (bf16 by default off the CPU), allocated when the bucket is speculated and freed by the commit: at
