@@ -1,11 +1,13 @@
 """The overlapped Muon step (``optimizer.params.overlap_backward``, ds_muon/sharded/overlap.py) is exact.
 
 CPU, gloo: no streams, so the speculative step runs inline in the last micro-batch's backward, which tests its
-logic and its exactness (the GPU timing is the benchmark's). Each case trains the parity model with overlap on and
-with overlap off in the same process group and requires the two end states bit for bit equal (weights, momentum,
-AdamW state, step counts); the plain case also checks the oracle at test_zero3_parity.py's tolerances. The
-fallback counters say which path ran: clipping that fires on every step must fall back on every Muon sub-group
-step, clipping that never fires must commit the speculation. One process group per world size runs every case.
+logic and its exactness (the GPU timing is the benchmark's). Each case trains the parity model (or a real MoE,
+transformers' Mixtral from a config) with overlap on and with overlap off in the same process group and requires
+the two end states bit for bit equal (weights, momentum, AdamW state, step counts); the plain case also checks the
+oracle at test_zero3_parity.py's tolerances. The fallback counters say which path ran: clipping that fires on
+every step must fall back on every Muon sub-group step, clipping that never fires must commit the speculation, and
+an expert without tokens (a zero-gradient block of a stacked parameter) commits with that block set aside. One
+process group per world size runs every case.
 """
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ from typing import NamedTuple
 import pytest
 import torch
 
+from tests.support import families
 from tests.support.harness import (PARITY_RTOL, build_engine, clone_tags, compare, ds_config, gathered_params,
                                    momentum_dtypes, reference_model, resume_phase, state_snapshot, train_engine, train_reference)
+from tests.support.models import ParityNet
 from tests.support.spawn import run_distributed
 
 STEPS = 4
@@ -40,6 +44,9 @@ CASES = [
     # an expert without tokens: one block of the stacked experts gets an exactly zero gradient on even steps while
     # the parameter gets one, so the speculation completes and the commit sets that block aside
     {"name": "idle_expert", "idle_expert": True},
+    # a real MoE (transformers' Mixtral, 8 stacked experts, top 1, from a config): experts that route no token in a
+    # step, as the router decides (at W = 1 and 2 in most steps here; at W = 4 the 64 tokens reach every expert)
+    {"name": "mixtral_top1", "model": families.mixtral},
 ]
 
 
@@ -66,7 +73,7 @@ def _train(rank: int, case: dict, overlap: bool, steps: int = STEPS) -> Trained:
         cfg["bf16"] = {"enabled": True}
     cfg.update(case.get("config", {}))  # further top-level sections
     torch.manual_seed(0)
-    engine, model = build_engine(cfg)
+    engine, model = build_engine(cfg, model_fn=case.get("model", ParityNet))
     init, tags = gathered_params(model), clone_tags(model)
     if case.get("idle_expert"):
         model.experts.register_hook(idle_expert_hook(engine))
@@ -189,6 +196,10 @@ def test_overlap_exact(world_size, tmp_path):
     # the idle expert's steps committed with the block set aside (2 of 4 steps), not recomputed
     assert r["idle_expert"]["stats"]["commits_idle_blocks"] >= 2, r["idle_expert"]
     assert r["plain"]["stats"]["commits_idle_blocks"] == 0, r["plain"]
+    mixtral = r["mixtral_top1"]["stats"]  # every step committed, none fell back
+    assert mixtral["commits"] == STEPS and sum(v for k, v in mixtral.items() if k.startswith("fallback_")) == 0, mixtral
+    if world_size <= 2:
+        assert mixtral["commits_idle_blocks"] > 0, mixtral
     assert r["eval_stats"]["commits"] > 0, r["eval_stats"]
     check_oracle(r["plain"]["errors"])  # test_zero3_parity.py's tolerances
     # reduce_bucket_size unset: the overlapped step runs with ds_muon's bucket (engine and ZeRO optimizer agree),

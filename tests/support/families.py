@@ -47,6 +47,22 @@ def vit_config():
                                      num_channels=CHANNELS, num_labels=LABELS)
 
 
+def mixtral_config():
+    """Mixtral: 2 layers, 8 stacked experts of width 16 (``gate_up_proj`` (8, 32, 32), ``down_proj`` (8, 32, 16)),
+    top 1: with a micro-batch of 16 tokens some experts route no token in a step (their blocks get an exactly zero
+    gradient while the stacked parameter gets one)."""
+    return _transformers().MixtralConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=8, num_experts_per_tok=1, pad_token_id=0)
+
+
+def mixtral():
+    """A seeded :func:`mixtral_config` ``MixtralForCausalLM`` with the harness's ``forward(tokens, targets,
+    use_extra) -> loss`` (every rank builds the same weights)."""
+    torch.manual_seed(0)
+    return causal_lm(_transformers().MixtralForCausalLM)(mixtral_config())
+
+
 def gpt_oss():
     return _transformers().GptOssForCausalLM(gpt_oss_config())
 
