@@ -16,7 +16,7 @@ fresh worker group per arm per round, so a drift of the machine over the run tou
 over all timed steps of all rounds with its spread (the min-max of the per-round medians; with one round,
 the quartiles of the steps). On CUDA every step is timed with CUDA events as well as the wall clock
 (both are reported). ``--out`` is rewritten after every arm of every round, so a run cut short keeps
-what finished.
+what finished, and ``--resume`` that file runs only the rounds it lacks (a run longer than one device call).
 
 Targets (issue 14, 2xH200, micro-batch 4 x 1024, bf16): at 2.9B optimizer step <= 0.6x and step
 <= 0.8x the built-in's; at 934M optimizer step <= 0.45x the built-in's; ds_muon step - AdamW step
@@ -679,6 +679,10 @@ def main() -> None:
     ap.add_argument("--rotate", action="store_true",
                     help="rotate the arms' order by one place each round (A B C, B C A, C A B): with --rounds equal "
                          "to the number of arms, every arm runs once in every place of the round")
+    ap.add_argument("--resume", default=None, metavar="FILE",
+                    help="continue a run cut short (a device call's time limit): FILE is its --out; the rounds it "
+                         "holds are kept, in their places, and only the rest run. Every option that sets what a "
+                         "round measures (model, stage, steps, ...) must equal the first run's")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--model", default="934m", help="an examples/model.py preset (934m, 2.9b, moe-1.5b, ...)")
     ap.add_argument("--micro-batch", type=int, default=4)
@@ -728,9 +732,11 @@ def main() -> None:
     for arm in arms:
         parse_arm(arm)  # a bad arm fails here, before any worker starts
     results: dict = {}
+    run = run_options(args)
+    done = load_resume(args.resume, arms, run, args.rounds) if args.resume else None
 
     def publish(raw: dict) -> None:  # the aggregate of every arm so far, to --out (a run cut short keeps it)
-        results.update(aggregate_arms(raw, args.micro_batch, args.stage))
+        results.update(aggregate_arms(raw, args.micro_batch, args.stage, run))
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=2)
@@ -752,7 +758,7 @@ def main() -> None:
                     return json.load(f)
             return {"error": f"exit {proc.returncode}"}
 
-        run_rounds(arms, args.rounds, run_arm, publish, rotate=args.rotate)
+        run_rounds(arms, args.rounds, run_arm, publish, rotate=args.rotate, done=done)
         if args.ns_micro:
             out = os.path.join(tmp, "ns.json")
             print(NS_TABLE_HEADER, flush=True)
@@ -809,14 +815,18 @@ def round_order(arms, rnd: int, rotate: bool = False) -> list:
     return list(arms[shift:]) + list(arms[:shift])
 
 
-def run_rounds(arms, rounds: int, run_arm, on_result=None, rotate: bool = False) -> dict:
+def run_rounds(arms, rounds: int, run_arm, on_result=None, rotate: bool = False, done: dict | None = None) -> dict:
     """Run every arm ``rounds`` times, in rounds (``A B C A B C ...``, or rotated: :func:`round_order`):
     ``run_arm(arm, round)`` returns one worker result (or ``{"error": ...}``), to which the arm's 0-based place in
     its round is added as ``round_position``; ``on_result(raw)`` is called after every arm of every round.
+    ``done`` (``--resume``: :func:`load_resume`) holds each arm's results of its first rounds, kept as they are;
+    only the rounds an arm lacks run, in the order and places they would have had.
     Returns ``{arm: [its result per round so far]}``."""
-    raw: dict = {arm: [] for arm in arms}
+    raw: dict = {arm: list((done or {}).get(arm, ())) for arm in arms}
     for rnd in range(rounds):
         for position, arm in enumerate(round_order(arms, rnd, rotate)):
+            if len(raw[arm]) > rnd:
+                continue
             raw[arm].append(dict(run_arm(arm, rnd), round_position=position))
             if on_result is not None:
                 on_result(raw)
@@ -857,11 +867,47 @@ def aggregate_rounds(rounds: list) -> dict:
     return out
 
 
-def aggregate_arms(raw: dict, micro_batch: int, stage: int) -> dict:
+def aggregate_arms(raw: dict, micro_batch: int, stage: int, run: dict | None = None) -> dict:
     """``{arm: aggregate_rounds(its rounds) + settings + its round results}`` for :func:`print_table` and ``--out``,
-    for the arms that ran at least once."""
-    return {arm: dict(aggregate_rounds(rounds), settings=arm_settings(arm, micro_batch, stage), round_results=rounds)
+    for the arms that ran at least once; ``run`` (:func:`run_options`) is stored with each, for ``--resume``."""
+    return {arm: dict(aggregate_rounds(rounds), settings=arm_settings(arm, micro_batch, stage), round_results=rounds,
+                      **({"run": run} if run is not None else {}))
             for arm, rounds in raw.items() if rounds}
+
+
+#: The options that set what one round of an arm measures: a resumed run must repeat them.
+RUN_OPTIONS = ("model", "nproc", "stage", "micro_batch", "seq_len", "warmup", "steps", "loop_steps", "rotate")
+
+
+def run_options(args) -> dict:
+    """``{option: value}`` of :data:`RUN_OPTIONS` from the parsed arguments."""
+    return {k: getattr(args, k) for k in RUN_OPTIONS}
+
+
+def load_resume(path: str, arms: list, run: dict, rounds: int) -> dict:
+    """Each arm's round results from ``path``, an earlier ``--out`` of this script cut short, for
+    :func:`run_rounds`' ``done``: ``{arm: [result of round 1, round 2, ...]}``.
+
+    Raises ValueError naming the fix where the file holds an arm not in ``arms``, more rounds than ``rounds``, or
+    was measured with other :data:`RUN_OPTIONS` than ``run`` (or without them: written before ``--resume``
+    existed); OSError where it cannot be read.
+    """
+    with open(path) as f:
+        saved = json.load(f)
+    done = {}
+    for arm, v in saved.items():
+        if arm == "ns_micro":
+            continue
+        if arm not in arms:
+            raise ValueError(f"--resume {path}: its arm {arm!r} is not in --optimizers; pass the same arms")
+        if v.get("run") != run:
+            raise ValueError(f"--resume {path}: arm {arm!r} was measured with {v.get('run')}, this run asks for "
+                             f"{run}; pass the same options")
+        if len(v["round_results"]) > rounds:
+            raise ValueError(f"--resume {path}: arm {arm!r} has {len(v['round_results'])} rounds, more than "
+                             f"--rounds {rounds}")
+        done[arm] = v["round_results"]
+    return done
 
 
 def parse_shapes(text: str) -> tuple[tuple[int, int, int], ...]:

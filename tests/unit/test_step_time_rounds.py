@@ -178,3 +178,48 @@ def test_step_medians_leave_out_timings_not_taken() -> None:
     kept, medians = step_time.step_medians(samples)
     assert "loop_step_s" not in kept and "loop_step_s" not in medians
     assert medians["step_s"] == 0.2 and set(medians) == set(step_time.TIMINGS) - {"loop_step_s"}
+
+
+def test_resume_runs_only_the_rounds_a_cut_run_lacks(tmp_path, monkeypatch) -> None:
+    """A rotated run cut after 4 of its 6 arm-rounds, resumed: the 2 missing run in their places, the 4 are kept."""
+    out, calls = tmp_path / "results.json", []
+
+    class Done:
+        returncode = 0
+
+    def fake_run(cmd, **kwargs):
+        arm, path = cmd[cmd.index("--optimizer") + 1], cmd[cmd.index("--out") + 1]
+        calls.append(arm)
+        if len(calls) == 5:  # the device call's limit: the driver dies in round 3
+            raise KeyboardInterrupt
+        with open(path, "w") as f:
+            json.dump(_result(arm, [0.3 + 0.01 * len(calls)], [0.2]), f)
+        return Done()
+
+    monkeypatch.setattr(step_time.subprocess, "run", fake_run)
+    argv = ["step_time.py", "--nproc", "1", "--optimizers", "adamw,ds_muon", "--rounds", "3", "--rotate",
+            "--no-ns-micro", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(KeyboardInterrupt):
+        step_time.main()
+    assert calls == ["adamw", "ds_muon", "ds_muon", "adamw", "adamw"]
+    cut = json.loads(out.read_text())
+    assert [len(cut[a]["round_results"]) for a in ("adamw", "ds_muon")] == [2, 2]
+    resumed = tmp_path / "resumed.json"
+    monkeypatch.setattr(sys, "argv", argv[:-1] + [str(resumed), "--resume", str(out)])
+    calls.clear()
+    calls.append("padding")  # len(calls) never hits 5 again
+    step_time.main()
+    assert calls[1:] == ["adamw", "ds_muon"]  # round 3 only, in its rotated order (A B, B A, A B)
+    final = json.loads(resumed.read_text())
+    assert [r["round_position"] for r in final["adamw"]["round_results"]] == [0, 1, 0]
+    assert final["adamw"]["round_results"][:2] == cut["adamw"]["round_results"]
+    assert final["ds_muon"]["rounds"] == 3 and final["ds_muon"]["run"]["rotate"] is True
+    # a resume with other options, or other arms, is refused before any worker starts
+    calls.clear()
+    for bad, match in ((["--steps", "7"], "was measured with"), (["--optimizers", "adamw"], "not in --optimizers"),
+                       (["--rounds", "1"], "more than --rounds 1")):
+        monkeypatch.setattr(sys, "argv", argv + ["--resume", str(out)] + bad)
+        with pytest.raises(ValueError, match=match):
+            step_time.main()
+    assert calls == []
