@@ -17,6 +17,8 @@ over all timed steps of all rounds with its spread (the min-max of the per-round
 the quartiles of the steps). On CUDA every step is timed with CUDA events as well as the wall clock
 (both are reported). ``--out`` is rewritten after every arm of every round, so a run cut short keeps
 what finished, and ``--resume`` that file runs only the rounds it lacks (a run longer than one device call).
+``--taskset CPUS`` pins every worker group to the same cores (the fwd+bwd at W=1 is host-bound, and its speed varies
+between worker processes).
 
 Targets (issue 14, 2xH200, micro-batch 4 x 1024, bf16): at 2.9B optimizer step <= 0.6x and step
 <= 0.8x the built-in's; at 934M optimizer step <= 0.45x the built-in's; ds_muon step - AdamW step
@@ -43,6 +45,7 @@ import gc
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -639,6 +642,7 @@ def worker(args) -> None:
                   # it had to free its cache and retry a cudaMalloc (memory pressure: a device sync each time)
                   peak_reserved_gib=peak_reserved / 2**30,
                   alloc_retries=torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+    result["cpu_affinity"] = sorted(os.sched_getaffinity(0))  # the cores this worker may run on (--taskset)
     result["reduce_bucket_size"] = int(engine.zero_reduce_bucket_size())  # elements: as set, or ds_muon's choice
     if kind.startswith("ds_muon"):
         from torch._dynamo.utils import counters
@@ -683,6 +687,10 @@ def main() -> None:
                     help="continue a run cut short (a device call's time limit): FILE is its --out; the rounds it "
                          "holds are kept, in their places, and only the rest run. Every option that sets what a "
                          "round measures (model, stage, steps, ...) must equal the first run's")
+    ap.add_argument("--taskset", default=None, metavar="CPUS",
+                    help="run every worker group under taskset -c CPUS (e.g. 0-7), so that each round's host-bound "
+                         "fwd+bwd runs on the same cores: a test of whether the per-process spread between rounds "
+                         "comes from where the scheduler puts the process (Linux, util-linux's taskset)")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--model", default="934m", help="an examples/model.py preset (934m, 2.9b, moe-1.5b, ...)")
     ap.add_argument("--micro-batch", type=int, default=4)
@@ -731,6 +739,8 @@ def main() -> None:
     arms = [a.strip() for a in args.optimizers.split(",") if a.strip()]
     for arm in arms:
         parse_arm(arm)  # a bad arm fails here, before any worker starts
+    if args.taskset and shutil.which("taskset") is None:
+        raise SystemExit("--taskset needs util-linux's taskset on PATH; install it or leave --taskset out")
     results: dict = {}
     run = run_options(args)
     done = load_resume(args.resume, arms, run, args.rounds) if args.resume else None
@@ -744,7 +754,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         def run_arm(arm: str, rnd: int) -> dict:
             out = os.path.join(tmp, f"arm{arms.index(arm)}-round{rnd}.json")
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), __file__,
+            pin = ["taskset", "-c", args.taskset] if args.taskset else []
+            cmd = [*pin, sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), __file__,
                    "--worker", "--optimizer", arm, "--model", args.model, "--micro-batch", str(args.micro_batch),
                    "--seq-len", str(args.seq_len), "--warmup", str(args.warmup), "--steps", str(args.steps),
                    "--stage", str(args.stage), "--loop-steps", str(args.loop_steps),
@@ -876,7 +887,8 @@ def aggregate_arms(raw: dict, micro_batch: int, stage: int, run: dict | None = N
 
 
 #: The options that set what one round of an arm measures: a resumed run must repeat them.
-RUN_OPTIONS = ("model", "nproc", "stage", "micro_batch", "seq_len", "warmup", "steps", "loop_steps", "rotate")
+RUN_OPTIONS = ("model", "nproc", "stage", "micro_batch", "seq_len", "warmup", "steps", "loop_steps", "rotate",
+               "taskset")
 
 
 def run_options(args) -> dict:

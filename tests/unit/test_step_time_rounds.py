@@ -223,3 +223,37 @@ def test_resume_runs_only_the_rounds_a_cut_run_lacks(tmp_path, monkeypatch) -> N
         with pytest.raises(ValueError, match=match):
             step_time.main()
     assert calls == []
+
+
+def test_taskset_pins_every_worker_group(tmp_path, monkeypatch) -> None:
+    """``--taskset 0-3`` puts ``taskset -c 0-3`` before every worker group's torchrun, and a resume must repeat it."""
+    out, cmds = tmp_path / "results.json", []
+
+    class Done:
+        returncode = 0
+
+    def fake_run(cmd, **kwargs):
+        cmds.append(cmd)
+        with open(cmd[cmd.index("--out") + 1], "w") as f:
+            json.dump(_result(cmd[cmd.index("--optimizer") + 1], [0.3], [0.2]), f)
+        return Done()
+
+    monkeypatch.setattr(step_time.subprocess, "run", fake_run)
+    monkeypatch.setattr(step_time.shutil, "which", lambda name: "/usr/bin/" + name)
+    argv = ["step_time.py", "--nproc", "1", "--optimizers", "adamw", "--rounds", "2", "--no-ns-micro",
+            "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv + ["--taskset", "0-3"])
+    step_time.main()
+    assert len(cmds) == 2 and all(c[:4] == ["taskset", "-c", "0-3", sys.executable] for c in cmds)
+    assert json.loads(out.read_text())["adamw"]["run"]["taskset"] == "0-3"
+    monkeypatch.setattr(sys, "argv", argv + ["--resume", str(out)])  # without --taskset: refused
+    with pytest.raises(ValueError, match="was measured with"):
+        step_time.main()
+    monkeypatch.setattr(step_time.shutil, "which", lambda name: None)
+    monkeypatch.setattr(sys, "argv", argv + ["--taskset", "0-3"])
+    with pytest.raises(SystemExit, match="needs util-linux's taskset"):
+        step_time.main()
+    cmds.clear()
+    monkeypatch.setattr(sys, "argv", argv)
+    step_time.main()
+    assert cmds[0][0] == sys.executable  # no --taskset: no prefix
