@@ -45,6 +45,7 @@ import gc
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import statistics
@@ -485,6 +486,23 @@ class GcClock:
             self._start = None
 
 
+def host_counters() -> dict:
+    """This host's CPU counters, for the fwd+bwd diagnostics (a per-step delta of each): ``busy_s``, the seconds
+    all CPUs together spent not idle (user, nice, system, irq, softirq, in clock ticks of 1/``SC_CLK_TCK`` s per
+    CPU; ``/proc/stat``, proc(5)); ``steal_s``, the seconds a hypervisor ran something else on this VM's CPUs;
+    ``nivcsw``, this process's involuntary context switches (all threads; ``getrusage``). Zeros where
+    ``/proc/stat`` cannot be read (not Linux)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(t) for t in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        ticks = [0] * 8
+    user, nice, system, _idle, _iowait, irq, softirq, steal = ticks
+    hz = os.sysconf("SC_CLK_TCK")
+    return {"busy_s": (user + nice + system + irq + softirq) / hz, "steal_s": steal / hz, "nivcsw": ru.ru_nivcsw}
+
+
 def _device_allocs(device) -> int:
     """cudaMalloc calls of the caching allocator so far (``num_device_alloc``; 0 where torch does not count them)."""
     import torch
@@ -588,7 +606,7 @@ def worker(args) -> None:
         events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
-        allocs0, gc0, cpu0 = _device_allocs(device), gc_clock.seconds, time.process_time()
+        allocs0, gc0, cpu0, host0 = _device_allocs(device), gc_clock.seconds, time.process_time(), host_counters()
         t0 = time.perf_counter()
         events[0].record()
         counter = counting() if i == args.warmup else None
@@ -598,8 +616,14 @@ def worker(args) -> None:
         events[1].record()
         torch.cuda.synchronize()
         t1 = time.perf_counter()
-        diagnostics = {"fwd_bwd_cpu_s": time.process_time() - cpu0, "fwd_bwd_gc_s": gc_clock.seconds - gc0,
-                       "fwd_bwd_device_allocs": _device_allocs(device) - allocs0}
+        cpu, host = time.process_time() - cpu0, host_counters()
+        diagnostics = {"fwd_bwd_cpu_s": cpu, "fwd_bwd_gc_s": gc_clock.seconds - gc0,
+                       "fwd_bwd_device_allocs": _device_allocs(device) - allocs0,
+                       # what else ran on the host meanwhile: other processes' and the kernel's CPU seconds, the
+                       # hypervisor's steal, this process's threads pushed off their CPU
+                       "fwd_bwd_other_cpu_s": host["busy_s"] - host0["busy_s"] - cpu,
+                       "fwd_bwd_steal_s": host["steal_s"] - host0["steal_s"],
+                       "fwd_bwd_nivcsw": host["nivcsw"] - host0["nivcsw"]}
         peak_fwd_bwd = max(peak_fwd_bwd, torch.cuda.max_memory_allocated(device))
         peak_reserved = max(peak_reserved, torch.cuda.max_memory_reserved(device))
         torch.cuda.reset_peak_memory_stats(device)
@@ -813,8 +837,11 @@ def main() -> None:
 TIMINGS = ("step_s", "fwd_bwd_s", "opt_step_s", "step_s_events", "fwd_bwd_s_events", "opt_step_s_events",
            "loop_step_s")
 #: Per-step diagnostics of fwd+bwd, aggregated like TIMINGS: the process's CPU seconds (all threads: autograd runs
-#: backward on its own thread), the seconds of Python's garbage collector, cudaMalloc calls.
-DIAGNOSTICS = ("fwd_bwd_cpu_s", "fwd_bwd_gc_s", "fwd_bwd_device_allocs")
+#: backward on its own thread), the seconds of Python's garbage collector, cudaMalloc calls, and what else ran on the
+#: host meanwhile (:func:`host_counters`: other processes' and the kernel's CPU seconds, steal, involuntary context
+#: switches), to test whether a slow step is one whose host thread was crowded out.
+DIAGNOSTICS = ("fwd_bwd_cpu_s", "fwd_bwd_gc_s", "fwd_bwd_device_allocs", "fwd_bwd_other_cpu_s", "fwd_bwd_steal_s",
+               "fwd_bwd_nivcsw")
 
 
 def round_order(arms, rnd: int, rotate: bool = False) -> list:
@@ -1021,7 +1048,10 @@ def print_table(results: dict) -> None:
               f"{v['comm_total'] / 2**20:.0f} MiB |")
         if "fwd_bwd_cpu_s" in v:
             print(f"| {k} | fwd+bwd diagnostics: CPU s {timing_cell(v, 'fwd_bwd_cpu_s')}, garbage collector s "
-                  f"{timing_cell(v, 'fwd_bwd_gc_s')}, cudaMalloc calls {timing_cell(v, 'fwd_bwd_device_allocs')} |")
+                  f"{timing_cell(v, 'fwd_bwd_gc_s')}, cudaMalloc calls {timing_cell(v, 'fwd_bwd_device_allocs')}"
+                  + (f", other processes' CPU s {timing_cell(v, 'fwd_bwd_other_cpu_s')}, steal s "
+                     f"{timing_cell(v, 'fwd_bwd_steal_s')}, involuntary context switches "
+                     f"{timing_cell(v, 'fwd_bwd_nivcsw')}" if "fwd_bwd_steal_s" in v else "") + " |")
         if "peak_reserved_gib" in v:
             print(f"| {k} | memory: peak reserved by the caching allocator {v['peak_reserved_gib']:.1f} GiB, "
                   f"cudaMalloc retries after freeing its cache {v.get('alloc_retries', 0)} |")

@@ -257,3 +257,24 @@ def test_taskset_pins_every_worker_group(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(sys, "argv", argv)
     step_time.main()
     assert cmds[0][0] == sys.executable  # no --taskset: no prefix
+
+
+def test_host_counters_see_this_process_and_others() -> None:
+    """``host_counters``' busy seconds grow by at least what a busy loop of this process spends, and by what a busy
+    child process spends beside it (the 'other processes' CPU s' diagnostic: busy minus this process's CPU time)."""
+    import subprocess
+    import time
+    a, cpu0 = step_time.host_counters(), time.process_time()
+    end = time.perf_counter() + 0.3
+    while time.perf_counter() < end:
+        pass
+    b, cpu = step_time.host_counters(), time.process_time() - cpu0
+    assert set(a) == {"busy_s", "steal_s", "nivcsw"}
+    assert b["busy_s"] - a["busy_s"] >= 0.8 * cpu - 0.05 and b["steal_s"] >= a["steal_s"] and b["nivcsw"] >= a["nivcsw"]
+    spin = "import time\nt = time.perf_counter() + 0.6\nwhile time.perf_counter() < t: pass"
+    child = subprocess.Popen([sys.executable, "-c", spin])
+    c, cpu0 = step_time.host_counters(), time.process_time()
+    child.wait()
+    d, cpu = step_time.host_counters(), time.process_time() - cpu0
+    assert d["busy_s"] - c["busy_s"] - cpu >= 0.3  # the child's ~0.6 s, at clock-tick resolution
+    assert "fwd_bwd_other_cpu_s" in step_time.DIAGNOSTICS and "fwd_bwd_steal_s" in step_time.DIAGNOSTICS
