@@ -486,21 +486,27 @@ class GcClock:
             self._start = None
 
 
-def host_counters() -> dict:
-    """This host's CPU counters, for the fwd+bwd diagnostics (a per-step delta of each): ``busy_s``, the seconds
-    all CPUs together spent not idle (user, nice, system, irq, softirq, in clock ticks of 1/``SC_CLK_TCK`` s per
-    CPU; ``/proc/stat``, proc(5)); ``steal_s``, the seconds a hypervisor ran something else on this VM's CPUs;
-    ``nivcsw``, this process's involuntary context switches (all threads; ``getrusage``). Zeros where
-    ``/proc/stat`` cannot be read (not Linux)."""
-    ru = resource.getrusage(resource.RUSAGE_SELF)
+def host_counters(stat: str = "/proc/stat", cpus=None) -> dict:
+    """CPU counters of the cores this process may run on (``cpus``, default its ``sched_getaffinity``: with
+    ``--taskset`` the pinned ones), for the fwd+bwd diagnostics (a per-step delta of each): ``busy_s``, the
+    seconds those CPUs together spent not idle (user, nice, system, irq, softirq: the ``cpuN`` lines of
+    ``/proc/stat``, proc(5), in clock ticks of 1/``SC_CLK_TCK`` s, 10 ms on most kernels, per CPU); ``steal_s``,
+    the seconds a hypervisor ran something else on them; ``nivcsw``, this process's involuntary context switches
+    (all threads; ``getrusage``). Empty where ``stat`` cannot be read (not Linux): no host diagnostics then."""
+    cpus = set(os.sched_getaffinity(0) if cpus is None else cpus)
+    busy = steal = 0
     try:
-        with open("/proc/stat") as f:
-            ticks = [int(t) for t in f.readline().split()[1:9]]
+        with open(stat) as f:
+            for line in f:
+                name, *fields = line.split()
+                if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+                    user, nice, system, _idle, _iowait, irq, softirq, st = (int(t) for t in fields[:8])
+                    busy += user + nice + system + irq + softirq
+                    steal += st
     except (OSError, ValueError):
-        ticks = [0] * 8
-    user, nice, system, _idle, _iowait, irq, softirq, steal = ticks
+        return {}
     hz = os.sysconf("SC_CLK_TCK")
-    return {"busy_s": (user + nice + system + irq + softirq) / hz, "steal_s": steal / hz, "nivcsw": ru.ru_nivcsw}
+    return {"busy_s": busy / hz, "steal_s": steal / hz, "nivcsw": resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw}
 
 
 def _device_allocs(device) -> int:
@@ -618,12 +624,13 @@ def worker(args) -> None:
         t1 = time.perf_counter()
         cpu, host = time.process_time() - cpu0, host_counters()
         diagnostics = {"fwd_bwd_cpu_s": cpu, "fwd_bwd_gc_s": gc_clock.seconds - gc0,
-                       "fwd_bwd_device_allocs": _device_allocs(device) - allocs0,
-                       # what else ran on the host meanwhile: other processes' and the kernel's CPU seconds, the
-                       # hypervisor's steal, this process's threads pushed off their CPU
-                       "fwd_bwd_other_cpu_s": host["busy_s"] - host0["busy_s"] - cpu,
-                       "fwd_bwd_steal_s": host["steal_s"] - host0["steal_s"],
-                       "fwd_bwd_nivcsw": host["nivcsw"] - host0["nivcsw"]}
+                       "fwd_bwd_device_allocs": _device_allocs(device) - allocs0}
+        if host and host0:  # what else ran on this worker's CPUs meanwhile (its other ranks included): other
+            # processes' and the kernel's CPU seconds (at clock-tick resolution: a step's value moves in steps of
+            # 10 ms and can be below 0), the hypervisor's steal, this process's threads pushed off their CPU
+            diagnostics.update(fwd_bwd_other_cpu_s=host["busy_s"] - host0["busy_s"] - cpu,
+                               fwd_bwd_steal_s=host["steal_s"] - host0["steal_s"],
+                               fwd_bwd_nivcsw=host["nivcsw"] - host0["nivcsw"])
         peak_fwd_bwd = max(peak_fwd_bwd, torch.cuda.max_memory_allocated(device))
         peak_reserved = max(peak_reserved, torch.cuda.max_memory_reserved(device))
         torch.cuda.reset_peak_memory_stats(device)
@@ -763,17 +770,21 @@ def main() -> None:
     arms = [a.strip() for a in args.optimizers.split(",") if a.strip()]
     for arm in arms:
         parse_arm(arm)  # a bad arm fails here, before any worker starts
-    if args.taskset and shutil.which("taskset") is None:
-        raise SystemExit("--taskset needs util-linux's taskset on PATH; install it or leave --taskset out")
+    if args.taskset:
+        if shutil.which("taskset") is None:
+            raise SystemExit("--taskset needs util-linux's taskset on PATH; install it or leave --taskset out")
+        parse_cpus(args.taskset, allowed=os.sched_getaffinity(0))  # a bad list fails here, not in every round
     results: dict = {}
-    run = run_options(args)
+    run = run_options(args, arms)
     done = load_resume(args.resume, arms, run, args.rounds) if args.resume else None
 
     def publish(raw: dict) -> None:  # the aggregate of every arm so far, to --out (a run cut short keeps it)
         results.update(aggregate_arms(raw, args.micro_batch, args.stage, run))
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump(results, f, indent=2)
+            write_json(args.out, results)
+
+    if done:  # a resumed run: what it holds is published before any worker runs (all of it, if nothing is missing)
+        publish(done)
 
     with tempfile.TemporaryDirectory() as tmp:
         def run_arm(arm: str, rnd: int) -> dict:
@@ -814,8 +825,7 @@ def main() -> None:
                 if status != "exit 0":
                     results["ns_micro"]["error"] = status
                 if args.out:
-                    with open(args.out, "w") as f:
-                        json.dump(results, f, indent=2)
+                    write_json(args.out, results)
     print_table({k: v for k, v in results.items() if k != "ns_micro"})
     places = place_table({k: v for k, v in results.items() if k != "ns_micro"})
     if places:
@@ -838,8 +848,9 @@ TIMINGS = ("step_s", "fwd_bwd_s", "opt_step_s", "step_s_events", "fwd_bwd_s_even
            "loop_step_s")
 #: Per-step diagnostics of fwd+bwd, aggregated like TIMINGS: the process's CPU seconds (all threads: autograd runs
 #: backward on its own thread), the seconds of Python's garbage collector, cudaMalloc calls, and what else ran on the
-#: host meanwhile (:func:`host_counters`: other processes' and the kernel's CPU seconds, steal, involuntary context
-#: switches), to test whether a slow step is one whose host thread was crowded out.
+#: worker's CPUs meanwhile (:func:`host_counters`: other processes' and the kernel's CPU seconds at clock-tick
+#: resolution, steal, involuntary context switches), to test whether a slow step is one whose host thread was
+#: crowded out.
 DIAGNOSTICS = ("fwd_bwd_cpu_s", "fwd_bwd_gc_s", "fwd_bwd_device_allocs", "fwd_bwd_other_cpu_s", "fwd_bwd_steal_s",
                "fwd_bwd_nivcsw")
 
@@ -916,11 +927,53 @@ def aggregate_arms(raw: dict, micro_batch: int, stage: int, run: dict | None = N
 #: The options that set what one round of an arm measures: a resumed run must repeat them.
 RUN_OPTIONS = ("model", "nproc", "stage", "micro_batch", "seq_len", "warmup", "steps", "loop_steps", "rotate",
                "taskset")
+#: Options recorded in ``run`` after ``--resume`` first shipped, with the value a file without them was run at
+#: (``arms``: the arms in their order, which sets each round's places; not recorded then, so not checked).
+ADDED_OPTIONS = {"taskset": None, "arms": None}
 
 
-def run_options(args) -> dict:
-    """``{option: value}`` of :data:`RUN_OPTIONS` from the parsed arguments."""
-    return {k: getattr(args, k) for k in RUN_OPTIONS}
+def run_options(args, arms: list) -> dict:
+    """``{option: value}`` of :data:`RUN_OPTIONS` from the parsed arguments, and ``arms``: the arms in order."""
+    return {**{k: getattr(args, k) for k in RUN_OPTIONS}, "arms": list(arms)}
+
+
+def same_run(saved: dict, run: dict) -> bool:
+    """Whether a file's ``run`` (:func:`run_options`) asks for what ``run`` does; an option it lacks
+    (:data:`ADDED_OPTIONS`) counts as run at its old value, and lacking ``arms`` as any order."""
+    for k, want in run.items():
+        if k in saved:
+            if saved[k] != want:
+                return False
+        elif k not in ADDED_OPTIONS or (k != "arms" and want != ADDED_OPTIONS[k]):
+            return False
+    return True
+
+
+def write_json(path: str, obj) -> None:
+    """``obj`` as indented JSON to ``path``, atomically (a temporary file beside it, then ``os.replace``): a run
+    killed mid-write leaves the previous file whole, for ``--resume``."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(tmp, path)
+
+
+def parse_cpus(text: str, allowed=None) -> set:
+    """``"0-3,8"`` -> ``{0, 1, 2, 3, 8}`` (taskset's list format). Raises ValueError naming the fix for a malformed
+    list or, with ``allowed``, for CPUs this process may not run on."""
+    cpus = set()
+    try:
+        for item in filter(None, (t.strip() for t in text.split(","))):
+            lo, _, hi = item.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise ValueError(f"--taskset {text!r}: not a CPU list such as 0-7 or 0,2,4") from None
+    if not cpus:
+        raise ValueError(f"--taskset {text!r}: no CPU in it")
+    if allowed is not None and not cpus <= set(allowed):
+        raise ValueError(f"--taskset {text!r}: CPUs {sorted(cpus - set(allowed))} are not among this process's "
+                         f"{sorted(allowed)}; pick from those")
+    return cpus
 
 
 def load_resume(path: str, arms: list, run: dict, rounds: int) -> dict:
@@ -928,18 +981,19 @@ def load_resume(path: str, arms: list, run: dict, rounds: int) -> dict:
     :func:`run_rounds`' ``done``: ``{arm: [result of round 1, round 2, ...]}``.
 
     Raises ValueError naming the fix where the file holds an arm not in ``arms``, more rounds than ``rounds``, or
-    was measured with other :data:`RUN_OPTIONS` than ``run`` (or without them: written before ``--resume``
-    existed); OSError where it cannot be read.
+    was measured with other :data:`RUN_OPTIONS` or arms' order than ``run`` (:func:`same_run`; or without them:
+    written before ``--resume`` existed); OSError where it cannot be read. A failed round in the file is kept
+    as failed (a worker that exited with an error; a driver killed mid-round never wrote that round).
     """
     with open(path) as f:
         saved = json.load(f)
+    saved = {arm: v for arm, v in saved.items() if arm != "ns_micro"}
+    missing = [arm for arm in saved if arm not in arms]
+    if missing:
+        raise ValueError(f"--resume {path}: its arms {missing} are not in --optimizers; pass the same arms")
     done = {}
     for arm, v in saved.items():
-        if arm == "ns_micro":
-            continue
-        if arm not in arms:
-            raise ValueError(f"--resume {path}: its arm {arm!r} is not in --optimizers; pass the same arms")
-        if v.get("run") != run:
+        if v.get("run") is None or not same_run(v["run"], run):
             raise ValueError(f"--resume {path}: arm {arm!r} was measured with {v.get('run')}, this run asks for "
                              f"{run}; pass the same options")
         if len(v["round_results"]) > rounds:

@@ -5,6 +5,7 @@ a stub that writes what a worker writes."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 
@@ -180,44 +181,70 @@ def test_step_medians_leave_out_timings_not_taken() -> None:
     assert medians["step_s"] == 0.2 and set(medians) == set(step_time.TIMINGS) - {"loop_step_s"}
 
 
-def test_resume_runs_only_the_rounds_a_cut_run_lacks(tmp_path, monkeypatch) -> None:
-    """A rotated run cut after 4 of its 6 arm-rounds, resumed: the 2 missing run in their places, the 4 are kept."""
-    out, calls = tmp_path / "results.json", []
-
+def _fake_workers(monkeypatch, calls: list, cut_at: int = 0):
+    """``subprocess.run`` as torchrun: write a worker result to the command's --out; the ``cut_at``-th call raises
+    KeyboardInterrupt instead (a device call's time limit killing the driver mid-round)."""
     class Done:
         returncode = 0
 
     def fake_run(cmd, **kwargs):
         arm, path = cmd[cmd.index("--optimizer") + 1], cmd[cmd.index("--out") + 1]
-        calls.append(arm)
-        if len(calls) == 5:  # the device call's limit: the driver dies in round 3
+        calls.append(cmd)
+        if len(calls) == cut_at:
             raise KeyboardInterrupt
         with open(path, "w") as f:
             json.dump(_result(arm, [0.3 + 0.01 * len(calls)], [0.2]), f)
         return Done()
 
     monkeypatch.setattr(step_time.subprocess, "run", fake_run)
+
+
+def _arm(cmd) -> str:
+    return cmd[cmd.index("--optimizer") + 1]
+
+
+def test_resume_runs_only_the_rounds_a_cut_run_lacks(tmp_path, monkeypatch, capsys) -> None:
+    """A rotated run (A B, B A, A B) cut in the middle of round 2, resumed: the 3 missing arm-rounds run in their
+    places, the 3 kept are unchanged; a resume of a complete file runs nothing and rewrites --out whole."""
+    out, calls = tmp_path / "results.json", []
+    _fake_workers(monkeypatch, calls, cut_at=4)
     argv = ["step_time.py", "--nproc", "1", "--optimizers", "adamw,ds_muon", "--rounds", "3", "--rotate",
             "--no-ns-micro", "--out", str(out)]
     monkeypatch.setattr(sys, "argv", argv)
     with pytest.raises(KeyboardInterrupt):
         step_time.main()
-    assert calls == ["adamw", "ds_muon", "ds_muon", "adamw", "adamw"]
+    assert [_arm(c) for c in calls] == ["adamw", "ds_muon", "ds_muon", "adamw"]
     cut = json.loads(out.read_text())
-    assert [len(cut[a]["round_results"]) for a in ("adamw", "ds_muon")] == [2, 2]
+    assert [len(cut[a]["round_results"]) for a in ("adamw", "ds_muon")] == [1, 2]
     resumed = tmp_path / "resumed.json"
     monkeypatch.setattr(sys, "argv", argv[:-1] + [str(resumed), "--resume", str(out)])
     calls.clear()
-    calls.append("padding")  # len(calls) never hits 5 again
     step_time.main()
-    assert calls[1:] == ["adamw", "ds_muon"]  # round 3 only, in its rotated order (A B, B A, A B)
+    assert [_arm(c) for c in calls] == ["adamw", "adamw", "ds_muon"]  # round 2's second place, then round 3
     final = json.loads(resumed.read_text())
     assert [r["round_position"] for r in final["adamw"]["round_results"]] == [0, 1, 0]
-    assert final["adamw"]["round_results"][:2] == cut["adamw"]["round_results"]
-    assert final["ds_muon"]["rounds"] == 3 and final["ds_muon"]["run"]["rotate"] is True
-    # a resume with other options, or other arms, is refused before any worker starts
+    assert [r["round_position"] for r in final["ds_muon"]["round_results"]] == [1, 0, 1]
+    assert final["adamw"]["round_results"][:1] == cut["adamw"]["round_results"]
+    assert final["ds_muon"]["rounds"] == 3 and final["ds_muon"]["run"]["arms"] == ["adamw", "ds_muon"]
+    # nothing missing: no worker, the table printed, and --out (here the resumed file itself) keeps every arm
+    calls.clear()
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "argv", argv[:-1] + [str(resumed), "--resume", str(resumed)])
+    step_time.main()
+    assert calls == [] and json.loads(resumed.read_text()) == final
+    assert "| ds_muon | ZeRO 3" in capsys.readouterr().out
+    # a file written before `taskset` and `arms` were recorded resumes where those are at their old values
+    old = {arm: dict(v, run={k: w for k, w in v["run"].items() if k not in ("taskset", "arms")})
+           for arm, v in cut.items()}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    calls.clear()
+    monkeypatch.setattr(sys, "argv", argv[:-1] + [str(tmp_path / "again.json"), "--resume", str(tmp_path / "old.json")])
+    step_time.main()
+    assert len(calls) == 3
+    # a resume with other options, other arms or another order is refused before any worker starts
     calls.clear()
     for bad, match in ((["--steps", "7"], "was measured with"), (["--optimizers", "adamw"], "not in --optimizers"),
+                       (["--optimizers", "ds_muon,adamw"], "was measured with"),
                        (["--rounds", "1"], "more than --rounds 1")):
         monkeypatch.setattr(sys, "argv", argv + ["--resume", str(out)] + bad)
         with pytest.raises(ValueError, match=match):
@@ -226,55 +253,83 @@ def test_resume_runs_only_the_rounds_a_cut_run_lacks(tmp_path, monkeypatch) -> N
 
 
 def test_taskset_pins_every_worker_group(tmp_path, monkeypatch) -> None:
-    """``--taskset 0-3`` puts ``taskset -c 0-3`` before every worker group's torchrun, and a resume must repeat it."""
-    out, cmds = tmp_path / "results.json", []
-
-    class Done:
-        returncode = 0
-
-    def fake_run(cmd, **kwargs):
-        cmds.append(cmd)
-        with open(cmd[cmd.index("--out") + 1], "w") as f:
-            json.dump(_result(cmd[cmd.index("--optimizer") + 1], [0.3], [0.2]), f)
-        return Done()
-
-    monkeypatch.setattr(step_time.subprocess, "run", fake_run)
+    """``--taskset 0`` puts ``taskset -c 0`` before every worker group's torchrun, a resume must repeat it, and a
+    CPU list this process may not use, or no taskset on PATH, fails before any worker starts."""
+    out, calls = tmp_path / "results.json", []
+    _fake_workers(monkeypatch, calls)
     monkeypatch.setattr(step_time.shutil, "which", lambda name: "/usr/bin/" + name)
     argv = ["step_time.py", "--nproc", "1", "--optimizers", "adamw", "--rounds", "2", "--no-ns-micro",
             "--out", str(out)]
-    monkeypatch.setattr(sys, "argv", argv + ["--taskset", "0-3"])
+    cpu = str(min(os.sched_getaffinity(0)))
+    monkeypatch.setattr(sys, "argv", argv + ["--taskset", cpu])
     step_time.main()
-    assert len(cmds) == 2 and all(c[:4] == ["taskset", "-c", "0-3", sys.executable] for c in cmds)
-    assert json.loads(out.read_text())["adamw"]["run"]["taskset"] == "0-3"
+    assert len(calls) == 2 and all(c[:4] == ["taskset", "-c", cpu, sys.executable] for c in calls)
+    assert json.loads(out.read_text())["adamw"]["run"]["taskset"] == cpu
     monkeypatch.setattr(sys, "argv", argv + ["--resume", str(out)])  # without --taskset: refused
     with pytest.raises(ValueError, match="was measured with"):
         step_time.main()
+    calls.clear()
+    for bad, match in (("0-x", "not a CPU list"), (str(max(os.sched_getaffinity(0)) + 1), "are not among")):
+        monkeypatch.setattr(sys, "argv", argv + ["--taskset", bad])
+        with pytest.raises(ValueError, match=match):
+            step_time.main()
+    assert step_time.parse_cpus("0-2,5") == {0, 1, 2, 5}
     monkeypatch.setattr(step_time.shutil, "which", lambda name: None)
-    monkeypatch.setattr(sys, "argv", argv + ["--taskset", "0-3"])
+    monkeypatch.setattr(sys, "argv", argv + ["--taskset", cpu])
     with pytest.raises(SystemExit, match="needs util-linux's taskset"):
         step_time.main()
-    cmds.clear()
+    assert calls == []
     monkeypatch.setattr(sys, "argv", argv)
     step_time.main()
-    assert cmds[0][0] == sys.executable  # no --taskset: no prefix
+    assert calls[0][0] == sys.executable  # no --taskset: no prefix
+
+
+def test_host_counters_sum_the_affine_cpus(tmp_path) -> None:
+    """``host_counters`` reads /proc/stat's per-CPU lines of the given CPUs only: busy = user + nice + system +
+    irq + softirq (not idle, iowait or steal), steal apart; an unreadable file gives no counters."""
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  900 900 900 900 900 900 900 900 0 0\n"
+                    "cpu0 1 2 4 1000 2000 8 16 32 0 0\n"
+                    "cpu1 100 200 400 5000 6000 800 1600 3200 0 0\n"
+                    "intr 12345\n")
+    hz = os.sysconf("SC_CLK_TCK")
+    one = step_time.host_counters(str(stat), cpus={1})
+    assert one["busy_s"] == pytest.approx(3100 / hz) and one["steal_s"] == pytest.approx(3200 / hz)
+    both = step_time.host_counters(str(stat), cpus={0, 1})
+    assert both["busy_s"] == pytest.approx(3131 / hz) and both["steal_s"] == pytest.approx(3232 / hz)
+    assert isinstance(both["nivcsw"], int)
+    assert step_time.host_counters(str(tmp_path / "missing")) == {}
 
 
 def test_host_counters_see_this_process_and_others() -> None:
-    """``host_counters``' busy seconds grow by at least what a busy loop of this process spends, and by what a busy
-    child process spends beside it (the 'other processes' CPU s' diagnostic: busy minus this process's CPU time)."""
+    """On this machine: the busy seconds of this process's CPUs grow by at least what a busy loop of this process
+    spends, and by what a busy child beside it spends (the 'other processes' CPU s' diagnostic: busy minus this
+    process's CPU time)."""
     import subprocess
     import time
+    if not os.path.exists("/proc/stat"):
+        pytest.skip("no /proc/stat: not Linux (the diagnostics are then left out, tested above)")
     a, cpu0 = step_time.host_counters(), time.process_time()
     end = time.perf_counter() + 0.3
     while time.perf_counter() < end:
         pass
     b, cpu = step_time.host_counters(), time.process_time() - cpu0
-    assert set(a) == {"busy_s", "steal_s", "nivcsw"}
     assert b["busy_s"] - a["busy_s"] >= 0.8 * cpu - 0.05 and b["steal_s"] >= a["steal_s"] and b["nivcsw"] >= a["nivcsw"]
     spin = "import time\nt = time.perf_counter() + 0.6\nwhile time.perf_counter() < t: pass"
-    child = subprocess.Popen([sys.executable, "-c", spin])
     c, cpu0 = step_time.host_counters(), time.process_time()
-    child.wait()
+    subprocess.run([sys.executable, "-c", spin], check=True)
     d, cpu = step_time.host_counters(), time.process_time() - cpu0
     assert d["busy_s"] - c["busy_s"] - cpu >= 0.3  # the child's ~0.6 s, at clock-tick resolution
-    assert "fwd_bwd_other_cpu_s" in step_time.DIAGNOSTICS and "fwd_bwd_steal_s" in step_time.DIAGNOSTICS
+    assert {"fwd_bwd_other_cpu_s", "fwd_bwd_steal_s", "fwd_bwd_nivcsw"} <= set(step_time.DIAGNOSTICS)
+
+
+def test_table_prints_the_host_diagnostics(capsys) -> None:
+    """The fwd+bwd diagnostics line of the table names the host counters where the rounds have them."""
+    r = _result("adamw", [0.3, 0.31], [0.2, 0.21])
+    for key, values in (("fwd_bwd_cpu_s", [0.2, 0.21]), ("fwd_bwd_gc_s", [0.0, 0.0]),
+                        ("fwd_bwd_device_allocs", [0, 0]), ("fwd_bwd_other_cpu_s", [0.01, 0.03]),
+                        ("fwd_bwd_steal_s", [0.0, 0.02]), ("fwd_bwd_nivcsw", [3, 5])):
+        r["samples"][key], r[key] = values, statistics.median(values)
+    step_time.print_table(step_time.aggregate_arms({"adamw": [r]}, 4, 3))
+    line = next(x for x in capsys.readouterr().out.splitlines() if "fwd+bwd diagnostics" in x)
+    assert "other processes' CPU s 0.020" in line and "steal s 0.010" in line and "context switches 4.000" in line
