@@ -41,6 +41,7 @@ and its peak memory at most AdamW's (the shard step alone: ``benchmarks/adam_min
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -92,9 +93,21 @@ def bench_options(spec: str) -> dict:
     runs ``gc.collect(); gc.freeze()`` in the worker after the warm-up steps (a diagnostic: how much of fwd+bwd is
     Python's cyclic garbage collector walking long-lived objects, such as the ones torch.compile leaves);
     ``bench.clip=X`` sets ``gradient_clipping`` to X (default 1.0; 0 turns clipping off: the regime where the
-    overlapped Muon step commits what it speculated). Keys ``opt.*`` set the optimizer's params
-    (``ds_muon_overlap:opt.overlap_cuda_graphs=false``)."""
-    return {k[len("bench."):]: v for k, v in parse_arm(spec)[1].items() if k.startswith("bench.")}
+    overlapped Muon step commits what it speculated); ``bench.alternate_overlap=true`` (a ds_muon arm whose
+    overlapped step runs) pauses the overlapped step on every second timed step
+    (``OverlapHooks.overlap_paused``) and reports those steps apart, each against the overlapped step before it
+    (:func:`paired_overlap`; the arm's columns hold the overlapped steps only). Keys ``opt.*`` set the optimizer's
+    params (``ds_muon_overlap:opt.overlap_cuda_graphs=false``).
+
+    Raises:
+        ValueError: ``bench.alternate_overlap`` on an arm that is not ds_muon's.
+    """
+    kind = parse_arm(spec)[0]
+    options = {k[len("bench."):]: v for k, v in parse_arm(spec)[1].items() if k.startswith("bench.")}
+    if options.get("alternate_overlap") and not kind.startswith("ds_muon"):
+        raise ValueError(f"arm {spec!r}: bench.alternate_overlap pauses ds_muon's overlapped Muon step; use it on a "
+                         "ds_muon arm")
+    return options
 
 
 def arm_settings(spec: str, micro_batch: int, stage: int = 3) -> str:
@@ -600,6 +613,13 @@ def worker(args) -> None:
     vocab = model.cfg.vocab_size
     g = torch.Generator(device="cpu").manual_seed(rank)
     samples = {k: [] for k in TIMINGS + DIAGNOSTICS}
+    # bench.alternate_overlap: every second timed step runs with the overlapped Muon step paused, its timings kept
+    # apart (paired with the overlapped step before it: paired_overlap), out of the arm's columns
+    alternate = bool(bench_options(args.optimizer).get("alternate_overlap"))
+    paused_samples = {k: [] for k in PAIRED_TIMINGS}
+    if alternate and getattr(engine.optimizer, "speculative", None) is None:
+        raise SystemExit(f"{args.optimizer}: bench.alternate_overlap needs the overlapped Muon step running "
+                         "(a ds_muon arm with overlap_backward true, or \"auto\" where it applies)")
     losses = []
     peak_fwd_bwd = peak_step = peak_reserved = 0
     comm = None
@@ -609,6 +629,9 @@ def worker(args) -> None:
             gc.collect()
             gc.freeze()
         x = torch.randint(0, vocab, (args.micro_batch, args.seq_len + 1), generator=g).to(device)
+        paused = alternate and i >= args.warmup and (i - args.warmup) % 2 == 1
+        pause = engine.optimizer.overlap_paused() if paused else contextlib.nullcontext()
+        pause.__enter__()
         events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
@@ -638,6 +661,7 @@ def worker(args) -> None:
         events[2].record()
         torch.cuda.synchronize()
         t2 = time.perf_counter()
+        pause.__exit__(None, None, None)
         peak_step = max(peak_step, torch.cuda.max_memory_allocated(device))
         peak_reserved = max(peak_reserved, torch.cuda.max_memory_reserved(device))
         if counter:
@@ -648,8 +672,8 @@ def worker(args) -> None:
             fwd_bwd, opt = events[0].elapsed_time(events[1]) / 1e3, events[1].elapsed_time(events[2]) / 1e3
             for key, value in (("step_s", t2 - t0), ("fwd_bwd_s", t1 - t0), ("opt_step_s", t2 - t1),
                                ("step_s_events", fwd_bwd + opt), ("fwd_bwd_s_events", fwd_bwd),
-                               ("opt_step_s_events", opt), *diagnostics.items()):
-                samples[key].append(value)
+                               ("opt_step_s_events", opt), *(() if paused else diagnostics.items())):
+                (paused_samples if paused else samples)[key].append(value)
     if args.loop_steps:
         samples["loop_step_s"] = [training_loop_seconds(engine, vocab, args, g, device)]
     syncs = None
@@ -674,6 +698,8 @@ def worker(args) -> None:
                   peak_reserved_gib=peak_reserved / 2**30,
                   alloc_retries=torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
     result["cpu_affinity"] = sorted(os.sched_getaffinity(0))  # the cores this worker may run on (--taskset)
+    if alternate:
+        result["paused_samples"] = paused_samples
     result["reduce_bucket_size"] = int(engine.zero_reduce_bucket_size())  # elements: as set, or ds_muon's choice
     if kind.startswith("ds_muon"):
         from torch._dynamo.utils import counters
@@ -769,7 +795,7 @@ def main() -> None:
 
     arms = [a.strip() for a in args.optimizers.split(",") if a.strip()]
     for arm in arms:
-        parse_arm(arm)  # a bad arm fails here, before any worker starts
+        bench_options(arm)  # a bad arm fails here, before any worker starts
     if args.taskset:
         if shutil.which("taskset") is None:
             raise SystemExit("--taskset needs util-linux's taskset on PATH; install it or leave --taskset out")
@@ -913,6 +939,38 @@ def aggregate_rounds(rounds: list) -> dict:
     for key in ("peak_gib", "peak_fwd_bwd_gib", "peak_step_gib", "peak_reserved_gib", "alloc_retries"):
         if all(key in r for r in ok):
             out[key] = max(r[key] for r in ok)
+    out.pop("paused_samples", None)
+    paired = paired_overlap(ok)
+    if paired:
+        out["paired_overlap"] = paired
+    return out
+
+
+#: The timings of a step with the overlapped Muon step paused (``bench.alternate_overlap``).
+PAIRED_TIMINGS = ("step_s", "fwd_bwd_s", "opt_step_s", "step_s_events", "fwd_bwd_s_events", "opt_step_s_events")
+
+
+def paired_overlap(rounds: list) -> dict:
+    """What the overlapped Muon step costs backward and saves the step, from ``bench.alternate_overlap`` rounds:
+    each paused step (``paused_samples``) is paired with the overlapped step just before it in the same process
+    (``samples``), so that a drift of the host between processes or steps touches both alike. Per timing of
+    :data:`PAIRED_TIMINGS`: ``diff`` (the median of overlapped minus paused, seconds), its quartiles ``q1``/``q3``,
+    and the medians ``on``/``paused`` over the paired steps; ``pairs``: how many. Empty where no round paused."""
+    out: dict = {}
+    for key in PAIRED_TIMINGS:
+        on, off = [], []
+        for r in rounds:
+            paused = (r.get("paused_samples") or {}).get(key) or []
+            on_steps = r.get("samples", {}).get(key) or []
+            on += on_steps[:len(paused)]
+            off += paused[:len(on_steps)]
+        if not off:
+            continue
+        diffs = sorted(a - b for a, b in zip(on, off))
+        q1, _, q3 = statistics.quantiles(diffs, n=4, method="inclusive") if len(diffs) > 1 else diffs * 3
+        out[key] = {"diff": statistics.median(diffs), "q1": q1, "q3": q3, "on": statistics.median(on),
+                    "paused": statistics.median(off)}
+        out["pairs"] = len(diffs)
     return out
 
 
@@ -1106,6 +1164,14 @@ def print_table(results: dict) -> None:
                   + (f", other processes' CPU s {timing_cell(v, 'fwd_bwd_other_cpu_s')}, steal s "
                      f"{timing_cell(v, 'fwd_bwd_steal_s')}, involuntary context switches "
                      f"{timing_cell(v, 'fwd_bwd_nivcsw')}" if "fwd_bwd_steal_s" in v else "") + " |")
+        if v.get("paired_overlap"):
+            p = v["paired_overlap"]
+            cells = ", ".join(f"{name} {p[key]['diff']:+.3f} ({p[key]['q1']:+.3f} to {p[key]['q3']:+.3f}; "
+                              f"{p[key]['on']:.3f} against {p[key]['paused']:.3f})"
+                              for key, name in (("fwd_bwd_s", "fwd+bwd"), ("opt_step_s", "optimizer step"),
+                                                ("step_s", "step")) if key in p)
+            print(f"| {k} | overlapped minus paused, {p['pairs']} pairs of adjacent steps in one process "
+                  f"(bench.alternate_overlap; median, quartiles; the medians of both) s: {cells} |")
         if "peak_reserved_gib" in v:
             print(f"| {k} | memory: peak reserved by the caching allocator {v['peak_reserved_gib']:.1f} GiB, "
                   f"cudaMalloc retries after freeing its cache {v.get('alloc_retries', 0)} |")

@@ -23,6 +23,8 @@ which keeps everything here but the backward hook (``partition_grads`` is ZeRO-3
 """
 from __future__ import annotations
 
+import contextlib
+
 from typing import Optional
 
 import torch
@@ -96,6 +98,7 @@ class OverlapHooks:
     """
 
     speculative: Optional[SpeculativeMuon] = None
+    _paused: Optional[SpeculativeMuon] = None  # the speculative step set aside by overlap_paused
     _overlap_index: dict = {}
     _overlap_clip: Optional[bool] = None
     _overlap_clip_ahead: Optional[tuple] = None  # (loss scale, HostCopy of the clip decision) of this step
@@ -170,7 +173,34 @@ class OverlapHooks:
 
     @property
     def overlap_stats(self) -> dict:
-        return SpeculativeMuon({}, {}).stats() if self.speculative is None else self.speculative.stats()
+        spec = self.speculative or self._paused
+        return SpeculativeMuon({}, {}).stats() if spec is None else spec.stats()
+
+    @contextlib.contextmanager
+    def overlap_paused(self):
+        """Inside the ``with``, the optimizer steps as with ``overlap_backward`` false: nothing is speculated in
+        backward, and every Muon sub-group takes the ordinary step. The speculative step's CUDA graphs, pinned
+        stashes and counters are kept, and it resumes at the next boundary backward after the ``with``. Each step
+        is exact either way, so alternating paused and overlapped steps trains as overlap on (or off) does: a
+        paired measurement of what the overlap costs backward and saves the step, in one process
+        (``benchmarks/step_time.py``, ``bench.alternate_overlap``). A no-op where overlap is off.
+
+        Enter and leave between optimizer steps. A speculation held at the entry (a boundary backward never
+        followed by a step) is dropped, uncounted, as ``zero_grad`` drops it.
+
+        Raises:
+            RuntimeError: entered inside ``step()``, or while already paused.
+        """
+        if self._stepping or self._paused is not None:
+            raise RuntimeError("ds_muon: overlap_paused() is entered between optimizer steps, once at a time")
+        spec = self.speculative
+        if spec is not None:
+            spec.discard(None)
+        self.speculative, self._paused = None, spec
+        try:
+            yield
+        finally:
+            self.speculative, self._paused = spec, None
 
     # ---- backward ------------------------------------------------------------------------------
     def partition_grads(self, params_to_release, grad_partitions):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist.test_overlap import _train, check_oracle, resume_and_evaluation, train_on_off
+from tests.dist.test_overlap import _train, check_alternate, check_oracle, resume_and_evaluation, train_on_off
 from tests.support import families
 from tests.support.spawn import run_distributed
 
@@ -58,6 +58,7 @@ CASES = [
     # an expert without tokens (test_overlap's case): the commit sets the zero-gradient block aside
     {"name": "idle_expert", "idle_expert": True, "zero": STAGE2},
     {"name": "mixtral_top1", "model": families.mixtral, "zero": STAGE2},  # test_overlap's real MoE
+    {"name": "alternate", "alternate": True, "zero": STAGE2},  # test_overlap's: odd steps with overlap paused
 ]
 
 
@@ -103,6 +104,7 @@ def test_overlap_zero2_exact(world_size, tmp_path):
     assert r["idle_expert"]["stats"]["commits_idle_blocks"] >= 2, r["idle_expert"]
     mixtral = r["mixtral_top1"]["stats"]
     assert mixtral["commits_idle_blocks"] > 0 and mixtral["fallback_not_ready"] == 0, mixtral
+    check_alternate(r)
     for name in ("plain", "gas2", "stage1_overlap_comm"):  # test_zero12_parity.py's fp32 tolerances
         check_oracle(r[name]["errors"])
     # every rank took the same path

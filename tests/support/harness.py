@@ -142,10 +142,11 @@ def resume_phase(engine, rank: int, mode: str, ckpt: str, tag: str, half: int, s
     return loaded, snapshot(engine)
 
 
-def train_engine(engine, steps: int, rank: int, gas: int, micro_batch: int = 2) -> list[float]:
-    """``steps`` optimizer steps of ``gas`` micro-batches each; returns the global grad norms."""
+def train_engine(engine, steps: int, rank: int, gas: int, micro_batch: int = 2, start: int = 0) -> list[float]:
+    """``steps`` optimizer steps of ``gas`` micro-batches each, on the batches of steps ``start``,
+    ``start + 1``, ...; returns the global grad norms."""
     norms = []
-    for step in range(steps):
+    for step in range(start, start + steps):
         for micro in range(gas):
             tokens, targets = (t.to(engine.device) for t in batch(step, rank, micro, micro_batch))
             loss = engine(tokens, targets, use_extra(step))

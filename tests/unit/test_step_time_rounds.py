@@ -333,3 +333,29 @@ def test_table_prints_the_host_diagnostics(capsys) -> None:
     step_time.print_table(step_time.aggregate_arms({"adamw": [r]}, 4, 3))
     line = next(x for x in capsys.readouterr().out.splitlines() if "fwd+bwd diagnostics" in x)
     assert "other processes' CPU s 0.020" in line and "steal s 0.010" in line and "context switches 4.000" in line
+
+
+def test_paired_overlap_pairs_each_paused_step_with_the_one_before(capsys) -> None:
+    """``bench.alternate_overlap``: the paused steps (``paused_samples``) are paired with the overlapped step before
+    each in the same round; the aggregate reports the median difference, and the table prints it. Only ds_muon
+    arms take the option."""
+    def round_(on: list, off: list) -> dict:
+        r = _result("ds_muon:bench.alternate_overlap=true", [x + 0.05 for x in on], on)
+        r["paused_samples"] = {"fwd_bwd_s": off, "step_s": [x + 0.09 for x in off],
+                               "opt_step_s": [0.09] * len(off)}
+        return r
+
+    # round 1: on steps 0.30, 0.32 paired with paused 0.25, 0.26; round 2 (slower process): 0.50 with 0.44
+    rounds = [round_([0.30, 0.32], [0.25, 0.26]), round_([0.50], [0.44])]
+    p = step_time.aggregate_rounds(rounds)["paired_overlap"]
+    assert p["pairs"] == 3 and p["fwd_bwd_s"]["diff"] == pytest.approx(0.06)  # diffs 0.05, 0.06, 0.06
+    assert p["fwd_bwd_s"]["on"] == pytest.approx(0.32) and p["fwd_bwd_s"]["paused"] == pytest.approx(0.26)
+    assert p["step_s"]["diff"] == pytest.approx(0.02) and p["opt_step_s"]["diff"] == pytest.approx(-0.04)
+    assert "paused_samples" not in step_time.aggregate_rounds(rounds)
+    assert "paired_overlap" not in step_time.aggregate_rounds([_result("ds_muon", [0.3], [0.2])])
+    step_time.print_table(step_time.aggregate_arms({"ds_muon:bench.alternate_overlap=true": rounds}, 4, 3))
+    line = next(x for x in capsys.readouterr().out.splitlines() if "overlapped minus paused" in x)
+    assert "3 pairs" in line and "fwd+bwd +0.060" in line and "optimizer step -0.040" in line
+    assert step_time.bench_options("ds_muon:bench.alternate_overlap=true") == {"alternate_overlap": True}
+    with pytest.raises(ValueError, match="use it on a ds_muon arm"):
+        step_time.bench_options("adamw:bench.alternate_overlap=true")
