@@ -613,10 +613,13 @@ def worker(args) -> None:
     vocab = model.cfg.vocab_size
     g = torch.Generator(device="cpu").manual_seed(rank)
     samples = {k: [] for k in TIMINGS + DIAGNOSTICS}
-    # bench.alternate_overlap: every second timed step runs with the overlapped Muon step paused, its timings kept
-    # apart (paired with the overlapped step before it: paired_overlap), out of the arm's columns
+    # bench.alternate_overlap: every second step, warm-up included (so that the first timed pairs do not meet the
+    # allocator's first change of pattern), runs with the overlapped Muon step paused; the timed ones are kept
+    # apart (paired_overlap), out of the arm's columns; each timed overlapped step records whether it captured a
+    # CUDA graph or fell back (a pair with such a step is left out of the pairing)
     alternate = bool(bench_options(args.optimizer).get("alternate_overlap"))
-    paused_samples = {k: [] for k in PAIRED_TIMINGS}
+    paused_samples = {k: [] for k in TIMINGS + DIAGNOSTICS if k != "loop_step_s"}
+    overlapped_flags: dict = {"captures": [], "fallbacks": []}
     if alternate and getattr(engine.optimizer, "speculative", None) is None:
         raise SystemExit(f"{args.optimizer}: bench.alternate_overlap needs the overlapped Muon step running "
                          "(a ds_muon arm with overlap_backward true, or \"auto\" where it applies)")
@@ -629,9 +632,11 @@ def worker(args) -> None:
             gc.collect()
             gc.freeze()
         x = torch.randint(0, vocab, (args.micro_batch, args.seq_len + 1), generator=g).to(device)
-        paused = alternate and i >= args.warmup and (i - args.warmup) % 2 == 1
-        pause = engine.optimizer.overlap_paused() if paused else contextlib.nullcontext()
-        pause.__enter__()
+        paused = alternate and (i - args.warmup) % 2 == 1  # the first timed step is an overlapped one
+        pause = contextlib.ExitStack()
+        if paused:
+            pause.enter_context(engine.optimizer.overlap_paused())
+        stats0 = dict(engine.optimizer.overlap_stats) if alternate else None
         events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
@@ -661,7 +666,12 @@ def worker(args) -> None:
         events[2].record()
         torch.cuda.synchronize()
         t2 = time.perf_counter()
-        pause.__exit__(None, None, None)
+        pause.close()
+        if alternate and not paused and i >= args.warmup:
+            stats1 = engine.optimizer.overlap_stats
+            overlapped_flags["captures"].append(stats1["graph_captures"] - stats0["graph_captures"])
+            overlapped_flags["fallbacks"].append(sum(stats1[k] - stats0[k] for k in stats1
+                                                     if k.startswith("fallback_")))
         peak_step = max(peak_step, torch.cuda.max_memory_allocated(device))
         peak_reserved = max(peak_reserved, torch.cuda.max_memory_reserved(device))
         if counter:
@@ -672,8 +682,13 @@ def worker(args) -> None:
             fwd_bwd, opt = events[0].elapsed_time(events[1]) / 1e3, events[1].elapsed_time(events[2]) / 1e3
             for key, value in (("step_s", t2 - t0), ("fwd_bwd_s", t1 - t0), ("opt_step_s", t2 - t1),
                                ("step_s_events", fwd_bwd + opt), ("fwd_bwd_s_events", fwd_bwd),
-                               ("opt_step_s_events", opt), *(() if paused else diagnostics.items())):
+                               ("opt_step_s_events", opt), *diagnostics.items()):
                 (paused_samples if paused else samples)[key].append(value)
+    if alternate and args.steps % 2 == 0:  # the last timed step was paused: one overlapped step before the loop,
+        x = torch.randint(0, vocab, (args.micro_batch, args.seq_len + 1), generator=g).to(device)
+        engine.backward(engine(x[:, :-1], x[:, 1:]))  # the trace and the profile, so that none of them starts
+        engine.step()                                  # with the step after a pause
+        torch.cuda.synchronize()
     if args.loop_steps:
         samples["loop_step_s"] = [training_loop_seconds(engine, vocab, args, g, device)]
     syncs = None
@@ -699,7 +714,7 @@ def worker(args) -> None:
                   alloc_retries=torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
     result["cpu_affinity"] = sorted(os.sched_getaffinity(0))  # the cores this worker may run on (--taskset)
     if alternate:
-        result["paused_samples"] = paused_samples
+        result["paused_samples"], result["overlapped_flags"] = paused_samples, overlapped_flags
     result["reduce_bucket_size"] = int(engine.zero_reduce_bucket_size())  # elements: as set, or ds_muon's choice
     if kind.startswith("ds_muon"):
         from torch._dynamo.utils import counters
@@ -795,7 +810,13 @@ def main() -> None:
 
     arms = [a.strip() for a in args.optimizers.split(",") if a.strip()]
     for arm in arms:
-        bench_options(arm)  # a bad arm fails here, before any worker starts
+        if bench_options(arm).get("alternate_overlap"):  # a bad arm fails here, before any worker starts
+            overlap = ds_config(arm, args.micro_batch, args.stage)["optimizer"]["params"].get("overlap_backward",
+                                                                                            "auto")
+            if overlap is False or (overlap == "auto" and args.stage < 3):
+                raise ValueError(f"arm {arm!r}: bench.alternate_overlap pauses the overlapped Muon step, which this "
+                                 f"arm does not run (overlap_backward {json.dumps(overlap)} at ZeRO {args.stage}); "
+                                 "use ds_muon_overlap, or opt.overlap_backward=true")
     if args.taskset:
         if shutil.which("taskset") is None:
             raise SystemExit("--taskset needs util-linux's taskset on PATH; install it or leave --taskset out")
@@ -940,37 +961,61 @@ def aggregate_rounds(rounds: list) -> dict:
         if all(key in r for r in ok):
             out[key] = max(r[key] for r in ok)
     out.pop("paused_samples", None)
+    out.pop("overlapped_flags", None)
     paired = paired_overlap(ok)
     if paired:
         out["paired_overlap"] = paired
     return out
 
 
-#: The timings of a step with the overlapped Muon step paused (``bench.alternate_overlap``).
-PAIRED_TIMINGS = ("step_s", "fwd_bwd_s", "opt_step_s", "step_s_events", "fwd_bwd_s_events", "opt_step_s_events")
+#: The timings a step with the overlapped Muon step paused is compared by (``bench.alternate_overlap``).
+PAIRED_TIMINGS = ("step_s", "fwd_bwd_s", "opt_step_s", "step_s_events", "fwd_bwd_s_events", "opt_step_s_events",
+                  "fwd_bwd_cpu_s")
 
 
 def paired_overlap(rounds: list) -> dict:
-    """What the overlapped Muon step costs backward and saves the step, from ``bench.alternate_overlap`` rounds:
-    each paused step (``paused_samples``) is paired with the overlapped step just before it in the same process
-    (``samples``), so that a drift of the host between processes or steps touches both alike. Per timing of
-    :data:`PAIRED_TIMINGS`: ``diff`` (the median of overlapped minus paused, seconds), its quartiles ``q1``/``q3``,
-    and the medians ``on``/``paused`` over the paired steps; ``pairs``: how many. Empty where no round paused."""
+    """What the overlapped Muon step costs backward and saves the step, from ``bench.alternate_overlap`` rounds.
+
+    In each round the timed steps alternate: overlapped ``o0, p0, o1, p1, ...`` (``samples``: the overlapped ones,
+    ``paused_samples``: the paused ones). Each paused step ``p_j`` is compared with the mean of the overlapped steps
+    around it, ``(o_j + o_{j+1}) / 2`` (``o_j`` alone after the last), so that a steady drift of the host within
+    the process cancels; a pair is left out where one of those overlapped steps captured a CUDA graph or fell back
+    to the ordinary step (``overlapped_flags``: a capture lengthens its backward, a fallback is not the overlapped
+    step). Per timing of :data:`PAIRED_TIMINGS`: ``diff`` (the median of overlapped minus paused, seconds), its
+    quartiles ``q1``/``q3``, and the medians ``on``/``paused`` over the kept pairs; ``pairs`` kept and
+    ``pairs_left_out``. Empty where no round paused.
+
+    What "paused" measures: the ordinary Muon step with the overlap's settings kept (its reduce bucket, its
+    owner-plan bucket order, the graphs' memory pool), not an arm with ``overlap_backward`` false; and the
+    fwd+bwd of an overlapped step includes the speculation's work past backward's end (the timing syncs the device
+    after backward), which a training loop would partly hide behind the step.
+    """
     out: dict = {}
     for key in PAIRED_TIMINGS:
-        on, off = [], []
+        on, off, left_out = [], [], 0
         for r in rounds:
             paused = (r.get("paused_samples") or {}).get(key) or []
-            on_steps = r.get("samples", {}).get(key) or []
-            on += on_steps[:len(paused)]
-            off += paused[:len(on_steps)]
+            over = (r.get("samples") or {}).get(key) or []
+            flags = r.get("overlapped_flags") or {}
+            captures = flags.get("captures") or [0] * len(over)
+            fallbacks = flags.get("fallbacks") or [0] * len(over)
+            clean = [not captures[k] and not fallbacks[k] for k in range(len(over))]
+            for j, p in enumerate(paused):
+                around = [k for k in (j, j + 1) if k < len(over)]
+                if not around:
+                    continue
+                if not all(clean[k] for k in around):
+                    left_out += 1
+                    continue
+                on.append(sum(over[k] for k in around) / len(around))
+                off.append(p)
         if not off:
             continue
         diffs = sorted(a - b for a, b in zip(on, off))
         q1, _, q3 = statistics.quantiles(diffs, n=4, method="inclusive") if len(diffs) > 1 else diffs * 3
         out[key] = {"diff": statistics.median(diffs), "q1": q1, "q3": q3, "on": statistics.median(on),
                     "paused": statistics.median(off)}
-        out["pairs"] = len(diffs)
+        out["pairs"], out["pairs_left_out"] = len(diffs), left_out
     return out
 
 
@@ -1170,8 +1215,11 @@ def print_table(results: dict) -> None:
                               f"{p[key]['on']:.3f} against {p[key]['paused']:.3f})"
                               for key, name in (("fwd_bwd_s", "fwd+bwd"), ("opt_step_s", "optimizer step"),
                                                 ("step_s", "step")) if key in p)
-            print(f"| {k} | overlapped minus paused, {p['pairs']} pairs of adjacent steps in one process "
-                  f"(bench.alternate_overlap; median, quartiles; the medians of both) s: {cells} |")
+            print(f"| {k} | overlapped minus paused, {p['pairs']} paused steps against the overlapped steps around "
+                  f"each, in one process ({p.get('pairs_left_out', 0)} left out: a graph capture or a fallback; "
+                  f"bench.alternate_overlap; median, quartiles; the medians of both; peaks are over both kinds) s: "
+                  f"{cells}" + (f", fwd+bwd CPU s {p['fwd_bwd_cpu_s']['diff']:+.3f}" if "fwd_bwd_cpu_s" in p else "")
+                  + " |")
         if "peak_reserved_gib" in v:
             print(f"| {k} | memory: peak reserved by the caching allocator {v['peak_reserved_gib']:.1f} GiB, "
                   f"cudaMalloc retries after freeing its cache {v.get('alloc_retries', 0)} |")

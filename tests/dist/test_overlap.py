@@ -51,6 +51,7 @@ CASES = [
     # overlap paused on odd steps (OverlapHooks.overlap_paused, the benchmark's bench.alternate_overlap): every step
     # is exact either way, and only the overlapped steps commit
     {"name": "alternate", "alternate": True},
+    {"name": "alternate_gas2", "alternate": True, "gas": 2},
 ]
 
 
@@ -82,6 +83,8 @@ def _train(rank: int, case: dict, overlap: bool, steps: int = STEPS) -> Trained:
     if case.get("idle_expert"):
         model.experts.register_hook(idle_expert_hook(engine))
     if case.get("alternate"):  # odd steps paused: the benchmark's paired overlapped / ordinary steps
+        if overlap:
+            check_pause_guards(engine)
         for step in range(steps):
             with engine.optimizer.overlap_paused() if step % 2 else contextlib.nullcontext():
                 train_engine(engine, 1, rank, case.get("gas", 1), start=step)
@@ -94,6 +97,22 @@ def _train(rank: int, case: dict, overlap: bool, steps: int = STEPS) -> Trained:
     bucket = (engine.zero_reduce_bucket_size(), int(engine.optimizer.reduce_bucket_size))
     engine.destroy()
     return Trained(state, stats, init, tags, got, cfg, dtypes, bucket)
+
+
+def check_pause_guards(engine) -> None:
+    """``overlap_paused`` refuses a second entry while paused and, whatever ends the ``with`` (an exception too),
+    gives the speculative step back; AssertionError otherwise."""
+    opt = engine.optimizer
+    spec = opt.speculative
+    assert spec is not None
+    with pytest.raises(KeyError):
+        with opt.overlap_paused():
+            assert opt.speculative is None and opt.overlap_stats == spec.stats()
+            with pytest.raises(RuntimeError, match="between optimizer steps, once at a time"):
+                with opt.overlap_paused():
+                    pass
+            raise KeyError("user code failed inside the pause")
+    assert opt.speculative is spec and opt._paused is None
 
 
 def idle_expert_hook(engine, expert: int = 1):
@@ -207,6 +226,18 @@ def test_overlap_exact(world_size, tmp_path):
     assert r["plain"]["stats"]["commits_idle_blocks"] == 0, r["plain"]
     mixtral = r["mixtral_top1"]["stats"]  # every step committed, none fell back
     assert mixtral["commits"] == STEPS and sum(v for k, v in mixtral.items() if k.startswith("fallback_")) == 0, mixtral
+    if world_size <= 2:
+        assert mixtral["commits_idle_blocks"] > 0, mixtral
+    assert r["eval_stats"]["commits"] > 0, r["eval_stats"]
+    check_oracle(r["plain"]["errors"])  # test_zero3_parity.py's tolerances
+    # reduce_bucket_size unset: the overlapped step runs with ds_muon's bucket (engine and ZeRO optimizer agree),
+    # without it DeepSpeed's default; a set value is kept either way
+    from ds_muon.integration.overlap import OVERLAP_REDUCE_BUCKET_SIZE
+    assert r["plain"]["reduce_bucket_size"] == {"on": (OVERLAP_REDUCE_BUCKET_SIZE,) * 2,
+                                                "off": (500_000_000,) * 2}, r["plain"]
+    assert r["small_ipg_subgroups"]["reduce_bucket_size"] == {"on": (100, 100), "off": (100, 100)}
+    # every rank took the same path
+    assert all(x["plain"]["stats"] == r["plain"]["stats"] for x in results)
     check_alternate(r)
 
 
@@ -217,6 +248,9 @@ def check_alternate(r: dict) -> None:
     alt, plain = r["alternate"]["stats"], r["plain"]["stats"]
     assert alt["commits"] == plain["commits"] > 0, (alt, plain)
     assert alt["fallback_not_ready"] == 0 < plain["fallback_not_ready"], (alt, plain)
+    if "alternate_gas2" in r:  # with gradient accumulation: the same, the pause entered between windows
+        gas2, alt2 = r["gas2"]["stats"], r["alternate_gas2"]["stats"]
+        assert alt2["commits"] == gas2["commits"] > 0 and alt2["fallback_not_ready"] == 0, (alt2, gas2)
 
 
 def _fp16_overflow(rank: int, world_size: int) -> dict:

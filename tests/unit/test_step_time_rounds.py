@@ -335,27 +335,53 @@ def test_table_prints_the_host_diagnostics(capsys) -> None:
     assert "other processes' CPU s 0.020" in line and "steal s 0.010" in line and "context switches 4.000" in line
 
 
-def test_paired_overlap_pairs_each_paused_step_with_the_one_before(capsys) -> None:
-    """``bench.alternate_overlap``: the paused steps (``paused_samples``) are paired with the overlapped step before
-    each in the same round; the aggregate reports the median difference, and the table prints it. Only ds_muon
-    arms take the option."""
-    def round_(on: list, off: list) -> dict:
+def test_paired_overlap_compares_each_paused_step_with_the_overlapped_ones_around_it(capsys) -> None:
+    """``bench.alternate_overlap``: each paused step (``paused_samples``) against the mean of the overlapped steps
+    around it in the same round (the one before alone after the last); a pair whose overlapped step captured a CUDA
+    graph or fell back is left out; the table prints it. Only ds_muon arms running the overlapped step take the
+    option."""
+    def round_(on: list, off: list, captures=None) -> dict:
         r = _result("ds_muon:bench.alternate_overlap=true", [x + 0.05 for x in on], on)
         r["paused_samples"] = {"fwd_bwd_s": off, "step_s": [x + 0.09 for x in off],
                                "opt_step_s": [0.09] * len(off)}
+        r["overlapped_flags"] = {"captures": captures or [0] * len(on), "fallbacks": [0] * len(on)}
         return r
 
-    # round 1: on steps 0.30, 0.32 paired with paused 0.25, 0.26; round 2 (slower process): 0.50 with 0.44
-    rounds = [round_([0.30, 0.32], [0.25, 0.26]), round_([0.50], [0.44])]
+    # round 1: overlapped 0.30, 0.32 around paused 0.25, then 0.32 alone before paused 0.26: diffs 0.06, 0.06;
+    # round 2 (a slower process): 0.50 against 0.44; round 3: its first overlapped step captured a graph
+    rounds = [round_([0.30, 0.32], [0.25, 0.26]), round_([0.50], [0.44]),
+              round_([0.90, 0.40], [0.30, 0.34], captures=[1, 0])]
     p = step_time.aggregate_rounds(rounds)["paired_overlap"]
-    assert p["pairs"] == 3 and p["fwd_bwd_s"]["diff"] == pytest.approx(0.06)  # diffs 0.05, 0.06, 0.06
-    assert p["fwd_bwd_s"]["on"] == pytest.approx(0.32) and p["fwd_bwd_s"]["paused"] == pytest.approx(0.26)
+    assert p["pairs"] == 4 and p["pairs_left_out"] == 1  # round 3's first paused step: around a capture
+    assert p["fwd_bwd_s"]["diff"] == pytest.approx(0.06)  # 0.06, 0.06, 0.06, 0.06 (0.40 - 0.34)
+    assert p["fwd_bwd_s"]["paused"] == pytest.approx(0.30)  # 0.25, 0.26, 0.44, 0.34
     assert p["step_s"]["diff"] == pytest.approx(0.02) and p["opt_step_s"]["diff"] == pytest.approx(-0.04)
-    assert "paused_samples" not in step_time.aggregate_rounds(rounds)
+    agg = step_time.aggregate_rounds(rounds)
+    assert "paused_samples" not in agg and "overlapped_flags" not in agg
     assert "paired_overlap" not in step_time.aggregate_rounds([_result("ds_muon", [0.3], [0.2])])
     step_time.print_table(step_time.aggregate_arms({"ds_muon:bench.alternate_overlap=true": rounds}, 4, 3))
     line = next(x for x in capsys.readouterr().out.splitlines() if "overlapped minus paused" in x)
-    assert "3 pairs" in line and "fwd+bwd +0.060" in line and "optimizer step -0.040" in line
+    assert "4 paused steps" in line and "1 left out" in line and "fwd+bwd +0.060" in line
+    assert "optimizer step -0.040" in line
     assert step_time.bench_options("ds_muon:bench.alternate_overlap=true") == {"alternate_overlap": True}
     with pytest.raises(ValueError, match="use it on a ds_muon arm"):
         step_time.bench_options("adamw:bench.alternate_overlap=true")
+
+
+def test_alternate_overlap_is_refused_where_the_arm_does_not_overlap(tmp_path, monkeypatch) -> None:
+    """An arm whose overlapped step does not run (overlap off, or "auto" at ZeRO-1/2) is refused before any worker."""
+    calls = []
+    _fake_workers(monkeypatch, calls)
+    for arm, stage in (("ds_muon_nooverlap:bench.alternate_overlap=true", "3"),
+                       ("ds_muon:opt.overlap_backward=false:bench.alternate_overlap=true", "3"),
+                       ("ds_muon:bench.alternate_overlap=true", "2")):
+        monkeypatch.setattr(sys, "argv", ["step_time.py", "--nproc", "1", "--optimizers", arm, "--stage", stage,
+                                          "--no-ns-micro", "--out", str(tmp_path / "r.json")])
+        with pytest.raises(ValueError, match="which this arm does not run"):
+            step_time.main()
+    assert calls == []
+    monkeypatch.setattr(sys, "argv", ["step_time.py", "--nproc", "1", "--optimizers",
+                                      "ds_muon_overlap:bench.alternate_overlap=true", "--stage", "2",
+                                      "--no-ns-micro", "--out", str(tmp_path / "r.json")])
+    step_time.main()
+    assert len(calls) == 1
