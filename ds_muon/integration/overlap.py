@@ -24,7 +24,6 @@ which keeps everything here but the backward hook (``partition_grads`` is ZeRO-3
 from __future__ import annotations
 
 import contextlib
-
 from typing import Optional
 
 import torch
