@@ -74,7 +74,8 @@ class MonitorReporter:
             if opt.optimizer.config.qk_clip.monitor_per_head:
                 events += [(f"Train/ds_muon/qk_clip/max_logit/{name}/head_{h}", value, step)
                            for name, values in stats["max_logit_per_head"].items() for h, value in enumerate(values)]
-        if getattr(opt, "speculative", None) is not None:  # the overlapped step's commits and fallbacks, cumulative
+        # the overlapped step's commits and fallbacks, cumulative; also for a step inside overlap_paused()
+        if getattr(opt, "speculative", None) is not None or getattr(opt, "_paused", None) is not None:
             events += [(f"Train/ds_muon/overlap/{key}", count, step) for key, count in opt.overlap_stats.items()]
         self._monitor.write_events(events)
 

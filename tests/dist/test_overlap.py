@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from tests.support import families
-from tests.support.harness import (PARITY_RTOL, build_engine, clone_tags, compare, ds_config, gathered_params,
-                                   momentum_dtypes, reference_model, resume_phase, state_snapshot, train_engine, train_reference)
+from tests.support.harness import (PARITY_RTOL, EventMonitor, build_engine, clone_tags, compare, ds_config,
+                                   gathered_params, momentum_dtypes, reference_model, resume_phase, state_snapshot,
+                                   train_engine, train_reference)
 from tests.support.models import ParityNet
 from tests.support.spawn import run_distributed
 
@@ -83,11 +84,16 @@ def _train(rank: int, case: dict, overlap: bool, steps: int = STEPS) -> Trained:
     if case.get("idle_expert"):
         model.experts.register_hook(idle_expert_hook(engine))
     if case.get("alternate"):  # odd steps paused: the benchmark's paired overlapped / ordinary steps
+        monitor = EventMonitor()
+        engine.optimizer.attach_monitor(monitor, lambda: engine.global_steps)
         if overlap:
             check_pause_guards(engine)
         for step in range(steps):
             with engine.optimizer.overlap_paused() if step % 2 else contextlib.nullcontext():
                 train_engine(engine, 1, rank, case.get("gas", 1), start=step)
+        # the monitor's overlap counters come every step, the paused ones too (none with overlap off)
+        written = [s for name, _, s in monitor.events if name == "Train/ds_muon/overlap/commits"]
+        assert written == (list(range(steps)) if overlap else []), written
     else:
         train_engine(engine, steps, rank, case.get("gas", 1))
     state = state_snapshot(engine)

@@ -23,8 +23,9 @@ import torch
 
 from tests.support.precision import FP16_SKIP, fp16_supported
 from tests.support.spawn import run_distributed
-from tests.support.harness import (PARITY_RTOL, build_engine, clone_tags, compare, ds_config, fp32_master_params,
-                           gathered_params, reference_model, swap_dir_for, train_reference)
+from tests.support.harness import (PARITY_RTOL, EventMonitor, build_engine, clone_tags, compare, ds_config,
+                                   fp32_master_params, gathered_params, reference_model, swap_dir_for,
+                                   train_reference)
 from tests.support.models import batch
 
 transformers = pytest.importorskip("transformers")
@@ -38,15 +39,7 @@ TAU = 6.0
 # ------------------------------------------------------------------------------------------------
 # ZeRO-3 parity
 # ------------------------------------------------------------------------------------------------
-class _Monitor:
-    def __init__(self):
-        self.events = []
-
-    def write_events(self, events):
-        self.events.extend(events)
-
-
-def _events_by_step(monitor: _Monitor, marker: str, per_head: bool) -> list[dict]:
+def _events_by_step(monitor: EventMonitor, marker: str, per_head: bool) -> list[dict]:
     """``[{event name: value}]`` per monitor step of the QK-clip events whose name contains ``marker``:
     per-head events (``.../head_<h>``) or the per-layer ones."""
     steps: dict[int, dict] = {}
@@ -84,7 +77,7 @@ def _clip_case(rank: int, world_size: int, case: dict, tmp: str) -> dict | None:
         cfg["bf16"] = {"enabled": True}
     engine, model = build_engine(cfg, zero_init=case.get("zero_init", False), model_fn=model_fn)
     init, tags = gathered_params(model), clone_tags(model)
-    monitor = _Monitor()
+    monitor = EventMonitor()
     engine.optimizer.attach_monitor(monitor, lambda: engine.global_samples)
     if case.get("resume"):  # half, save, a fresh engine loads it, the other half
         stats = _train(engine, STEPS // 2, rank)

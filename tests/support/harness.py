@@ -272,3 +272,13 @@ def oracle_schedule(scheduler: dict, init_lrs: list[float], muon_lr: float, step
         sched.step()
     return out
 
+
+class EventMonitor:
+    """A stand-in for DeepSpeed's ``MonitorMaster``: keeps every ``(name, value, step)`` event ds_muon's
+    :class:`~ds_muon.integration.monitor.MonitorReporter` writes, in ``events``."""
+
+    def __init__(self) -> None:
+        self.events: list = []
+
+    def write_events(self, events) -> None:
+        self.events.extend(events)
