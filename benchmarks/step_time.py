@@ -94,16 +94,16 @@ def bench_options(spec: str) -> dict:
     Python's cyclic garbage collector walking long-lived objects, such as the ones torch.compile leaves);
     ``bench.clip=X`` sets ``gradient_clipping`` to X (default 1.0; 0 turns clipping off: the regime where the
     overlapped Muon step commits what it speculated); ``bench.alternate_overlap=true`` (a ds_muon arm whose
-    overlapped step runs) pauses the overlapped step on every second timed step
-    (``OverlapHooks.overlap_paused``) and reports those steps apart, each against the overlapped step before it
-    (:func:`paired_overlap`; the arm's columns hold the overlapped steps only). Keys ``opt.*`` set the optimizer's
-    params (``ds_muon_overlap:opt.overlap_cuda_graphs=false``).
+    overlapped step runs) pauses the overlapped step on every second step, warm-up included
+    (``OverlapHooks.overlap_paused``), and reports the timed paused steps apart, each against the overlapped steps
+    around it (:func:`paired_overlap`; the arm's columns hold the overlapped steps only). Keys ``opt.*`` set the
+    optimizer's params (``ds_muon_overlap:opt.overlap_cuda_graphs=false``).
 
     Raises:
         ValueError: ``bench.alternate_overlap`` on an arm that is not ds_muon's.
     """
-    kind = parse_arm(spec)[0]
-    options = {k[len("bench."):]: v for k, v in parse_arm(spec)[1].items() if k.startswith("bench.")}
+    kind, overrides = parse_arm(spec)
+    options = {k[len("bench."):]: v for k, v in overrides.items() if k.startswith("bench.")}
     if options.get("alternate_overlap") and not kind.startswith("ds_muon"):
         raise ValueError(f"arm {spec!r}: bench.alternate_overlap pauses ds_muon's overlapped Muon step; use it on a "
                          "ds_muon arm")
