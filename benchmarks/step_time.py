@@ -528,6 +528,18 @@ def _device_allocs(device) -> int:
     return int(torch.cuda.memory_stats(device).get("num_device_alloc", 0))
 
 
+def zero3_trace_complete(engine) -> float | None:
+    """1.0 where DeepSpeed's ZeRO-3 parameter coordinator holds a complete module trace, 0.0 where it does not
+    (recording one, or invalidated: a module ran out of the recorded order); None below ZeRO-3. Read after a
+    backward: the trace only becomes complete in ``reset_step`` at the next forward's start, so 1.0 there means
+    the whole fwd+bwd ran with it, prefetching each module's parameters ahead of its use; 0.0 means some of it
+    fetched each module's parameters only when the module ran."""
+    offload = getattr(getattr(engine, "optimizer", None), "parameter_offload", None)
+    if offload is None:
+        return None
+    return 1.0 if offload.get_param_coordinator().is_complete_trace() else 0.0
+
+
 def step_medians(samples: dict) -> tuple[dict, dict]:
     """A worker's ``{timing: [seconds per step]}`` without the timings it did not take (``loop_step_s`` without
     ``--loop-steps``), and ``{timing: median}`` of the rest."""
@@ -637,7 +649,7 @@ def worker(args) -> None:
         if paused:
             pause.enter_context(engine.optimizer.overlap_paused())
         stats0 = dict(engine.optimizer.overlap_stats) if alternate else None
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]  # start, backward's end, step, forward
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
         allocs0, gc0, cpu0, host0 = _device_allocs(device), gc_clock.seconds, time.process_time(), host_counters()
@@ -646,13 +658,22 @@ def worker(args) -> None:
         counter = counting() if i == args.warmup else None
         records = counter.__enter__() if counter else None
         loss = engine(x[:, :-1], x[:, 1:])
+        events[3].record()
+        t_fwd = time.perf_counter()
         engine.backward(loss)
+        t_bwd = time.perf_counter()
         events[1].record()
         torch.cuda.synchronize()
         t1 = time.perf_counter()
         cpu, host = time.process_time() - cpu0, host_counters()
+        trace_complete = zero3_trace_complete(engine)
+        # the host's seconds in forward and in backward (no sync between them: where the host runs ahead of the
+        # device they are its launch time, else the phase's), the forward's on the main stream (CUDA events)
         diagnostics = {"fwd_bwd_cpu_s": cpu, "fwd_bwd_gc_s": gc_clock.seconds - gc0,
-                       "fwd_bwd_device_allocs": _device_allocs(device) - allocs0}
+                       "fwd_bwd_device_allocs": _device_allocs(device) - allocs0,
+                       "fwd_host_s": t_fwd - t0, "bwd_host_s": t_bwd - t_fwd}
+        if trace_complete is not None:
+            diagnostics["zero3_trace_complete"] = trace_complete
         if host and host0:  # what else ran on this worker's CPUs meanwhile (its other ranks included): other
             # processes' and the kernel's CPU seconds (at clock-tick resolution: a step's value moves in steps of
             # 10 ms and can be below 0), the hypervisor's steal, this process's threads pushed off their CPU
@@ -680,6 +701,7 @@ def worker(args) -> None:
         losses.append(loss.item())
         if i >= args.warmup:
             fwd_bwd, opt = events[0].elapsed_time(events[1]) / 1e3, events[1].elapsed_time(events[2]) / 1e3
+            diagnostics["fwd_s_events"] = events[0].elapsed_time(events[3]) / 1e3
             for key, value in (("step_s", t2 - t0), ("fwd_bwd_s", t1 - t0), ("opt_step_s", t2 - t1),
                                ("step_s_events", fwd_bwd + opt), ("fwd_bwd_s_events", fwd_bwd),
                                ("opt_step_s_events", opt), *diagnostics.items()):
@@ -898,8 +920,11 @@ TIMINGS = ("step_s", "fwd_bwd_s", "opt_step_s", "step_s_events", "fwd_bwd_s_even
 #: worker's CPUs meanwhile (:func:`host_counters`: other processes' and the kernel's CPU seconds at clock-tick
 #: resolution, steal, involuntary context switches), to test whether a slow step is one whose host thread was
 #: crowded out.
+#: Then the phases apart: the host's seconds in forward (``fwd_host_s``) and in backward (``bwd_host_s``), the
+#: forward's CUDA-event seconds on the main stream (``fwd_s_events``), and whether DeepSpeed's ZeRO-3 module trace
+#: was complete through the step's fwd+bwd (``zero3_trace_complete``, 1 or 0: :func:`zero3_trace_complete`).
 DIAGNOSTICS = ("fwd_bwd_cpu_s", "fwd_bwd_gc_s", "fwd_bwd_device_allocs", "fwd_bwd_other_cpu_s", "fwd_bwd_steal_s",
-               "fwd_bwd_nivcsw")
+               "fwd_bwd_nivcsw", "fwd_host_s", "bwd_host_s", "fwd_s_events", "zero3_trace_complete")
 
 
 def round_order(arms, rnd: int, rotate: bool = False) -> list:
@@ -937,7 +962,9 @@ def aggregate_rounds(rounds: list) -> dict:
     them counts as one step of its median), with ``spread[key]``: the per-round medians, their ``min``/``max``,
     and the quartiles ``q1``/``q3`` of all steps. Peaks are the largest of any round; every other field is
     the first successful round's. Rounds that failed are counted (``round_errors``); none succeeded:
-    ``{"error": ...}``.
+    ``{"error": ...}``. ``zero3_trace_incomplete_steps``: ``[steps whose fwd+bwd ran without a complete ZeRO-3
+    module trace, steps with the flag]`` over the arm's samples (of a ``bench.alternate_overlap`` arm, its
+    overlapped steps).
     """
     ok = [r for r in rounds if "error" not in r]
     errors = [r["error"] for r in rounds if "error" in r]
@@ -957,6 +984,8 @@ def aggregate_rounds(rounds: list) -> dict:
         out[key] = statistics.median(pooled)
         out["spread"][key] = {"round_medians": medians, "min": min(medians), "max": max(medians), "q1": q1, "q3": q3,
                               "steps": len(pooled)}
+        if key == "zero3_trace_complete":  # a flag: how many timed steps began without the trace, of how many
+            out["zero3_trace_incomplete_steps"] = [sum(1 for v in pooled if v < 1), len(pooled)]
     for key in ("peak_gib", "peak_fwd_bwd_gib", "peak_step_gib", "peak_reserved_gib", "alloc_retries"):
         if all(key in r for r in ok):
             out[key] = max(r[key] for r in ok)
@@ -970,7 +999,7 @@ def aggregate_rounds(rounds: list) -> dict:
 
 #: The timings a step with the overlapped Muon step paused is compared by (``bench.alternate_overlap``).
 PAIRED_TIMINGS = ("step_s", "fwd_bwd_s", "opt_step_s", "step_s_events", "fwd_bwd_s_events", "opt_step_s_events",
-                  "fwd_bwd_cpu_s")
+                  "fwd_bwd_cpu_s", "fwd_host_s", "bwd_host_s", "fwd_s_events")
 
 
 def paired_overlap(rounds: list) -> dict:
@@ -1015,7 +1044,8 @@ def paired_overlap(rounds: list) -> dict:
         q1, _, q3 = statistics.quantiles(diffs, n=4, method="inclusive") if len(diffs) > 1 else diffs * 3
         out[key] = {"diff": statistics.median(diffs), "q1": q1, "q3": q3, "on": statistics.median(on),
                     "paused": statistics.median(off)}
-        out["pairs"], out["pairs_left_out"] = len(diffs), left_out
+        if key == "step_s":  # every round has it (a resumed file's older rounds may lack the later keys)
+            out["pairs"], out["pairs_left_out"] = len(diffs), left_out
     return out
 
 
@@ -1208,7 +1238,14 @@ def print_table(results: dict) -> None:
                   f"{timing_cell(v, 'fwd_bwd_gc_s')}, cudaMalloc calls {timing_cell(v, 'fwd_bwd_device_allocs')}"
                   + (f", other processes' CPU s {timing_cell(v, 'fwd_bwd_other_cpu_s')}, steal s "
                      f"{timing_cell(v, 'fwd_bwd_steal_s')}, involuntary context switches "
-                     f"{timing_cell(v, 'fwd_bwd_nivcsw')}" if "fwd_bwd_steal_s" in v else "") + " |")
+                     f"{timing_cell(v, 'fwd_bwd_nivcsw')}" if "fwd_bwd_steal_s" in v else "")
+                  + (f"; forward: host s {timing_cell(v, 'fwd_host_s')}, CUDA events s "
+                     f"{timing_cell(v, 'fwd_s_events')}; backward: host s {timing_cell(v, 'bwd_host_s')}"
+                     if "fwd_host_s" in v else "")
+                  + ("; ZeRO-3 module trace not complete through fwd+bwd (modules fetched without prefetch) in {} of "
+                     "{} timed steps".format(*v["zero3_trace_incomplete_steps"])
+                     if "zero3_trace_incomplete_steps" in v else "")
+                  + " |")
         if v.get("paired_overlap"):
             p = v["paired_overlap"]
             cells = ", ".join(f"{name} {p[key]['diff']:+.3f} ({p[key]['q1']:+.3f} to {p[key]['q3']:+.3f}; "
@@ -1219,6 +1256,9 @@ def print_table(results: dict) -> None:
                   f"each, in one process ({p.get('pairs_left_out', 0)} left out: a graph capture or a fallback; "
                   f"bench.alternate_overlap; median, quartiles; the medians of both; peaks are over both kinds) s: "
                   f"{cells}" + (f", fwd+bwd CPU s {p['fwd_bwd_cpu_s']['diff']:+.3f}" if "fwd_bwd_cpu_s" in p else "")
+                  + "".join(f", {name} {p[key]['diff']:+.3f} ({p[key]['on']:.3f} against {p[key]['paused']:.3f})"
+                            for key, name in (("fwd_host_s", "forward host s"), ("fwd_s_events", "forward events s"),
+                                              ("bwd_host_s", "backward host s")) if key in p)
                   + " |")
         if "peak_reserved_gib" in v:
             print(f"| {k} | memory: peak reserved by the caching allocator {v['peak_reserved_gib']:.1f} GiB, "

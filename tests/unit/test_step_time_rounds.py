@@ -8,6 +8,7 @@ import json
 import os
 import statistics
 import sys
+import types
 
 import pytest
 
@@ -333,6 +334,68 @@ def test_table_prints_the_host_diagnostics(capsys) -> None:
     step_time.print_table(step_time.aggregate_arms({"adamw": [r]}, 4, 3))
     line = next(x for x in capsys.readouterr().out.splitlines() if "fwd+bwd diagnostics" in x)
     assert "other processes' CPU s 0.020" in line and "steal s 0.010" in line and "context switches 4.000" in line
+
+
+def test_table_prints_the_phases_apart_and_the_zero3_trace(capsys) -> None:
+    """The diagnostics line splits fwd+bwd into the host's forward and backward and the forward's CUDA events, and
+    counts the timed steps that began without DeepSpeed's ZeRO-3 module trace (no prefetch), over all rounds."""
+    rounds = []
+    for flags in ([1.0, 0.0, 1.0], [0.0, 1.0, 1.0]):
+        r = _result("ds_muon", [0.3, 0.31, 0.32], [0.2, 0.21, 0.22])
+        for key, values in (("fwd_bwd_cpu_s", [0.2, 0.21, 0.22]), ("fwd_host_s", [0.05, 0.06, 0.07]),
+                            ("bwd_host_s", [0.1, 0.11, 0.12]),
+                            ("fwd_s_events", [0.04, 0.05, 0.06]), ("zero3_trace_complete", flags)):
+            r["samples"][key], r[key] = values, statistics.median(values)
+        rounds.append(r)
+    step_time.print_table(step_time.aggregate_arms({"ds_muon": rounds}, 4, 3))
+    line = next(x for x in capsys.readouterr().out.splitlines() if "fwd+bwd diagnostics" in x)
+    assert "forward: host s 0.060 (0.060-0.060), CUDA events s 0.050" in line and "backward: host s 0.110" in line
+    assert "trace not complete through fwd+bwd (modules fetched without prefetch) in 2 of 6 timed steps" in line
+
+
+def test_zero3_trace_complete_reads_the_parameter_coordinator() -> None:
+    """1.0 or 0.0 from the ZeRO-3 parameter coordinator's ``is_complete_trace()``; None below ZeRO-3."""
+    class Coordinator:
+        def __init__(self, complete: bool) -> None:
+            self.complete = complete
+
+        def is_complete_trace(self) -> bool:
+            return self.complete
+
+    def engine(complete):
+        offload = None if complete is None else types.SimpleNamespace(
+            get_param_coordinator=lambda: Coordinator(complete))
+        return types.SimpleNamespace(optimizer=types.SimpleNamespace(parameter_offload=offload))
+
+    assert [step_time.zero3_trace_complete(engine(c)) for c in (True, False, None)] == [1.0, 0.0, None]
+    assert step_time.zero3_trace_complete(types.SimpleNamespace(optimizer=object())) is None
+    # the DeepSpeed this is tested with has what it reads
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+    assert callable(DeepSpeedZeRoOffload.get_param_coordinator)
+    assert callable(PartitionedParameterCoordinator.is_complete_trace)
+
+
+def test_paired_line_splits_the_phases_and_counts_pairs_over_old_and_new_rounds(capsys) -> None:
+    """The paired line prints forward and backward apart where the rounds have them; a resumed run's older rounds,
+    without the phase keys, still count in the pairs (which come from the step time every round has)."""
+    def round_(new: bool) -> dict:
+        r = _result("ds_muon:bench.alternate_overlap=true", [0.45, 0.45, 0.45], [0.40, 0.40, 0.40])
+        r["paused_samples"] = {"fwd_bwd_s": [0.30] * 3, "step_s": [0.50] * 3}
+        r["overlapped_flags"] = {"captures": [0, 0, 0], "fallbacks": [0, 0, 0]}
+        if new:
+            for key, on, off in (("fwd_host_s", 0.12, 0.10), ("bwd_host_s", 0.25, 0.18), ("fwd_s_events", 0.09, 0.08)):
+                r["samples"][key], r[key], r["paused_samples"][key] = [on] * 3, on, [off] * 3
+        return r
+
+    paired = step_time.paired_overlap([round_(False), round_(False), round_(True)])
+    assert paired["pairs"] == 9 and paired["pairs_left_out"] == 0
+    step_time.print_table(step_time.aggregate_arms({"ds_muon:bench.alternate_overlap=true":
+                                                    [round_(False), round_(False), round_(True)]}, 4, 3))
+    line = next(x for x in capsys.readouterr().out.splitlines() if "overlapped minus paused" in x)
+    assert line.count("9 paused steps") == 1
+    assert "forward host s +0.020 (0.120 against 0.100)" in line and "forward events s +0.010" in line
+    assert "backward host s +0.070 (0.250 against 0.180)" in line
 
 
 def test_paired_overlap_compares_each_paused_step_with_the_overlapped_ones_around_it(capsys) -> None:
