@@ -96,17 +96,26 @@ def bench_options(spec: str) -> dict:
     overlapped Muon step commits what it speculated); ``bench.alternate_overlap=true`` (a ds_muon arm whose
     overlapped step runs) pauses the overlapped step on every second step, warm-up included
     (``OverlapHooks.overlap_paused``), and reports the timed paused steps apart, each against the overlapped steps
-    around it (:func:`paired_overlap`; the arm's columns hold the overlapped steps only). Keys ``opt.*`` set the
-    optimizer's params (``ds_muon_overlap:opt.overlap_cuda_graphs=false``).
+    around it (:func:`paired_overlap`; the arm's columns hold the overlapped steps only);
+    ``bench.reduce_events=N`` sets DeepSpeed's ZeRO-3 ``max_param_reduce_events`` (2 in 0.19.8): backward's host
+    waits (``Event.synchronize``) for the oldest reduced gradient bucket once more than N are in flight on the
+    reduce stream, a back-pressure that a small ``reduce_bucket_size`` (ds_muon's 5e7 under the overlapped step)
+    meets more often than DeepSpeed's 5e8. Keys ``opt.*`` set the optimizer's params
+    (``ds_muon_overlap:opt.overlap_cuda_graphs=false``).
 
     Raises:
-        ValueError: ``bench.alternate_overlap`` on an arm that is not ds_muon's.
+        ValueError: ``bench.alternate_overlap`` on an arm that is not ds_muon's; ``bench.reduce_events`` not an
+            integer >= 1.
     """
     kind, overrides = parse_arm(spec)
     options = {k[len("bench."):]: v for k, v in overrides.items() if k.startswith("bench.")}
     if options.get("alternate_overlap") and not kind.startswith("ds_muon"):
         raise ValueError(f"arm {spec!r}: bench.alternate_overlap pauses ds_muon's overlapped Muon step; use it on a "
                          "ds_muon arm")
+    events = options.get("reduce_events")
+    if events is not None and (isinstance(events, bool) or not isinstance(events, int) or events < 1):
+        raise ValueError(f"arm {spec!r}: bench.reduce_events={events!r} is not an integer >= 1 (DeepSpeed's ZeRO-3 "
+                         "max_param_reduce_events)")
     return options
 
 
@@ -438,7 +447,9 @@ def trace_steps(engine, vocab: int, args, g, device, path: str, steps: int = 2) 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for x in batches:
             with record_function("bench/forward_backward"):
-                engine.backward(engine(x[:, :-1], x[:, 1:]))
+                with record_function("bench/forward"):
+                    loss = engine(x[:, :-1], x[:, 1:])
+                engine.backward(loss)
             with record_function("bench/optimizer_step"):
                 engine.step()
         torch.cuda.synchronize()
@@ -623,6 +634,12 @@ def worker(args) -> None:
     else:
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     vocab = model.cfg.vocab_size
+    reduce_events = bench_options(args.optimizer).get("reduce_events")
+    if reduce_events is not None:
+        if not hasattr(engine.optimizer, "max_param_reduce_events"):
+            raise SystemExit(f"{args.optimizer}: bench.reduce_events sets DeepSpeed's ZeRO-3 "
+                             "max_param_reduce_events, which this optimizer does not have (ZeRO-3 only)")
+        engine.optimizer.max_param_reduce_events = reduce_events
     g = torch.Generator(device="cpu").manual_seed(rank)
     samples = {k: [] for k in TIMINGS + DIAGNOSTICS}
     # bench.alternate_overlap: every second step, warm-up included (so that the first timed pairs do not meet the

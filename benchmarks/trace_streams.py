@@ -7,6 +7,10 @@ steps, rank 0) and prints, for the second step's fwd+bwd:
 - the side stream's work left after the main stream's last backward kernel (the spill into the step);
 - the host milliseconds and calls of every ``ds_muon/...`` record_function range inside fwd+bwd (the speculation's
   launches run on backward's thread);
+- the host's milliseconds in forward and in backward (``bench/forward``, where the trace has it), and in each the
+  CUDA runtime and driver calls that took the most host time (``cudaEventSynchronize``, ``cudaStreamSynchronize``:
+  the host waiting for a stream, such as DeepSpeed's back-pressure on its reduce and all-gather streams;
+  ``cudaLaunchKernel``, ``cudaGraphLaunch``: launches), by total milliseconds;
 - the GPU's idle milliseconds inside fwd+bwd (from forward's start to the later of the host's fwd+bwd range and
   the main stream's last fwd+bwd kernel; idle: no kernel, copy or memset on any stream, the union of their
   intervals, kernels running across the window's edges counted for their part inside it), and with
@@ -27,6 +31,10 @@ import json
 
 #: the trace categories of work on a CUDA stream
 DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+#: the trace categories of the host's CUDA API calls
+HOST_API = ("cuda_runtime", "cuda_driver")
+#: how many API call names :func:`report` lists per phase
+TOP_CALLS = 6
 
 
 def load(path: str) -> list[dict]:
@@ -52,8 +60,8 @@ def report(events: list[dict], bin_ms: float = 10.0, ns_floor_ms: float | None =
     steps = sorted((e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("bench/")),
                    key=lambda e: e["ts"])
     fwd_bwd = [e for e in steps if e["name"] == "bench/forward_backward"][-1]
-    after = [e for e in steps if e["ts"] > fwd_bwd["ts"]]
     t0, t1 = fwd_bwd["ts"], fwd_bwd["ts"] + fwd_bwd["dur"]
+    after = [e for e in steps if e["ts"] >= t1]  # the step after it (not ``bench/forward``, nested inside it)
     t_end = after[0]["ts"] + after[0]["dur"] if after else t1
     kernels = [e for e in events if e.get("cat") in DEVICE_WORK and t0 <= e["ts"] <= t_end]
     by_stream = collections.defaultdict(list)
@@ -99,7 +107,34 @@ def report(events: list[dict], bin_ms: float = 10.0, ns_floor_ms: float | None =
             host[e["name"]][1] += e["dur"] / 1e3
     for name, (n, ms) in sorted(host.items()):
         lines.append(f"host {name}: {n} calls, {ms:.1f} ms")
+    lines += host_calls(events, t0, t1)
     return "\n".join(lines)
+
+
+def host_calls(events: list[dict], t0: float, t1: float) -> list[str]:
+    """Lines on the host's side of fwd+bwd ``[t0, t1]`` (microseconds): forward's and backward's host milliseconds
+    where a ``bench/forward`` range starts at ``t0`` (backward: from its end to ``t1``), and per phase the
+    :data:`TOP_CALLS` CUDA API calls (:data:`HOST_API`) with the most host time, their count and milliseconds."""
+    fwd = [e for e in events if e.get("cat") == "user_annotation" and e["name"] == "bench/forward"
+           and t0 <= e["ts"] <= t1]
+    phases = [("fwd+bwd", t0, t1)]
+    if fwd:
+        mid = fwd[-1]["ts"] + fwd[-1]["dur"]
+        phases = [("forward", t0, mid), ("backward", mid, t1)]
+    lines = []
+    if fwd:
+        lines.append(f"host: forward {(mid - t0) / 1e3:.1f} ms, backward {(t1 - mid) / 1e3:.1f} ms")
+    for phase, lo, hi in phases:
+        calls = collections.defaultdict(lambda: [0, 0.0])
+        for e in events:
+            if e.get("cat") in HOST_API and lo <= e["ts"] < hi:
+                calls[e["name"]][0] += 1
+                calls[e["name"]][1] += e["dur"] / 1e3
+        top = sorted(calls.items(), key=lambda kv: -kv[1][1])[:TOP_CALLS]
+        if top:
+            lines.append(f"host API calls in {phase} (most time first): "
+                         + ", ".join(f"{name} {n} calls {ms:.1f} ms" for name, (n, ms) in top))
+    return lines
 
 
 def main() -> None:

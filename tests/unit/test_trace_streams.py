@@ -70,3 +70,31 @@ def test_step_time_reports_each_arms_trace_against_the_muon_arms_floor(tmp_path,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adamw_bench.clip_0.json", "adamw_bench.clip_0.txt",
                                                           "builtin_muon.json"]
     assert "adamw:bench.clip=0, trace" in capsys.readouterr().out
+
+
+def test_report_splits_the_host_into_forward_and_backward_with_its_api_calls() -> None:
+    """With a ``bench/forward`` range (nested in fwd+bwd, so not taken for the step after it), the report gives the
+    host's forward and backward milliseconds and, per phase, the CUDA API calls with the most host time first."""
+    def call(name: str, ts: float, dur: float, cat: str = "cuda_runtime") -> dict:
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    events = _events() + [
+        {"ph": "X", "cat": "user_annotation", "name": "bench/forward", "ts": 1001.0, "dur": 399.0},
+        call("cudaLaunchKernel", 1010, 5), call("cudaLaunchKernel", 1020, 5), call("cudaStreamSynchronize", 1100, 50),
+        call("cudaLaunchKernel", 1500, 5), call("cudaEventSynchronize", 1600, 200),
+        call("cuGraphLaunch", 1850, 30, "cuda_driver"),
+        call("cudaEventSynchronize", 2100, 300),  # in the step after fwd+bwd: not counted
+    ]
+    text = trace_streams.report(events, bin_ms=0.1)
+    assert "host: forward 0.4 ms, backward 0.6 ms" in text
+    fwd = next(x for x in text.splitlines() if x.startswith("host API calls in forward"))
+    assert fwd.endswith("cudaStreamSynchronize 1 calls 0.1 ms, cudaLaunchKernel 2 calls 0.0 ms"), fwd
+    bwd = next(x for x in text.splitlines() if x.startswith("host API calls in backward"))
+    assert bwd.endswith("cudaEventSynchronize 1 calls 0.2 ms, cuGraphLaunch 1 calls 0.0 ms, "
+                        "cudaLaunchKernel 1 calls 0.0 ms"), bwd
+    # the step after fwd+bwd is still the optimizer step's range: the side stream's spill is measured against it
+    assert "of it 0.2 ms after the main stream's end" in text
+    # without bench/forward: one line for the whole fwd+bwd
+    plain = trace_streams.report(_events() + [call("cudaEventSynchronize", 1600, 200)], bin_ms=0.1)
+    assert "host API calls in fwd+bwd (most time first): cudaEventSynchronize 1 calls 0.2 ms" in plain
+    assert "host: forward" not in plain
