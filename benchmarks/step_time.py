@@ -856,6 +856,9 @@ def main() -> None:
                 raise ValueError(f"arm {arm!r}: bench.alternate_overlap pauses the overlapped Muon step, which this "
                                  f"arm does not run (overlap_backward {json.dumps(overlap)} at ZeRO {args.stage}); "
                                  "use ds_muon_overlap, or opt.overlap_backward=true")
+        if bench_options(arm).get("reduce_events") is not None and args.stage != 3:
+            raise ValueError(f"arm {arm!r}: bench.reduce_events sets DeepSpeed's ZeRO-3 max_param_reduce_events; "
+                             f"ZeRO {args.stage} has none (use --stage 3 or leave the option out)")
     if args.taskset:
         if shutil.which("taskset") is None:
             raise SystemExit("--taskset needs util-linux's taskset on PATH; install it or leave --taskset out")

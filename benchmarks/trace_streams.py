@@ -33,7 +33,7 @@ import json
 DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 #: the trace categories of the host's CUDA API calls
 HOST_API = ("cuda_runtime", "cuda_driver")
-#: how many API call names :func:`report` lists per phase
+#: how many API call names :func:`host_calls` lists per phase
 TOP_CALLS = 6
 
 
@@ -61,7 +61,8 @@ def report(events: list[dict], bin_ms: float = 10.0, ns_floor_ms: float | None =
                    key=lambda e: e["ts"])
     fwd_bwd = [e for e in steps if e["name"] == "bench/forward_backward"][-1]
     t0, t1 = fwd_bwd["ts"], fwd_bwd["ts"] + fwd_bwd["dur"]
-    after = [e for e in steps if e["ts"] >= t1]  # the step after it (not ``bench/forward``, nested inside it)
+    # the step after it: a range ending after fwd+bwd's end (not ``bench/forward``, nested inside it; no epsilon needed)
+    after = [e for e in steps if e["ts"] > t0 and e["ts"] + e["dur"] > t1]
     t_end = after[0]["ts"] + after[0]["dur"] if after else t1
     kernels = [e for e in events if e.get("cat") in DEVICE_WORK and t0 <= e["ts"] <= t_end]
     by_stream = collections.defaultdict(list)
@@ -112,9 +113,11 @@ def report(events: list[dict], bin_ms: float = 10.0, ns_floor_ms: float | None =
 
 
 def host_calls(events: list[dict], t0: float, t1: float) -> list[str]:
-    """Lines on the host's side of fwd+bwd ``[t0, t1]`` (microseconds): forward's and backward's host milliseconds
-    where a ``bench/forward`` range starts at ``t0`` (backward: from its end to ``t1``), and per phase the
-    :data:`TOP_CALLS` CUDA API calls (:data:`HOST_API`) with the most host time, their count and milliseconds."""
+    """Lines on the host's side of fwd+bwd ``[t0, t1]`` (microseconds): where a ``bench/forward`` range lies inside
+    it, forward's host milliseconds (``t0`` to that range's end) and backward's (from there to ``t1``); per phase
+    (else for the whole fwd+bwd) the :data:`TOP_CALLS` CUDA API calls (:data:`HOST_API`) with the most host time,
+    their milliseconds and count. A call is counted in the phase it starts in, for its time inside that phase (a
+    call on another thread, such as NCCL's watchdog, may run across a phase's end)."""
     fwd = [e for e in events if e.get("cat") == "user_annotation" and e["name"] == "bench/forward"
            and t0 <= e["ts"] <= t1]
     phases = [("fwd+bwd", t0, t1)]
@@ -129,11 +132,11 @@ def host_calls(events: list[dict], t0: float, t1: float) -> list[str]:
         for e in events:
             if e.get("cat") in HOST_API and lo <= e["ts"] < hi:
                 calls[e["name"]][0] += 1
-                calls[e["name"]][1] += e["dur"] / 1e3
+                calls[e["name"]][1] += (min(e["ts"] + e["dur"], hi) - e["ts"]) / 1e3
         top = sorted(calls.items(), key=lambda kv: -kv[1][1])[:TOP_CALLS]
         if top:
             lines.append(f"host API calls in {phase} (most time first): "
-                         + ", ".join(f"{name} {n} calls {ms:.1f} ms" for name, (n, ms) in top))
+                         + ", ".join(f"{name} {ms:.2f} ms ({n}x)" for name, (n, ms) in top))
     return lines
 
 

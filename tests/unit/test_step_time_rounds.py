@@ -451,8 +451,8 @@ def test_alternate_overlap_is_refused_where_the_arm_does_not_overlap(tmp_path, m
 
 
 def test_reduce_events_is_an_integer_checked_before_any_worker(tmp_path, monkeypatch) -> None:
-    """``bench.reduce_events=N`` (DeepSpeed's ZeRO-3 ``max_param_reduce_events``) takes an integer >= 1; any other
-    value is refused before a worker starts, and the arm's settings name it."""
+    """``bench.reduce_events=N`` (DeepSpeed's ZeRO-3 ``max_param_reduce_events``) takes an integer >= 1 at ZeRO-3;
+    any other value or stage is refused before a worker starts, and the arm's settings name it."""
     assert step_time.bench_options("ds_muon:bench.reduce_events=64") == {"reduce_events": 64}
     assert "bench.reduce_events=64" in step_time.arm_settings("ds_muon:bench.reduce_events=64", 4)
     calls = []
@@ -463,4 +463,8 @@ def test_reduce_events_is_an_integer_checked_before_any_worker(tmp_path, monkeyp
                                           "--out", str(tmp_path / "r.json")])
         with pytest.raises(ValueError, match="not an integer >= 1"):
             step_time.main()
+    monkeypatch.setattr(sys, "argv", ["step_time.py", "--nproc", "1", "--optimizers", "ds_muon:bench.reduce_events=8",
+                                      "--stage", "2", "--no-ns-micro", "--out", str(tmp_path / "r.json")])
+    with pytest.raises(ValueError, match="ZeRO 2 has none"):
+        step_time.main()
     assert calls == []

@@ -80,21 +80,24 @@ def test_report_splits_the_host_into_forward_and_backward_with_its_api_calls() -
 
     events = _events() + [
         {"ph": "X", "cat": "user_annotation", "name": "bench/forward", "ts": 1001.0, "dur": 399.0},
-        call("cudaLaunchKernel", 1010, 5), call("cudaLaunchKernel", 1020, 5), call("cudaStreamSynchronize", 1100, 50),
+        call("cudaLaunchKernel", 1010, 4), call("cudaLaunchKernel", 1020, 4), call("cudaStreamSynchronize", 1100, 50),
         call("cudaLaunchKernel", 1500, 5), call("cudaEventSynchronize", 1600, 200),
-        call("cuGraphLaunch", 1850, 30, "cuda_driver"),
-        call("cudaEventSynchronize", 2100, 300),  # in the step after fwd+bwd: not counted
+        call("cuLaunchKernel", 1850, 30, "cuda_driver"), call("cudaGraphLaunch", 1390, 20),  # runs across mid
+        call("cudaStreamWaitEvent", 1400, 1),  # at forward's end: backward's
+        call("cudaEventSynchronize", 2000, 300),  # at fwd+bwd's end, the step's: not counted
     ]
     text = trace_streams.report(events, bin_ms=0.1)
     assert "host: forward 0.4 ms, backward 0.6 ms" in text
     fwd = next(x for x in text.splitlines() if x.startswith("host API calls in forward"))
-    assert fwd.endswith("cudaStreamSynchronize 1 calls 0.1 ms, cudaLaunchKernel 2 calls 0.0 ms"), fwd
+    # a call that runs across forward's end counts in forward for its 10 us inside it, and not in backward
+    assert fwd.endswith("cudaStreamSynchronize 0.05 ms (1x), cudaGraphLaunch 0.01 ms (1x), "
+                        "cudaLaunchKernel 0.01 ms (2x)"), fwd
     bwd = next(x for x in text.splitlines() if x.startswith("host API calls in backward"))
-    assert bwd.endswith("cudaEventSynchronize 1 calls 0.2 ms, cuGraphLaunch 1 calls 0.0 ms, "
-                        "cudaLaunchKernel 1 calls 0.0 ms"), bwd
+    assert bwd.endswith("cudaEventSynchronize 0.20 ms (1x), cuLaunchKernel 0.03 ms (1x), "
+                        "cudaLaunchKernel 0.01 ms (1x), cudaStreamWaitEvent 0.00 ms (1x)"), bwd
     # the step after fwd+bwd is still the optimizer step's range: the side stream's spill is measured against it
     assert "of it 0.2 ms after the main stream's end" in text
     # without bench/forward: one line for the whole fwd+bwd
     plain = trace_streams.report(_events() + [call("cudaEventSynchronize", 1600, 200)], bin_ms=0.1)
-    assert "host API calls in fwd+bwd (most time first): cudaEventSynchronize 1 calls 0.2 ms" in plain
+    assert "host API calls in fwd+bwd (most time first): cudaEventSynchronize 0.20 ms (1x)" in plain
     assert "host: forward" not in plain
