@@ -100,12 +100,16 @@ def bench_options(spec: str) -> dict:
     ``bench.reduce_events=N`` sets DeepSpeed's ZeRO-3 ``max_param_reduce_events`` (2 in 0.19.8): backward's host
     waits (``Event.synchronize``) for the oldest reduced gradient bucket once more than N are in flight on the
     reduce stream, a back-pressure that a small ``reduce_bucket_size`` (ds_muon's 5e7 under the overlapped step)
-    meets more often than DeepSpeed's 5e8. Keys ``opt.*`` set the optimizer's params
+    meets more often than DeepSpeed's 5e8; ``bench.zero_stream_priority=P`` (a negative integer, CUDA's higher
+    priorities) replaces DeepSpeed's ZeRO-3 reduce stream and parameter all-gather stream, before the first step,
+    with streams of priority P: their small copies, which backward's host waits for (all-gather handles synchronize
+    their stream; the reduce back-pressure above), then take the SMs ahead of the speculative Newton–Schulz's
+    pending blocks on the side stream instead of after them. Keys ``opt.*`` set the optimizer's params
     (``ds_muon_overlap:opt.overlap_cuda_graphs=false``).
 
     Raises:
         ValueError: ``bench.alternate_overlap`` on an arm that is not ds_muon's; ``bench.reduce_events`` not an
-            integer >= 1.
+            integer >= 1; ``bench.zero_stream_priority`` not a negative integer.
     """
     kind, overrides = parse_arm(spec)
     options = {k[len("bench."):]: v for k, v in overrides.items() if k.startswith("bench.")}
@@ -116,6 +120,10 @@ def bench_options(spec: str) -> dict:
     if events is not None and (isinstance(events, bool) or not isinstance(events, int) or events < 1):
         raise ValueError(f"arm {spec!r}: bench.reduce_events={events!r} is not an integer >= 1 (DeepSpeed's ZeRO-3 "
                          "max_param_reduce_events)")
+    priority = options.get("zero_stream_priority")
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int) or priority >= 0):
+        raise ValueError(f"arm {spec!r}: bench.zero_stream_priority={priority!r} is not a negative integer (a CUDA "
+                         "stream priority above the default stream's 0)")
     return options
 
 
@@ -551,6 +559,32 @@ def zero3_trace_complete(engine) -> float | None:
     return 1.0 if offload.get_param_coordinator().is_complete_trace() else 0.0
 
 
+def zero3_streams_at_priority(optimizer, priority: int) -> None:
+    """``bench.zero_stream_priority``: DeepSpeed 0.19.8's ZeRO-3 reduce stream (``reduce_and_partition_stream``)
+    and parameter all-gather stream (held, name-mangled, by ``DeepSpeedZeRoOffload`` and its
+    ``PartitionedParameterCoordinator``) replaced by new CUDA streams of ``priority`` (torch maps a value outside
+    the device's range to the nearest it has). Call before the first step (no work is queued on the old streams
+    then).
+
+    Raises:
+        SystemExit: ``optimizer`` is not ZeRO-3's (no ``parameter_offload``) or the streams are not where
+            DeepSpeed 0.19.8 keeps them.
+    """
+    import torch
+    offload = getattr(optimizer, "parameter_offload", None)
+    coordinator = offload.get_param_coordinator() if offload is not None else None
+    names = ((offload, "_DeepSpeedZeRoOffload__allgather_stream"),
+             (coordinator, "_PartitionedParameterCoordinator__allgather_stream"),
+             (optimizer, "reduce_and_partition_stream"))
+    if offload is None or not all(isinstance(getattr(o, n, None), torch.cuda.Stream) for o, n in names):
+        raise SystemExit("bench.zero_stream_priority: the ZeRO-3 reduce and all-gather streams are not where "
+                         "DeepSpeed 0.19.8 keeps them (ZeRO-3 with overlap_comm only)")
+    allgather = torch.cuda.Stream(priority=priority)
+    for o, n in names[:2]:
+        setattr(o, n, allgather)
+    optimizer.reduce_and_partition_stream = torch.cuda.Stream(priority=priority)
+
+
 def step_medians(samples: dict) -> tuple[dict, dict]:
     """A worker's ``{timing: [seconds per step]}`` without the timings it did not take (``loop_step_s`` without
     ``--loop-steps``), and ``{timing: median}`` of the rest."""
@@ -640,6 +674,9 @@ def worker(args) -> None:
             raise SystemExit(f"{args.optimizer}: bench.reduce_events sets DeepSpeed's ZeRO-3 "
                              "max_param_reduce_events, which this optimizer does not have (ZeRO-3 only)")
         engine.optimizer.max_param_reduce_events = reduce_events
+    priority = bench_options(args.optimizer).get("zero_stream_priority")
+    if priority is not None:
+        zero3_streams_at_priority(engine.optimizer, priority)
     g = torch.Generator(device="cpu").manual_seed(rank)
     samples = {k: [] for k in TIMINGS + DIAGNOSTICS}
     # bench.alternate_overlap: every second step, warm-up included (so that the first timed pairs do not meet the
@@ -856,9 +893,11 @@ def main() -> None:
                 raise ValueError(f"arm {arm!r}: bench.alternate_overlap pauses the overlapped Muon step, which this "
                                  f"arm does not run (overlap_backward {json.dumps(overlap)} at ZeRO {args.stage}); "
                                  "use ds_muon_overlap, or opt.overlap_backward=true")
-        if bench_options(arm).get("reduce_events") is not None and args.stage != 3:
-            raise ValueError(f"arm {arm!r}: bench.reduce_events sets DeepSpeed's ZeRO-3 max_param_reduce_events; "
-                             f"ZeRO {args.stage} has none (use --stage 3 or leave the option out)")
+        for key, what in (("reduce_events", "max_param_reduce_events"),
+                          ("zero_stream_priority", "reduce and all-gather streams")):
+            if bench_options(arm).get(key) is not None and args.stage != 3:
+                raise ValueError(f"arm {arm!r}: bench.{key} sets DeepSpeed's ZeRO-3 {what}; ZeRO {args.stage} has "
+                                 "none (use --stage 3 or leave the option out)")
     if args.taskset:
         if shutil.which("taskset") is None:
             raise SystemExit("--taskset needs util-linux's taskset on PATH; install it or leave --taskset out")

@@ -468,3 +468,28 @@ def test_reduce_events_is_an_integer_checked_before_any_worker(tmp_path, monkeyp
     with pytest.raises(ValueError, match="ZeRO 2 has none"):
         step_time.main()
     assert calls == []
+
+
+def test_zero_stream_priority_is_checked_before_any_worker_and_finds_deepspeeds_streams(tmp_path, monkeypatch) -> None:
+    """``bench.zero_stream_priority=P`` takes a negative integer at ZeRO-3, refused otherwise before a worker starts;
+    the streams it replaces are where the installed DeepSpeed keeps them (attribute names read from its source), and
+    an optimizer without them is refused."""
+    assert step_time.bench_options("ds_muon:bench.zero_stream_priority=-1") == {"zero_stream_priority": -1}
+    calls = []
+    _fake_workers(monkeypatch, calls)
+    for value, stage, match in (("0", "3", "not a negative integer"), ("1", "3", "not a negative integer"),
+                                ("-1.5", "3", "not a negative integer"), ("-1", "2", "ZeRO 2 has none")):
+        monkeypatch.setattr(sys, "argv", ["step_time.py", "--nproc", "1", "--optimizers",
+                                          f"ds_muon:bench.zero_stream_priority={value}", "--stage", stage,
+                                          "--no-ns-micro", "--out", str(tmp_path / "r.json")])
+        with pytest.raises(ValueError, match=match):
+            step_time.main()
+    assert calls == []
+    import inspect
+    from deepspeed.runtime.zero import parameter_offload, partitioned_param_coordinator, stage3
+    assert "self.__allgather_stream = " in inspect.getsource(parameter_offload.DeepSpeedZeRoOffload.__init__)
+    assert "self.__allgather_stream: " in inspect.getsource(
+        partitioned_param_coordinator.PartitionedParameterCoordinator.__init__)
+    assert "self.reduce_and_partition_stream = " in inspect.getsource(stage3.DeepSpeedZeroOptimizer_Stage3.__init__)
+    with pytest.raises(SystemExit, match="not where DeepSpeed 0.19.8 keeps them"):
+        step_time.zero3_streams_at_priority(types.SimpleNamespace(), -1)
