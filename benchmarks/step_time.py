@@ -100,16 +100,17 @@ def bench_options(spec: str) -> dict:
     ``bench.reduce_events=N`` sets DeepSpeed's ZeRO-3 ``max_param_reduce_events`` (2 in 0.19.8): backward's host
     waits (``Event.synchronize``) for the oldest reduced gradient bucket once more than N are in flight on the
     reduce stream, a back-pressure that a small ``reduce_bucket_size`` (ds_muon's 5e7 under the overlapped step)
-    meets more often than DeepSpeed's 5e8; ``bench.zero_stream_priority=P`` (a negative integer, CUDA's higher
-    priorities) replaces DeepSpeed's ZeRO-3 reduce stream and parameter all-gather stream, before the first step,
-    with streams of priority P: their small copies, which backward's host waits for (all-gather handles synchronize
-    their stream; the reduce back-pressure above), then take the SMs ahead of the speculative Newton–Schulz's
-    pending blocks on the side stream instead of after them. Keys ``opt.*`` set the optimizer's params
+    meets more often than DeepSpeed's 5e8; ``bench.reduce_stream_priority=P`` (a negative integer, CUDA's higher
+    priorities; ZeRO-3 with ``overlap_comm``) replaces DeepSpeed's ZeRO-3 reduce stream, before the first step,
+    with a stream of priority P (:func:`reduce_stream_at_priority`): its gradient copies, which the back-pressure
+    above makes backward's host wait for, then take the SMs ahead of the speculative Newton–Schulz's pending
+    blocks on the side stream (and of backward's own kernels) instead of after them. Keys ``opt.*`` set the
+    optimizer's params
     (``ds_muon_overlap:opt.overlap_cuda_graphs=false``).
 
     Raises:
         ValueError: ``bench.alternate_overlap`` on an arm that is not ds_muon's; ``bench.reduce_events`` not an
-            integer >= 1; ``bench.zero_stream_priority`` not a negative integer.
+            integer >= 1; ``bench.reduce_stream_priority`` not a negative integer.
     """
     kind, overrides = parse_arm(spec)
     options = {k[len("bench."):]: v for k, v in overrides.items() if k.startswith("bench.")}
@@ -120,10 +121,10 @@ def bench_options(spec: str) -> dict:
     if events is not None and (isinstance(events, bool) or not isinstance(events, int) or events < 1):
         raise ValueError(f"arm {spec!r}: bench.reduce_events={events!r} is not an integer >= 1 (DeepSpeed's ZeRO-3 "
                          "max_param_reduce_events)")
-    priority = options.get("zero_stream_priority")
+    priority = options.get("reduce_stream_priority")
     if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int) or priority >= 0):
-        raise ValueError(f"arm {spec!r}: bench.zero_stream_priority={priority!r} is not a negative integer (a CUDA "
-                         "stream priority above the default stream's 0)")
+        raise ValueError(f"arm {spec!r}: bench.reduce_stream_priority={priority!r} is not a negative integer (a "
+                         "CUDA stream priority above the default stream's 0)")
     return options
 
 
@@ -559,30 +560,24 @@ def zero3_trace_complete(engine) -> float | None:
     return 1.0 if offload.get_param_coordinator().is_complete_trace() else 0.0
 
 
-def zero3_streams_at_priority(optimizer, priority: int) -> None:
-    """``bench.zero_stream_priority``: DeepSpeed 0.19.8's ZeRO-3 reduce stream (``reduce_and_partition_stream``)
-    and parameter all-gather stream (held, name-mangled, by ``DeepSpeedZeRoOffload`` and its
-    ``PartitionedParameterCoordinator``) replaced by new CUDA streams of ``priority`` (torch maps a value outside
-    the device's range to the nearest it has). Call before the first step (no work is queued on the old streams
-    then).
+def reduce_stream_at_priority(optimizer, priority: int) -> None:
+    """``bench.reduce_stream_priority``: DeepSpeed 0.19.8's ZeRO-3 reduce stream (``reduce_and_partition_stream``,
+    read at each use) replaced by ``torch.cuda.Stream(priority=priority)`` (torch clamps it to the priorities it
+    has; the stream comes from torch's pool of that priority). Only the reduce stream: at one rank the parameter
+    all-gather stream runs no kernel (``NoGatherHandle``), and at more ranks the all-gather runs on NCCL's stream.
+    Call before the first step (no work is queued on the old stream then).
 
     Raises:
-        SystemExit: ``optimizer`` is not ZeRO-3's (no ``parameter_offload``) or the streams are not where
-            DeepSpeed 0.19.8 keeps them.
+        SystemExit: ``optimizer`` has no side reduce stream (not ZeRO-3's, or ``overlap_comm`` false: DeepSpeed
+            then reduces on the default stream).
     """
     import torch
-    offload = getattr(optimizer, "parameter_offload", None)
-    coordinator = offload.get_param_coordinator() if offload is not None else None
-    names = ((offload, "_DeepSpeedZeRoOffload__allgather_stream"),
-             (coordinator, "_PartitionedParameterCoordinator__allgather_stream"),
-             (optimizer, "reduce_and_partition_stream"))
-    if offload is None or not all(isinstance(getattr(o, n, None), torch.cuda.Stream) for o, n in names):
-        raise SystemExit("bench.zero_stream_priority: the ZeRO-3 reduce and all-gather streams are not where "
-                         "DeepSpeed 0.19.8 keeps them (ZeRO-3 with overlap_comm only)")
-    allgather = torch.cuda.Stream(priority=priority)
-    for o, n in names[:2]:
-        setattr(o, n, allgather)
-    optimizer.reduce_and_partition_stream = torch.cuda.Stream(priority=priority)
+    stream = getattr(optimizer, "reduce_and_partition_stream", None)
+    if (getattr(optimizer, "parameter_offload", None) is None or not isinstance(stream, torch.cuda.Stream)
+            or stream == torch.cuda.default_stream(stream.device)):
+        raise SystemExit("bench.reduce_stream_priority: no ZeRO-3 reduce stream of its own to replace (ZeRO-3 with "
+                         "overlap_comm true only)")
+    optimizer.reduce_and_partition_stream = torch.cuda.Stream(device=stream.device, priority=priority)
 
 
 def step_medians(samples: dict) -> tuple[dict, dict]:
@@ -674,9 +669,9 @@ def worker(args) -> None:
             raise SystemExit(f"{args.optimizer}: bench.reduce_events sets DeepSpeed's ZeRO-3 "
                              "max_param_reduce_events, which this optimizer does not have (ZeRO-3 only)")
         engine.optimizer.max_param_reduce_events = reduce_events
-    priority = bench_options(args.optimizer).get("zero_stream_priority")
+    priority = bench_options(args.optimizer).get("reduce_stream_priority")
     if priority is not None:
-        zero3_streams_at_priority(engine.optimizer, priority)
+        reduce_stream_at_priority(engine.optimizer, priority)
     g = torch.Generator(device="cpu").manual_seed(rank)
     samples = {k: [] for k in TIMINGS + DIAGNOSTICS}
     # bench.alternate_overlap: every second step, warm-up included (so that the first timed pairs do not meet the
@@ -893,11 +888,15 @@ def main() -> None:
                 raise ValueError(f"arm {arm!r}: bench.alternate_overlap pauses the overlapped Muon step, which this "
                                  f"arm does not run (overlap_backward {json.dumps(overlap)} at ZeRO {args.stage}); "
                                  "use ds_muon_overlap, or opt.overlap_backward=true")
-        for key, what in (("reduce_events", "max_param_reduce_events"),
-                          ("zero_stream_priority", "reduce and all-gather streams")):
-            if bench_options(arm).get(key) is not None and args.stage != 3:
-                raise ValueError(f"arm {arm!r}: bench.{key} sets DeepSpeed's ZeRO-3 {what}; ZeRO {args.stage} has "
-                                 "none (use --stage 3 or leave the option out)")
+        zero = ds_config(arm, args.micro_batch, args.stage)["zero_optimization"]  # the arm's own stage= counts
+        comm = zero.get("overlap_comm") is not False
+        for key, what, applies in (("reduce_events", "max_param_reduce_events", "ZeRO 3"),
+                                   ("reduce_stream_priority", "reduce stream", "ZeRO 3 with overlap_comm true")):
+            here = f"ZeRO {zero['stage']}" + ("" if key == "reduce_events"
+                                              else f" with overlap_comm {str(comm).lower()}")
+            if bench_options(arm).get(key) is not None and here != applies:
+                raise ValueError(f"arm {arm!r}: bench.{key} sets DeepSpeed's ZeRO-3 {what}, which {here} lacks "
+                                 f"(run it at {applies}, or leave the option out)")
     if args.taskset:
         if shutil.which("taskset") is None:
             raise SystemExit("--taskset needs util-linux's taskset on PATH; install it or leave --taskset out")

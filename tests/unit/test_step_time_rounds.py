@@ -465,31 +465,55 @@ def test_reduce_events_is_an_integer_checked_before_any_worker(tmp_path, monkeyp
             step_time.main()
     monkeypatch.setattr(sys, "argv", ["step_time.py", "--nproc", "1", "--optimizers", "ds_muon:bench.reduce_events=8",
                                       "--stage", "2", "--no-ns-micro", "--out", str(tmp_path / "r.json")])
-    with pytest.raises(ValueError, match="ZeRO 2 has none"):
+    with pytest.raises(ValueError, match="which ZeRO 2 lacks"):
         step_time.main()
     assert calls == []
 
 
-def test_zero_stream_priority_is_checked_before_any_worker_and_finds_deepspeeds_streams(tmp_path, monkeypatch) -> None:
-    """``bench.zero_stream_priority=P`` takes a negative integer at ZeRO-3, refused otherwise before a worker starts;
-    the streams it replaces are where the installed DeepSpeed keeps them (attribute names read from its source), and
-    an optimizer without them is refused."""
-    assert step_time.bench_options("ds_muon:bench.zero_stream_priority=-1") == {"zero_stream_priority": -1}
+def test_reduce_stream_priority_is_checked_before_any_worker_and_replaces_deepspeeds_stream(tmp_path,
+                                                                                             monkeypatch) -> None:
+    """``bench.reduce_stream_priority=P`` takes a negative integer at ZeRO-3 with ``overlap_comm`` (the arm's own
+    ``stage=`` and ``overlap_comm=`` count), refused otherwise before a worker starts; in the worker it replaces the
+    reduce stream that the installed DeepSpeed reads at each use, and refuses an optimizer without one of its own."""
+    assert step_time.bench_options("ds_muon:bench.reduce_stream_priority=-1") == {"reduce_stream_priority": -1}
     calls = []
     _fake_workers(monkeypatch, calls)
-    for value, stage, match in (("0", "3", "not a negative integer"), ("1", "3", "not a negative integer"),
-                                ("-1.5", "3", "not a negative integer"), ("-1", "2", "ZeRO 2 has none")):
-        monkeypatch.setattr(sys, "argv", ["step_time.py", "--nproc", "1", "--optimizers",
-                                          f"ds_muon:bench.zero_stream_priority={value}", "--stage", stage,
+    for arm, stage, match in (("ds_muon:bench.reduce_stream_priority=0", "3", "not a negative integer"),
+                              ("ds_muon:bench.reduce_stream_priority=1", "3", "not a negative integer"),
+                              ("ds_muon:bench.reduce_stream_priority=-1.5", "3", "not a negative integer"),
+                              ("ds_muon:bench.reduce_stream_priority=-1", "2", "ZeRO 2 with overlap_comm true"),
+                              ("ds_muon:stage=2:bench.reduce_stream_priority=-1", "3", "ZeRO 2 with"),
+                              ("ds_muon:overlap_comm=false:bench.reduce_stream_priority=-1", "3",
+                               "ZeRO 3 with overlap_comm false"),
+                              ("ds_muon:stage=1:bench.reduce_events=4", "3", "which ZeRO 1 lacks")):
+        monkeypatch.setattr(sys, "argv", ["step_time.py", "--nproc", "1", "--optimizers", arm, "--stage", stage,
                                           "--no-ns-micro", "--out", str(tmp_path / "r.json")])
         with pytest.raises(ValueError, match=match):
             step_time.main()
     assert calls == []
+
+    import torch
+
+    class Stream:
+        def __init__(self, device="cuda:0", priority=0) -> None:
+            self.device, self.priority = device, priority
+
+    default = Stream()
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: default)
+    old = Stream("cuda:1")
+    optimizer = types.SimpleNamespace(parameter_offload=object(), reduce_and_partition_stream=old)
+    step_time.reduce_stream_at_priority(optimizer, -2)
+    new = optimizer.reduce_and_partition_stream
+    assert new is not old and (new.device, new.priority) == ("cuda:1", -2)
+    for bad in (types.SimpleNamespace(parameter_offload=object(), reduce_and_partition_stream=default),  # no side
+                types.SimpleNamespace(reduce_and_partition_stream=Stream()),  # not ZeRO-3's
+                types.SimpleNamespace(parameter_offload=object(), reduce_and_partition_stream=None)):  # CPU
+        with pytest.raises(SystemExit, match="no ZeRO-3 reduce stream of its own"):
+            step_time.reduce_stream_at_priority(bad, -1)
+    # the installed DeepSpeed keeps the stream there and reads it at each use
     import inspect
-    from deepspeed.runtime.zero import parameter_offload, partitioned_param_coordinator, stage3
-    assert "self.__allgather_stream = " in inspect.getsource(parameter_offload.DeepSpeedZeRoOffload.__init__)
-    assert "self.__allgather_stream: " in inspect.getsource(
-        partitioned_param_coordinator.PartitionedParameterCoordinator.__init__)
-    assert "self.reduce_and_partition_stream = " in inspect.getsource(stage3.DeepSpeedZeroOptimizer_Stage3.__init__)
-    with pytest.raises(SystemExit, match="not where DeepSpeed 0.19.8 keeps them"):
-        step_time.zero3_streams_at_priority(types.SimpleNamespace(), -1)
+    from deepspeed.runtime.zero import stage3
+    source = inspect.getsource(stage3.DeepSpeedZeroOptimizer_Stage3)
+    assert "self.reduce_and_partition_stream = " in source
+    assert source.count("get_accelerator().stream(self.reduce_and_partition_stream)") >= 2
