@@ -105,8 +105,7 @@ def bench_options(spec: str) -> dict:
     with a stream of priority P (:func:`reduce_stream_at_priority`): its gradient copies, which the back-pressure
     above makes backward's host wait for, then take the SMs ahead of the speculative Newton–Schulz's pending
     blocks on the side stream (and of backward's own kernels) instead of after them. Keys ``opt.*`` set the
-    optimizer's params
-    (``ds_muon_overlap:opt.overlap_cuda_graphs=false``).
+    optimizer's params (``ds_muon_overlap:opt.overlap_cuda_graphs=false``).
 
     Raises:
         ValueError: ``bench.alternate_overlap`` on an arm that is not ds_muon's; ``bench.reduce_events`` not an
@@ -1042,7 +1041,7 @@ def aggregate_rounds(rounds: list) -> dict:
         out[key] = statistics.median(pooled)
         out["spread"][key] = {"round_medians": medians, "min": min(medians), "max": max(medians), "q1": q1, "q3": q3,
                               "steps": len(pooled)}
-        if key == "zero3_trace_complete":  # a flag: how many timed steps began without the trace, of how many
+        if key == "zero3_trace_complete":  # a flag: how many timed steps ran without a complete trace, of how many
             out["zero3_trace_incomplete_steps"] = [sum(1 for v in pooled if v < 1), len(pooled)]
     for key in ("peak_gib", "peak_fwd_bwd_gib", "peak_step_gib", "peak_reserved_gib", "alloc_retries"):
         if all(key in r for r in ok):
