@@ -232,13 +232,41 @@ def _peer_kernel(name: str, steps: int):
     raise ValueError(f"unknown peer {name!r}; peers: {PEERS}")
 
 
+def symmetric_product(L, R, k: int):
+    """``L @ R^T`` where the product is known to be symmetric (``X X^T``; ``P A`` for commuting symmetric ``P``,
+    ``A``), from its ``k (k + 1) / 2`` upper ``(s/k, s/k)`` blocks in one batched matmul, the lower ones their
+    transposes: ``(k - 1) / (2 k)`` of the FLOPs saved (a quarter at ``k = 2``, 3/8 at ``k = 4``), at the price of
+    smaller matmuls and a copy of the ``(s, s)`` result. ``L``, ``R``: ``(b, s, l)``; returns ``(b, s, s)``.
+
+    Raises:
+        ValueError: ``s`` is not a multiple of ``k``.
+    """
+    import torch
+    b, s, n = L.shape
+    if s % k:
+        raise ValueError(f"symmetric_product: {s} rows are not a multiple of {k} blocks; pick a k that divides them")
+    h = s // k
+    pairs = [(i, j) for i in range(k) for j in range(i, k)]
+    Lb, Rb = L.reshape(b, k, h, n), R.reshape(b, k, h, n)
+    left = torch.stack([Lb[:, i] for i, _ in pairs], 1).reshape(-1, h, n)
+    right = torch.stack([Rb[:, j] for _, j in pairs], 1).reshape(-1, h, n)
+    blocks = torch.bmm(left, right.mT).reshape(b, len(pairs), h, h)
+    rows = []
+    for i in range(k):
+        row = [blocks[:, pairs.index((i, j))] if i <= j else blocks[:, pairs.index((j, i))].mT for j in range(k)]
+        rows.append(torch.cat(row, -1))
+    return torch.cat(rows, -2)
+
+
 def _quintic_form(form: str):
-    """Rejected ways to write ds_muon's standard quintic (same normalization and orientation as
+    """Other ways to write ds_muon's standard quintic (same normalization and orientation as
     ``orthogonalize``), kept for the microbenchmark: ``baddbmm`` is ds_muon's form before 2026-12-01
     (``X <- baddbmm(X, baddbmm(A, A, A), X)``: the sums in the matmuls' fp32 epilogues), ``hybrid``
     computes ``bA + cA^2`` in one baddbmm on the small side and the long-side product as a plain
-    matmul (half the bf16 deviation of the plain form, tests/unit/test_newton_schulz.py). Returns
-    ``run(x, dtype, steps)``."""
+    matmul (half the bf16 deviation of the plain form, tests/unit/test_newton_schulz.py); ``sym2`` and
+    ``sym4``, candidates not yet measured on a GPU: the plain form with its two symmetric products (``A = X X^T``
+    and ``(cA + bI) A``) from their upper blocks (:func:`symmetric_product`, ``k`` = 2 or 4), 14-17% (``sym2``) or
+    22-25% (``sym4``) of the FLOPs saved at 2.9B's shapes. Returns ``run(x, dtype, steps)``."""
     import torch
     from ds_muon.core.newton_schulz import QUINTIC_COEFFS, frobenius_normalize as _normalize
 
@@ -252,7 +280,17 @@ def _quintic_form(form: str):
         B.diagonal(dim1=-2, dim2=-1).add_(a)
         return torch.bmm(B, X)
 
-    step = {"baddbmm": baddbmm, "hybrid": hybrid}[form]
+    def symmetric(k):
+        def sym(X, a, b, c):
+            A = symmetric_product(X, X, k)
+            P = A * c
+            P.diagonal(dim1=-2, dim2=-1).add_(b)
+            P = symmetric_product(P, A, k)
+            P.diagonal(dim1=-2, dim2=-1).add_(a)
+            return torch.bmm(P, X)
+        return sym
+
+    step = {"baddbmm": baddbmm, "hybrid": hybrid, "sym2": symmetric(2), "sym4": symmetric(4)}[form]
 
     def run(x, dtype, steps):
         X = _normalize(x, 1.0).to(dtype)
@@ -265,7 +303,7 @@ def _quintic_form(form: str):
     return run
 
 
-_OPTS = ("eager", "static", "dynamic", "autotune", "fused", "plain", "baddbmm", "hybrid", "cublaslt")
+_OPTS = ("eager", "static", "dynamic", "autotune", "fused", "plain", "baddbmm", "hybrid", "sym2", "sym4", "cublaslt")
 
 
 def _with_cublaslt(fn):
@@ -301,11 +339,11 @@ def _ns_variant(name: str, steps: int, device, backend: str = "inductor"):
     ``name`` is a peer (``PEERS``) or ``method[opt,...]`` with ``method`` in ds_muon's ``NS_METHODS``
     and options: ``eager`` (not compiled), ``static`` (``dynamic=False``), ``dynamic``
     (``dynamic=True``), ``autotune`` (``mode="max-autotune-no-cudagraphs"``, static unless
-    ``dynamic``), ``fused``/``plain`` (``QUINTIC_FORMS``), ``baddbmm``/``hybrid`` (rejected forms of
-    the standard quintic, ``_quintic_form``), ``cublaslt`` (cuBLASLt as the preferred BLAS library, CUDA only). No options: ``compiled_orthogonalize(method)`` as ds_muon
-    runs it (``COMPILE_MODE``, ``COMPILE_DYNAMIC``, ``QUINTIC_FORM``). Compute dtype: bf16 (gram:
-    fp16, as ``resolve_ns_dtype``'s ``auto``); float32 on CPU. ``backend`` other than inductor
-    (tests: ``"eager"``) drops ``autotune``."""
+    ``dynamic``), ``fused``/``plain`` (``QUINTIC_FORMS``), ``baddbmm``/``hybrid``/``sym2``/``sym4`` (other forms
+    of the standard quintic, ``_quintic_form``), ``cublaslt`` (cuBLASLt as the preferred BLAS library, CUDA
+    only). No options: ``compiled_orthogonalize(method)`` as ds_muon runs it (``COMPILE_MODE``,
+    ``COMPILE_DYNAMIC``, ``QUINTIC_FORM``). Compute dtype: bf16 (gram: fp16, as ``resolve_ns_dtype``'s ``auto``);
+    float32 on CPU. ``backend`` other than inductor (tests: ``"eager"``) drops ``autotune``."""
     import functools
 
     import torch
@@ -320,10 +358,10 @@ def _ns_variant(name: str, steps: int, device, backend: str = "inductor"):
         raise ValueError(f"bad Newton-Schulz variant {name!r}: a peer {PEERS} or method[opt,...] with method in "
                          f"{NS_METHODS} and opts in {_OPTS}")
     dtype = resolve_ns_dtype("auto", method, "cuda") if torch.device(device).type != "cpu" else torch.float32
-    forms = [o for o in opts if o in ("fused", "plain", "baddbmm", "hybrid")]
+    forms = [o for o in opts if o in ("fused", "plain", "baddbmm", "hybrid", "sym2", "sym4")]
     form = forms[0] if forms else None
     if "eager" in opts:
-        if form in ("baddbmm", "hybrid"):
+        if form in ("baddbmm", "hybrid", "sym2", "sym4"):
             return functools.partial(_quintic_form(form), dtype=dtype, steps=steps), method, dtype
         return functools.partial(orthogonalize, method=method, steps=steps, dtype=dtype, form=form), method, dtype
     kw = {}
@@ -333,7 +371,7 @@ def _ns_variant(name: str, steps: int, device, backend: str = "inductor"):
         kw["dynamic"] = True
     elif "static" in opts or "autotune" in opts:
         kw["dynamic"] = False
-    if form in ("baddbmm", "hybrid"):
+    if form in ("baddbmm", "hybrid", "sym2", "sym4"):
         if method != "standard":
             raise ValueError(f"bad Newton-Schulz variant {name!r}: {form} is a form of the standard quintic")
         fn = torch.compile(functools.partial(_quintic_form(form), dtype=dtype, steps=steps), backend=backend,

@@ -28,7 +28,7 @@ def test_ns_microbenchmark_on_cpu(tmp_path):
     torch._dynamo.reset()
     out = tmp_path / "ns.json"
     variants = ("standard", "standard[fused,autotune]", "standard[eager]", "polar_express[static]", "standard[hybrid]",
-                "torch.optim.Muon", "gram[bogus]")
+                "standard[sym2]", "standard[sym4,eager]", "torch.optim.Muon", "gram[bogus]")
     shapes = ((2, 8, 8), (2, 20, 8))
     try:
         result = step_time.ns_microbenchmark(str(out), shapes=shapes, variants=variants, device="cpu", iters=1,
@@ -46,7 +46,8 @@ def test_ns_microbenchmark_on_cpu(tmp_path):
         # fp32 on CPU: every form of the standard quintic gives the same
         # output to rounding; torch.optim.Muon runs the same quintic in bf16; Polar Express converges further
         errs = {r["method"]: r["ortho_error"] for r in good}
-        for v in ("standard[fused,autotune]", "standard[eager]", "standard[hybrid]"):
+        for v in ("standard[fused,autotune]", "standard[eager]", "standard[hybrid]", "standard[sym2]",
+                  "standard[sym4,eager]"):
             assert errs[v] == pytest.approx(errs["standard"], rel=1e-4), (v, shape)
         assert errs["torch.optim.Muon"] == pytest.approx(errs["standard"], rel=0.05)
         assert errs["polar_express[static]"] < errs["standard"]
@@ -112,3 +113,25 @@ def test_ns_autotune_progress_lines_and_persistent_cache(monkeypatch, tmp_path):
         assert progress.stream.getvalue() == before
     finally:
         ns_compile.compiled_orthogonalize.cache_clear()
+
+
+def test_symmetric_product_is_the_full_product_from_its_upper_blocks():
+    """``symmetric_product`` (the ``sym2``/``sym4`` forms' building block) equals ``L @ R^T`` for the two symmetric
+    products of the quintic, ``X X^T`` and ``(cA + bI) A``, in fp64 for 2 and 4 blocks; the sym forms give the plain
+    quintic's output in fp64, wide and tall; rows that k does not divide are refused naming the fix."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(3, 12, 20, generator=g, dtype=torch.float64)
+    A = X @ X.mT
+    P = A * -4.7 + torch.eye(12, dtype=torch.float64) * 2.0
+    for k in (1, 2, 3, 4):
+        assert torch.allclose(step_time.symmetric_product(X, X, k), A, rtol=0, atol=1e-12)
+        assert torch.allclose(step_time.symmetric_product(P, A, k), P @ A, rtol=0, atol=1e-10)
+    with pytest.raises(ValueError, match="not a multiple of 5 blocks"):
+        step_time.symmetric_product(X, X, 5)
+    plain = step_time._quintic_form("hybrid")  # fp64: every form is the same polynomial to rounding
+    for shape in ((2, 8, 24), (2, 24, 8)):
+        x = torch.randn(*shape, generator=g, dtype=torch.float64)
+        want = plain(x, torch.float64, 5)
+        for form in ("sym2", "sym4"):
+            got = step_time._quintic_form(form)(x, torch.float64, 5)
+            assert got.shape == x.shape and torch.allclose(got, want, rtol=0, atol=1e-12), (form, shape)
