@@ -234,28 +234,30 @@ def _peer_kernel(name: str, steps: int):
 
 def symmetric_product(L, R, k: int):
     """``L @ R^T`` where the product is known to be symmetric (``X X^T``; ``P A`` for commuting symmetric ``P``,
-    ``A``), from its ``k (k + 1) / 2`` upper ``(s/k, s/k)`` blocks in one batched matmul, the lower ones their
-    transposes: ``(k - 1) / (2 k)`` of the FLOPs saved (a quarter at ``k = 2``, 3/8 at ``k = 4``), at the price of
-    smaller matmuls and a copy of the ``(s, s)`` result. ``L``, ``R``: ``(b, s, l)``; returns ``(b, s, s)``.
+    ``A``), from its ``k (k + 1) / 2`` upper ``(s/k, s/k)`` blocks: one batched matmul per block row ``i`` on views
+    (``L``'s rows of block ``i`` against ``R``'s rows from block ``i`` on; no copy of the inputs), the lower blocks
+    written as the upper ones' transposes. Saves ``(k - 1) / (2 k)`` of the FLOPs (a quarter at ``k = 2``, 3/8 at
+    ``k = 4``) for ``k`` smaller matmuls and one write of the ``(s, s)`` result (the rows' products copied into it,
+    then the mirror). ``L``, ``R``: ``(b, s, l)``, the same shape; returns ``(b, s, s)``.
 
     Raises:
-        ValueError: ``s`` is not a multiple of ``k``.
+        ValueError: ``L`` and ``R`` differ in shape, or ``s`` is not a multiple of ``k``.
     """
     import torch
-    b, s, n = L.shape
+    if L.shape != R.shape or L.dim() != 3:
+        raise ValueError(f"symmetric_product: L {tuple(L.shape)} and R {tuple(R.shape)} must be the same (b, s, l)")
+    b, s, _ = L.shape
     if s % k:
         raise ValueError(f"symmetric_product: {s} rows are not a multiple of {k} blocks; pick a k that divides them")
     h = s // k
-    pairs = [(i, j) for i in range(k) for j in range(i, k)]
-    Lb, Rb = L.reshape(b, k, h, n), R.reshape(b, k, h, n)
-    left = torch.stack([Lb[:, i] for i, _ in pairs], 1).reshape(-1, h, n)
-    right = torch.stack([Rb[:, j] for _, j in pairs], 1).reshape(-1, h, n)
-    blocks = torch.bmm(left, right.mT).reshape(b, len(pairs), h, h)
-    rows = []
+    out = L.new_empty(b, s, s)
     for i in range(k):
-        row = [blocks[:, pairs.index((i, j))] if i <= j else blocks[:, pairs.index((j, i))].mT for j in range(k)]
-        rows.append(torch.cat(row, -1))
-    return torch.cat(rows, -2)
+        lo = i * h
+        out[:, lo:lo + h, lo:] = torch.bmm(L[:, lo:lo + h], R[:, lo:].mT)
+    for i in range(1, k):
+        lo = i * h
+        out[:, lo:lo + h, :lo] = out[:, :lo, lo:lo + h].mT
+    return out
 
 
 def _quintic_form(form: str):
@@ -266,7 +268,8 @@ def _quintic_form(form: str):
     matmul (half the bf16 deviation of the plain form, tests/unit/test_newton_schulz.py); ``sym2`` and
     ``sym4``, candidates not yet measured on a GPU: the plain form with its two symmetric products (``A = X X^T``
     and ``(cA + bI) A``) from their upper blocks (:func:`symmetric_product`, ``k`` = 2 or 4), 14-17% (``sym2``) or
-    22-25% (``sym4``) of the FLOPs saved at 2.9B's shapes. Returns ``run(x, dtype, steps)``."""
+    22-25% (``sym4``) of the FLOPs saved at 2.9B's shapes, for smaller matmuls and a write of each ``(s, s)``
+    product. Returns ``run(x, dtype, steps)``."""
     import torch
     from ds_muon.core.newton_schulz import QUINTIC_COEFFS, frobenius_normalize as _normalize
 
@@ -360,6 +363,8 @@ def _ns_variant(name: str, steps: int, device, backend: str = "inductor"):
     dtype = resolve_ns_dtype("auto", method, "cuda") if torch.device(device).type != "cpu" else torch.float32
     forms = [o for o in opts if o in ("fused", "plain", "baddbmm", "hybrid", "sym2", "sym4")]
     form = forms[0] if forms else None
+    if form in ("baddbmm", "hybrid", "sym2", "sym4") and method != "standard":
+        raise ValueError(f"bad Newton-Schulz variant {name!r}: {form} is a form of the standard quintic")
     if "eager" in opts:
         if form in ("baddbmm", "hybrid", "sym2", "sym4"):
             return functools.partial(_quintic_form(form), dtype=dtype, steps=steps), method, dtype
@@ -372,8 +377,6 @@ def _ns_variant(name: str, steps: int, device, backend: str = "inductor"):
     elif "static" in opts or "autotune" in opts:
         kw["dynamic"] = False
     if form in ("baddbmm", "hybrid", "sym2", "sym4"):
-        if method != "standard":
-            raise ValueError(f"bad Newton-Schulz variant {name!r}: {form} is a form of the standard quintic")
         fn = torch.compile(functools.partial(_quintic_form(form), dtype=dtype, steps=steps), backend=backend,
                            dynamic=kw.get("dynamic", True), mode=kw.get("mode"))
         return fn, method, dtype
