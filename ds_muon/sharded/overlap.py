@@ -132,6 +132,7 @@ class SpeculativeMuon:
         self.fallbacks: Counter = Counter({r: 0 for r in FALLBACK_REASONS})
         self._state: dict[int, _SubGroupState] = {}
         self._run_cache: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        self._bucket_cache: dict[int, dict[int, tuple[int, ...]]] = {}
         self._captured: dict[tuple[int, int], _Captured] = {}
         self._warm: dict[tuple[int, int], tuple] = {}  # bucket -> the settings it last ran eagerly with
         self._uncovered: dict[int, list[tuple[int, int]]] = {}  # sub-group -> shard runs in no bucket (padding)
@@ -180,12 +181,13 @@ class SpeculativeMuon:
             st = self._state.get(i)
             if st is None:
                 st = self._state[i] = _SubGroupState(self.steps[i])
-            for k, waiting in enumerate(st.waiting):
+            for k in self._buckets_of(i).get(index, ()):  # the buckets holding a matrix of this parameter
+                waiting = st.waiting[k]
                 if index in waiting:
                     waiting.discard(index)
                     if not waiting:
                         ready.append((i, k))
-                elif st.started[k] and any(index == s.index for s in self.steps[i].plan.buckets[k].slots):
+                elif st.started[k]:
                     st.stale = True  # reduced again after its bucket was speculated: this speculation is void
         if not ready:
             return
@@ -342,6 +344,18 @@ class SpeculativeMuon:
                 pass
             if reraise:
                 raise
+
+    def _buckets_of(self, i: int) -> dict[int, tuple[int, ...]]:
+        """Sub-group ``i``'s ``{parameter index: the owner-plan buckets holding a matrix of it, ascending}`` (the plan
+        is fixed: computed once), so that :meth:`mark_final` visits those buckets alone."""
+        buckets = self._bucket_cache.get(i)
+        if buckets is None:
+            found: dict[int, list[int]] = {}
+            for k, b in enumerate(self.steps[i].plan.buckets):
+                for index in {s.index for s in b.slots}:
+                    found.setdefault(index, []).append(k)
+            buckets = self._bucket_cache[i] = {index: tuple(ks) for index, ks in found.items()}
+        return buckets
 
     def _runs(self, i: int, k: int) -> list[tuple[int, int]]:
         """``[(shard offset, length), ...]``: this rank's pieces of bucket ``k`` of sub-group ``i``, adjacent pieces

@@ -99,3 +99,44 @@ def test_view_blocks_refuses_a_layout_it_cannot_stride() -> None:
     from ds_muon.core.matrix import matrix_view, view_blocks
     with pytest.raises(ValueError, match="unit stride"):
         view_blocks(torch.zeros(12, 2).t(), matrix_view((3, 4)))
+
+
+def test_mark_final_starts_each_bucket_when_its_last_parameter_is_final(monkeypatch) -> None:
+    """``SpeculativeMuon.mark_final``: a bucket starts once every parameter with a matrix in it is final, each bucket
+    once; a parameter reduced again after its bucket started voids the sub-group's speculation (``complete``
+    false), one reduced twice before its bucket started does not. The bookkeeping visits only the bucket that holds
+    the parameter (``_buckets_of``: each parameter is one slot of the plan)."""
+    import ds_muon.sharded.overlap as overlap
+    infos = [ParamInfo(f"w{k}", shape, shape[0] * shape[1], None) for k, shape in enumerate([(4, 4)] * 3 + [(6, 6)])]
+    plan = build_bucketed_plan(infos, 1, 64, order="reverse")
+    exchange = OwnerExchange(None, torch.float32, torch.float32, torch.device("cpu"))
+    step = MuonShardStep("sub-group 0", plan, build_block_map(plan.slots, 0, plan.shard_numel), exchange, GROUP,
+                         ns_compile=False, ns_autotune=False)
+    members = [{s.index for s in b.slots} for b in plan.buckets]
+    assert members == [{2, 3}, {0, 1}]  # backward's order: the last two parameters, then the first two
+    started = []
+
+    def speculation(reduce_order):
+        spec = overlap.SpeculativeMuon({0: step}, {0: exchange})
+
+        def speculate(i, k, *args):
+            started.append(k)
+            spec._state[i].started[k] = True
+        monkeypatch.setattr(spec, "_speculate", speculate)
+        started.clear()
+        final = set()
+        for index in reduce_order:
+            before = list(started)
+            spec.mark_final([(0, index)], lambda i: None, lambda i: None, lambda i: GROUP, 1.0)
+            final.add(index)
+            due = [k for k, m in enumerate(members) if k not in before and m <= final]
+            assert started[len(before):] == due, (index, started, due)
+        return spec
+
+    spec = speculation([3, 2, 1, 0])
+    assert started == [0, 1] and spec._state[0].complete
+    assert spec._buckets_of(0) == {3: (0,), 2: (0,), 1: (1,), 0: (1,)}
+    spec.mark_final([(0, 3)], lambda i: None, lambda i: None, lambda i: GROUP, 1.0)  # again, after its bucket started
+    assert not spec._state[0].complete
+    spec = speculation([3, 1, 1, 2, 0])  # w1 twice before its bucket started
+    assert started == [0, 1] and spec._state[0].complete
