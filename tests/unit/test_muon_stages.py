@@ -140,3 +140,32 @@ def test_mark_final_starts_each_bucket_when_its_last_parameter_is_final(monkeypa
     assert not spec._state[0].complete
     spec = speculation([3, 1, 1, 2, 0])  # w1 twice before its bucket started
     assert started == [0, 1] and spec._state[0].complete
+
+
+def test_mark_final_keeps_sub_groups_apart_and_starts_buckets_in_the_order_they_complete(monkeypatch) -> None:
+    """One ``mark_final`` call across two sub-groups with different plans: each bucket starts when its own
+    sub-group's parameters are final, in the order the call's parameters complete them (every rank launches the
+    same buckets in the same order), not in the plans' order."""
+    import ds_muon.sharded.overlap as overlap
+
+    def step_of(shapes, bucket_elements):
+        infos = [ParamInfo(f"w{k}", shape, shape[0] * shape[1], None) for k, shape in enumerate(shapes)]
+        plan = build_bucketed_plan(infos, 1, bucket_elements, order="reverse")
+        exchange = OwnerExchange(None, torch.float32, torch.float32, torch.device("cpu"))
+        return MuonShardStep("sub-group", plan, build_block_map(plan.slots, 0, plan.shard_numel), exchange, GROUP,
+                             ns_compile=False, ns_autotune=False), exchange
+
+    (s0, e0), (s1, e1) = step_of([(4, 4)] * 3 + [(6, 6)], 64), step_of([(6, 6), (6, 6)], 40)
+    assert [{s.index for s in b.slots} for b in s0.plan.buckets] == [{2, 3}, {0, 1}]
+    assert [{s.index for s in b.slots} for b in s1.plan.buckets] == [{1}, {0}]
+    spec = overlap.SpeculativeMuon({0: s0, 1: s1}, {0: e0, 1: e1})
+    started = []
+
+    def speculate(i, k, *args):
+        started.append((i, k))
+        spec._state[i].started[k] = True
+    monkeypatch.setattr(spec, "_speculate", speculate)
+    spec.mark_final([(0, 1), (0, 0), (1, 0), (0, 3), (0, 2), (1, 1)], lambda i: None, lambda i: None,
+                    lambda i: GROUP, 1.0)
+    assert started == [(0, 1), (1, 1), (0, 0), (1, 0)]
+    assert spec._state[0].complete and spec._state[1].complete
