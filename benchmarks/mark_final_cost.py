@@ -1,5 +1,6 @@
 """Host cost of the overlapped Muon step's bookkeeping in backward: ``SpeculativeMuon.mark_final`` with the
-speculation itself stubbed out, on the real owner plans of a model preset (CPU, no DeepSpeed, no GPU).
+speculation itself stubbed out, on owner plans built as ds_muon builds them for a model preset (CPU, no engine,
+no GPU).
 
 Issue 40 (docs/benchmarks.md, session 5): at MoE-1.5B the overlapped step adds 0.038 s of CPU time to backward's
 thread, not yet attributed. ``mark_final`` runs on that thread once per ZeRO gradient bucket, with the bucket's
