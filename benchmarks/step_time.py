@@ -703,13 +703,14 @@ def worker(args) -> None:
     else:
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     vocab = model.cfg.vocab_size
-    reduce_events = bench_options(args.optimizer).get("reduce_events")
+    options = bench_options(args.optimizer)
+    reduce_events = options.get("reduce_events")
     if reduce_events is not None:
         if not hasattr(engine.optimizer, "max_param_reduce_events"):
             raise SystemExit(f"{args.optimizer}: bench.reduce_events sets DeepSpeed's ZeRO-3 "
                              "max_param_reduce_events, which this optimizer does not have (ZeRO-3 only)")
         engine.optimizer.max_param_reduce_events = reduce_events
-    priority = bench_options(args.optimizer).get("reduce_stream_priority")
+    priority = options.get("reduce_stream_priority")
     if priority is not None:
         reduce_stream_at_priority(engine.optimizer, priority)
     g = torch.Generator(device="cpu").manual_seed(rank)
@@ -718,7 +719,7 @@ def worker(args) -> None:
     # allocator's first change of pattern), runs with the overlapped Muon step paused; the timed ones are kept
     # apart (paired_overlap), out of the arm's columns; each timed overlapped step records whether it captured a
     # CUDA graph or fell back (a pair with such a step is left out of the pairing)
-    alternate = bool(bench_options(args.optimizer).get("alternate_overlap"))
+    alternate = bool(options.get("alternate_overlap"))
     paused_samples = {k: [] for k in TIMINGS + DIAGNOSTICS if k != "loop_step_s"}
     overlapped_flags: dict = {"captures": [], "fallbacks": []}
     if alternate and getattr(engine.optimizer, "speculative", None) is None:
@@ -729,7 +730,7 @@ def worker(args) -> None:
     comm = None
     gc_clock = GcClock()
     for i in range(args.warmup + args.steps):
-        if i == args.warmup and bench_options(args.optimizer).get("gc_freeze"):
+        if i == args.warmup and options.get("gc_freeze"):
             gc.collect()
             gc.freeze()
         x = torch.randint(0, vocab, (args.micro_batch, args.seq_len + 1), generator=g).to(device)
@@ -921,20 +922,20 @@ def main() -> None:
 
     arms = [a.strip() for a in args.optimizers.split(",") if a.strip()]
     for arm in arms:
-        if bench_options(arm).get("alternate_overlap"):  # a bad arm fails here, before any worker starts
-            overlap = ds_config(arm, args.micro_batch, args.stage)["optimizer"]["params"].get("overlap_backward",
-                                                                                            "auto")
+        options, cfg = bench_options(arm), ds_config(arm, args.micro_batch, args.stage)  # a bad arm fails here
+        if options.get("alternate_overlap"):
+            overlap = cfg["optimizer"]["params"].get("overlap_backward", "auto")
             if overlap is False or (overlap == "auto" and args.stage < 3):
                 raise ValueError(f"arm {arm!r}: bench.alternate_overlap pauses the overlapped Muon step, which this "
                                  f"arm does not run (overlap_backward {json.dumps(overlap)} at ZeRO {args.stage}); "
                                  "use ds_muon_overlap, or opt.overlap_backward=true")
-        zero = ds_config(arm, args.micro_batch, args.stage)["zero_optimization"]  # the arm's own stage= counts
+        zero = cfg["zero_optimization"]  # the arm's own stage= counts
         comm = zero.get("overlap_comm") is not False
         for key, what, applies in (("reduce_events", "max_param_reduce_events", "ZeRO 3"),
                                    ("reduce_stream_priority", "reduce stream", "ZeRO 3 with overlap_comm true")):
             here = f"ZeRO {zero['stage']}" + ("" if key == "reduce_events"
                                               else f" with overlap_comm {str(comm).lower()}")
-            if bench_options(arm).get(key) is not None and here != applies:
+            if options.get(key) is not None and here != applies:
                 raise ValueError(f"arm {arm!r}: bench.{key} sets DeepSpeed's ZeRO-3 {what}, which {here} lacks "
                                  f"(run it at {applies}, or leave the option out)")
     if args.taskset:

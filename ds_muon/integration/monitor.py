@@ -75,7 +75,7 @@ class MonitorReporter:
                 events += [(f"Train/ds_muon/qk_clip/max_logit/{name}/head_{h}", value, step)
                            for name, values in stats["max_logit_per_head"].items() for h, value in enumerate(values)]
         # the overlapped step's commits and fallbacks, cumulative; also for a step inside overlap_paused()
-        if getattr(opt, "speculative", None) is not None or getattr(opt, "_paused", None) is not None:
+        if getattr(opt, "overlap_running", False):
             events += [(f"Train/ds_muon/overlap/{key}", count, step) for key, count in opt.overlap_stats.items()]
         self._monitor.write_events(events)
 

@@ -171,6 +171,11 @@ class OverlapHooks:
         return {p.ds_id: (i, k) for i in self.muon_steps for k, p in enumerate(self.fp16_groups[i])}
 
     @property
+    def overlap_running(self) -> bool:
+        """Whether the overlapped step runs in this optimizer, paused (:meth:`overlap_paused`) or not."""
+        return self.speculative is not None or self._paused is not None
+
+    @property
     def overlap_stats(self) -> dict:
         spec = self.speculative or self._paused
         return SpeculativeMuon({}, {}).stats() if spec is None else spec.stats()
