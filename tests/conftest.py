@@ -12,9 +12,36 @@
 import os
 from pathlib import Path
 
+import pytest
+
 os.environ["DS_MUON"] = "0"
 
 KINDS = ("unit", "dist", "e2e")
+
+#: The JIT op cache of this session (TORCH_EXTENSIONS_DIR as the session starts; a test may point it elsewhere).
+_OP_CACHE: list[str] = []
+
+
+def pytest_sessionstart(session):
+    """Remove JIT build locks that a killed build left in the op cache before this session (another run's time-out,
+    Ctrl-C): DeepSpeed's loader would wait on each forever, and the NVMe configs are refused while one stands."""
+    from ds_muon.integration.jit_ops import _build_dir, clear_stale_locks
+    _OP_CACHE.append(os.path.dirname(_build_dir("async_io")))
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    clear_stale_locks(_OP_CACHE[0], reporter.write_line if reporter is not None else print)
+
+
+@pytest.fixture(autouse=True)
+def _no_lock_left_by_a_killed_build():
+    """After each test, remove the JIT build locks no live process holds: a rank or subprocess the test killed
+    (a time-out, a failed peer) while it loaded an op leaves its lock, which would fail every later NVMe test.
+    No grace: when a test ends, no process of it is between taking a lock and starting ninja."""
+    yield
+    if _OP_CACHE:
+        import warnings
+
+        from ds_muon.integration.jit_ops import clear_stale_locks
+        clear_stale_locks(_OP_CACHE[0], lambda line: warnings.warn(line.removeprefix(">> "), stacklevel=1), grace_s=0)
 
 
 def pytest_collection_modifyitems(items):

@@ -24,8 +24,8 @@ import threading
 import time
 from typing import Callable, Iterator, Optional, Sequence
 
-__all__ = ["OPS", "LOCK_GRACE_S", "HEARTBEAT_S", "builder_alive", "stale_lock", "clear_stale_lock", "heartbeat",
-           "build_ops", "main"]
+__all__ = ["OPS", "LOCK_GRACE_S", "HEARTBEAT_S", "builder_alive", "stale_lock", "clear_stale_lock",
+           "clear_stale_locks", "heartbeat", "build_ops", "main"]
 
 #: DeepSpeed op builders ds_muon's runs use, by accelerator name ("cpu" adds the shared-memory all-reduce).
 OPS: dict[str, tuple[str, ...]] = {
@@ -61,22 +61,24 @@ def builder_alive(build_dir: str) -> Optional[bool]:
     return False
 
 
-def stale_lock(build_dir: str, now: Optional[float] = None) -> Optional[str]:
-    """The path of ``build_dir``'s ``lock`` if it is stale (no builder alive, older than :data:`LOCK_GRACE_S`),
-    else None (no lock, a build in progress, or no way to tell)."""
+def stale_lock(build_dir: str, now: Optional[float] = None, grace_s: float = LOCK_GRACE_S) -> Optional[str]:
+    """The path of ``build_dir``'s ``lock`` if it is stale (no builder alive, older than ``grace_s`` seconds),
+    else None (no lock, a build in progress, or no way to tell). ``grace_s=0`` only where no process can be
+    between taking the lock and starting ninja (a test's teardown, after its processes ended)."""
     lock = os.path.join(build_dir, "lock")
     try:
         age = (time.time() if now is None else now) - os.stat(lock).st_mtime
     except OSError:
         return None
-    if age < LOCK_GRACE_S or builder_alive(build_dir) is not False:
+    if age < grace_s or builder_alive(build_dir) is not False:
         return None
     return lock
 
 
-def clear_stale_lock(build_dir: str, log: Callable[[str], None] = print) -> bool:
-    """Remove ``build_dir``'s stale lock (:func:`stale_lock`), saying so through ``log``; whether it did."""
-    lock = stale_lock(build_dir)
+def clear_stale_lock(build_dir: str, log: Callable[[str], None] = print, grace_s: float = LOCK_GRACE_S) -> bool:
+    """Remove ``build_dir``'s stale lock (:func:`stale_lock` with ``grace_s``), saying so through ``log``; whether
+    it did."""
+    lock = stale_lock(build_dir, grace_s=grace_s)
     if lock is None:
         return False
     try:
@@ -86,6 +88,22 @@ def clear_stale_lock(build_dir: str, log: Callable[[str], None] = print) -> bool
     log(f">> removed {lock}: a build of this op was killed before it finished (no process is building in "
         f"{build_dir}); it is rebuilt now")
     return True
+
+
+def clear_stale_locks(root: Optional[str] = None, log: Callable[[str], None] = print,
+                      grace_s: float = LOCK_GRACE_S) -> list[str]:
+    """Remove the stale lock (:func:`clear_stale_lock`) of every op's build directory under ``root`` (default: the
+    extension cache torch uses now: ``TORCH_EXTENSIONS_DIR``, or torch's default with its per-Python, per-device
+    folder); the directories cleared. Whatever killed a build (a test's time-out, Ctrl-C) leaves the lock, and every
+    later load of that op waits on it."""
+    if root is None:
+        root = os.path.dirname(_build_dir("async_io"))  # torch's rule for the cache (it creates that folder)
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:  # no cache yet
+        return []
+    return [os.path.join(root, name) for name in names
+            if os.path.isdir(os.path.join(root, name)) and clear_stale_lock(os.path.join(root, name), log, grace_s)]
 
 
 @contextlib.contextmanager

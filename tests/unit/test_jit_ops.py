@@ -53,3 +53,29 @@ def test_heartbeat_logs_while_a_build_runs_and_stops_after():
     time.sleep(0.15)
     assert 3 <= n == len(lines), lines
     assert lines[0].startswith(">> still building async_io: ") and lines[0].endswith(" s so far (compiling C++ on the CPU)")
+
+
+def test_every_stale_lock_under_the_cache_is_removed_and_live_builds_are_kept(tmp_path):
+    """clear_stale_locks scans every op folder of the cache (tests/conftest.py calls it before the session, and
+    after each test with no grace): stale locks go, each with a line; a live build's lock and a young lock stay
+    (``grace_s``), and grace 0 takes the young one too."""
+    from ds_muon.integration.jit_ops import clear_stale_locks
+    for name in ("async_io", "cpu_adam", "fused_adam", "pin_memory"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "lock").touch()
+    for name in ("async_io", "cpu_adam", "fused_adam"):
+        _old(tmp_path / name / "lock")
+    (tmp_path / "a_file").touch()  # not an op folder
+    builder = subprocess.Popen(["sleep", "30"], cwd=tmp_path / "fused_adam")
+    try:
+        lines = []
+        cleared = clear_stale_locks(str(tmp_path), lines.append)
+        assert cleared == [str(tmp_path / "async_io"), str(tmp_path / "cpu_adam")], cleared
+        assert len(lines) == 2 and all("killed" in line for line in lines)
+        assert (tmp_path / "fused_adam" / "lock").exists() and (tmp_path / "pin_memory" / "lock").exists()
+        assert clear_stale_locks(str(tmp_path), lines.append, grace_s=0) == [str(tmp_path / "pin_memory")]
+        assert (tmp_path / "fused_adam" / "lock").exists()
+    finally:
+        builder.kill()
+        builder.wait()
+    assert clear_stale_locks(str(tmp_path / "missing"), lines.append) == []
