@@ -923,13 +923,13 @@ def main() -> None:
     arms = [a.strip() for a in args.optimizers.split(",") if a.strip()]
     for arm in arms:
         options, cfg = bench_options(arm), ds_config(arm, args.micro_batch, args.stage)  # a bad arm fails here
+        zero = cfg["zero_optimization"]  # the arm's own stage= counts
         if options.get("alternate_overlap"):
             overlap = cfg["optimizer"]["params"].get("overlap_backward", "auto")
-            if overlap is False or (overlap == "auto" and args.stage < 3):
+            if overlap is False or (overlap == "auto" and zero["stage"] < 3):
                 raise ValueError(f"arm {arm!r}: bench.alternate_overlap pauses the overlapped Muon step, which this "
-                                 f"arm does not run (overlap_backward {json.dumps(overlap)} at ZeRO {args.stage}); "
+                                 f"arm does not run (overlap_backward {json.dumps(overlap)} at ZeRO {zero['stage']}); "
                                  "use ds_muon_overlap, or opt.overlap_backward=true")
-        zero = cfg["zero_optimization"]  # the arm's own stage= counts
         comm = zero.get("overlap_comm") is not False
         for key, what, applies in (("reduce_events", "max_param_reduce_events", "ZeRO 3"),
                                    ("reduce_stream_priority", "reduce stream", "ZeRO 3 with overlap_comm true")):

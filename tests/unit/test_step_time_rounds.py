@@ -437,7 +437,8 @@ def test_alternate_overlap_is_refused_where_the_arm_does_not_overlap(tmp_path, m
     _fake_workers(monkeypatch, calls)
     for arm, stage in (("ds_muon_nooverlap:bench.alternate_overlap=true", "3"),
                        ("ds_muon:opt.overlap_backward=false:bench.alternate_overlap=true", "3"),
-                       ("ds_muon:bench.alternate_overlap=true", "2")):
+                       ("ds_muon:bench.alternate_overlap=true", "2"),
+                       ("ds_muon:stage=2:bench.alternate_overlap=true", "3")):  # the arm's own stage counts
         monkeypatch.setattr(sys, "argv", ["step_time.py", "--nproc", "1", "--optimizers", arm, "--stage", stage,
                                           "--no-ns-micro", "--out", str(tmp_path / "r.json")])
         with pytest.raises(ValueError, match="which this arm does not run"):
@@ -448,6 +449,11 @@ def test_alternate_overlap_is_refused_where_the_arm_does_not_overlap(tmp_path, m
                                       "--no-ns-micro", "--out", str(tmp_path / "r.json")])
     step_time.main()
     assert len(calls) == 1
+    monkeypatch.setattr(sys, "argv", ["step_time.py", "--nproc", "1", "--optimizers",
+                                      "ds_muon:stage=3:bench.alternate_overlap=true", "--stage", "2",
+                                      "--no-ns-micro", "--out", str(tmp_path / "r.json")])
+    step_time.main()
+    assert len(calls) == 2
 
 
 def test_reduce_events_is_an_integer_checked_before_any_worker(tmp_path, monkeypatch) -> None:
