@@ -28,20 +28,34 @@ def pytest_sessionstart(session):
     from ds_muon.integration.jit_ops import _build_dir, clear_stale_locks
     _OP_CACHE.append(os.path.dirname(_build_dir("async_io")))
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    clear_stale_locks(_OP_CACHE[0], reporter.write_line if reporter is not None else print)
+    log = reporter.write_line if reporter is not None else print
+    clear_stale_locks(_OP_CACHE[0], log)
+    from tests.support.spawn import remove_orphan_shm_segments
+    removed = remove_orphan_shm_segments()
+    if removed:
+        log(f">> removed {len(removed)} DeepSpeed shared-memory segments no process maps "
+            f"({sum(n for _, n in removed) / 2**30:.2f} GiB of RAM), left by earlier runs")
 
 
 @pytest.fixture(autouse=True)
-def _no_lock_left_by_a_killed_build():
-    """After each test, remove the JIT build locks no live process holds: a rank or subprocess the test killed
-    (a time-out, a failed peer) while it loaded an op leaves its lock, which would fail every later NVMe test.
-    No grace: when a test ends, no process of it is between taking a lock and starting ninja."""
+def _nothing_left_by_the_test():
+    """After each test, remove what its processes left that would break or slow later tests, each with a warning
+    that names it: JIT build locks no live process holds (a rank or subprocess the test killed while it loaded an
+    op leaves its lock, which would fail every later NVMe test; no grace, as when a test ends no process of it is
+    between taking a lock and starting ninja), and DeepSpeed shared-memory segments no process maps (RAM until
+    reboot: :func:`tests.support.spawn.remove_orphan_shm_segments`)."""
     yield
-    if _OP_CACHE:
-        import warnings
+    import warnings
 
+    from tests.support.spawn import remove_orphan_shm_segments
+    if _OP_CACHE:
         from ds_muon.integration.jit_ops import clear_stale_locks
         clear_stale_locks(_OP_CACHE[0], lambda line: warnings.warn(line.removeprefix(">> "), stacklevel=1), grace_s=0)
+    removed = remove_orphan_shm_segments()
+    if removed:
+        warnings.warn(f"this test left {len(removed)} DeepSpeed shared-memory segments no process maps "
+                      f"({sum(n for _, n in removed) / 2**20:.0f} MiB), removed: "
+                      + ", ".join(os.path.basename(p) for p, _ in removed), stacklevel=1)
 
 
 def pytest_collection_modifyitems(items):
