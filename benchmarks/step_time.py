@@ -104,12 +104,16 @@ def bench_options(spec: str) -> dict:
     priorities; ZeRO-3 with ``overlap_comm``) replaces DeepSpeed's ZeRO-3 reduce stream, before the first step,
     with a stream of priority P (:func:`reduce_stream_at_priority`): its gradient copies, which the back-pressure
     above makes backward's host wait for, then take the SMs ahead of the speculative Newton–Schulz's pending
-    blocks on the side stream (and of backward's own kernels) instead of after them. Keys ``opt.*`` set the
-    optimizer's params (``ds_muon_overlap:opt.overlap_cuda_graphs=false``).
+    blocks on the side stream (and of backward's own kernels) instead of after them;
+    ``bench.quintic_form=F`` (a ds_muon arm; F in ``QUINTIC_FORMS``, e.g. ``sym4``) runs Newton–Schulz in that
+    form (``ds_muon.core.newton_schulz.QUINTIC_FORM`` set in the worker before the engine is built), so that a
+    form the microbenchmark favours is timed end to end against the default in the same run. Keys ``opt.*`` set
+    the optimizer's params (``ds_muon_overlap:opt.overlap_cuda_graphs=false``).
 
     Raises:
-        ValueError: ``bench.alternate_overlap`` on an arm that is not ds_muon's; ``bench.reduce_events`` not an
-            integer >= 1; ``bench.reduce_stream_priority`` not a negative integer.
+        ValueError: ``bench.alternate_overlap`` or ``bench.quintic_form`` on an arm that is not ds_muon's;
+            ``bench.reduce_events`` not an integer >= 1; ``bench.reduce_stream_priority`` not a negative integer;
+            ``bench.quintic_form`` not in ``QUINTIC_FORMS``.
     """
     kind, overrides = parse_arm(spec)
     options = {k[len("bench."):]: v for k, v in overrides.items() if k.startswith("bench.")}
@@ -124,7 +128,25 @@ def bench_options(spec: str) -> dict:
     if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int) or priority >= 0):
         raise ValueError(f"arm {spec!r}: bench.reduce_stream_priority={priority!r} is not a negative integer (a "
                          "CUDA stream priority above the default stream's 0)")
+    form = options.get("quintic_form")
+    if form is not None:
+        from ds_muon.core.newton_schulz import QUINTIC_FORMS
+        if not kind.startswith("ds_muon"):
+            raise ValueError(f"arm {spec!r}: bench.quintic_form sets ds_muon's Newton-Schulz form; use it on a "
+                             "ds_muon arm")
+        if form not in QUINTIC_FORMS:
+            raise ValueError(f"arm {spec!r}: bench.quintic_form={form!r} is not one of {QUINTIC_FORMS}")
     return options
+
+
+def use_quintic_form(options: dict) -> str:
+    """Set ``ds_muon.core.newton_schulz.QUINTIC_FORM`` to the arm's ``bench.quintic_form`` where it has one (the
+    engine reads it when it builds its Newton–Schulz functions: call this before ``ds_muon.initialize``); the
+    form the arm runs."""
+    from ds_muon.core import newton_schulz
+    if options.get("quintic_form") is not None:
+        newton_schulz.QUINTIC_FORM = options["quintic_form"]
+    return newton_schulz.QUINTIC_FORM
 
 
 def arm_settings(spec: str, micro_batch: int, stage: int = 3) -> str:
@@ -232,44 +254,14 @@ def _peer_kernel(name: str, steps: int):
     raise ValueError(f"unknown peer {name!r}; peers: {PEERS}")
 
 
-def symmetric_product(L, R, k: int):
-    """``L @ R^T`` where the product is known to be symmetric (``X X^T``; ``P A`` for commuting symmetric ``P``,
-    ``A``), from its ``k (k + 1) / 2`` upper ``(s/k, s/k)`` blocks: one batched matmul per block row ``i`` on views
-    (``L``'s rows of block ``i`` against ``R``'s rows from block ``i`` on; no copy of the inputs), the lower blocks
-    written as the upper ones' transposes. Saves ``(k - 1) / (2 k)`` of the FLOPs (a quarter at ``k = 2``, 3/8 at
-    ``k = 4``) for ``k`` smaller matmuls and one write of the ``(s, s)`` result (the rows' products copied into it,
-    then the mirror). ``L``, ``R``: ``(b, s, l)``, the same shape; returns ``(b, s, s)``.
-
-    Raises:
-        ValueError: ``L`` and ``R`` differ in shape, or ``s`` is not a multiple of ``k``.
-    """
-    import torch
-    if L.shape != R.shape or L.dim() != 3:
-        raise ValueError(f"symmetric_product: L {tuple(L.shape)} and R {tuple(R.shape)} must be the same (b, s, l)")
-    b, s, _ = L.shape
-    if s % k:
-        raise ValueError(f"symmetric_product: {s} rows are not a multiple of {k} blocks; pick a k that divides them")
-    h = s // k
-    out = L.new_empty(b, s, s)
-    for i in range(k):
-        lo = i * h
-        out[:, lo:lo + h, lo:] = torch.bmm(L[:, lo:lo + h], R[:, lo:].mT)
-    for i in range(1, k):
-        lo = i * h
-        out[:, lo:lo + h, :lo] = out[:, :lo, lo:lo + h].mT
-    return out
-
-
 def _quintic_form(form: str):
     """Other ways to write ds_muon's standard quintic (same normalization and orientation as
     ``orthogonalize``), kept for the microbenchmark: ``baddbmm`` is ds_muon's form before 2026-12-01
     (``X <- baddbmm(X, baddbmm(A, A, A), X)``: the sums in the matmuls' fp32 epilogues), ``hybrid``
     computes ``bA + cA^2`` in one baddbmm on the small side and the long-side product as a plain
-    matmul (half the bf16 deviation of the plain form, tests/unit/test_newton_schulz.py); ``sym2`` and
-    ``sym4``, candidates not yet measured on a GPU: the plain form with its two symmetric products (``A = X X^T``
-    and ``(cA + bI) A``) from their upper blocks (:func:`symmetric_product`, ``k`` = 2 or 4), 14-17% (``sym2``) or
-    22-25% (``sym4``) of the FLOPs saved at 2.9B's shapes, for smaller matmuls and a write of each ``(s, s)``
-    product. Returns ``run(x, dtype, steps)``."""
+    matmul (half the bf16 deviation of the plain form, tests/unit/test_newton_schulz.py). ds_muon's own forms
+    (``QUINTIC_FORMS``: ``plain``, ``fused``, ``sym2``, ``sym4``) run through ``orthogonalize``'s ``form``
+    instead. Returns ``run(x, dtype, steps)``."""
     import torch
     from ds_muon.core.newton_schulz import QUINTIC_COEFFS, frobenius_normalize as _normalize
 
@@ -283,17 +275,7 @@ def _quintic_form(form: str):
         B.diagonal(dim1=-2, dim2=-1).add_(a)
         return torch.bmm(B, X)
 
-    def symmetric(k):
-        def sym(X, a, b, c):
-            A = symmetric_product(X, X, k)
-            P = A * c
-            P.diagonal(dim1=-2, dim2=-1).add_(b)
-            P = symmetric_product(P, A, k)
-            P.diagonal(dim1=-2, dim2=-1).add_(a)
-            return torch.bmm(P, X)
-        return sym
-
-    step = {"baddbmm": baddbmm, "hybrid": hybrid, "sym2": symmetric(2), "sym4": symmetric(4)}[form]
+    step = {"baddbmm": baddbmm, "hybrid": hybrid}[form]
 
     def run(x, dtype, steps):
         X = _normalize(x, 1.0).to(dtype)
@@ -342,8 +324,9 @@ def _ns_variant(name: str, steps: int, device, backend: str = "inductor"):
     ``name`` is a peer (``PEERS``) or ``method[opt,...]`` with ``method`` in ds_muon's ``NS_METHODS``
     and options: ``eager`` (not compiled), ``static`` (``dynamic=False``), ``dynamic``
     (``dynamic=True``), ``autotune`` (``mode="max-autotune-no-cudagraphs"``, static unless
-    ``dynamic``), ``fused``/``plain`` (``QUINTIC_FORMS``), ``baddbmm``/``hybrid``/``sym2``/``sym4`` (other forms
-    of the standard quintic, ``_quintic_form``), ``cublaslt`` (cuBLASLt as the preferred BLAS library, CUDA
+    ``dynamic``), ``fused``/``plain``/``sym2``/``sym4`` (``QUINTIC_FORMS``: ``sym2``/``sym4`` take the quintic's two
+    symmetric products from their upper blocks, ``symmetric_product``), ``baddbmm``/``hybrid`` (other forms of the
+    standard quintic, ``_quintic_form``), ``cublaslt`` (cuBLASLt as the preferred BLAS library, CUDA
     only). No options: ``compiled_orthogonalize(method)`` as ds_muon runs it (``COMPILE_MODE``,
     ``COMPILE_DYNAMIC``, ``QUINTIC_FORM``). Compute dtype: bf16 (gram: fp16, as ``resolve_ns_dtype``'s ``auto``);
     float32 on CPU. ``backend`` other than inductor (tests: ``"eager"``) drops ``autotune``."""
@@ -363,10 +346,10 @@ def _ns_variant(name: str, steps: int, device, backend: str = "inductor"):
     dtype = resolve_ns_dtype("auto", method, "cuda") if torch.device(device).type != "cpu" else torch.float32
     forms = [o for o in opts if o in ("fused", "plain", "baddbmm", "hybrid", "sym2", "sym4")]
     form = forms[0] if forms else None
-    if form in ("baddbmm", "hybrid", "sym2", "sym4") and method != "standard":
+    if form in ("baddbmm", "hybrid") and method != "standard":
         raise ValueError(f"bad Newton-Schulz variant {name!r}: {form} is a form of the standard quintic")
     if "eager" in opts:
-        if form in ("baddbmm", "hybrid", "sym2", "sym4"):
+        if form in ("baddbmm", "hybrid"):
             return functools.partial(_quintic_form(form), dtype=dtype, steps=steps), method, dtype
         return functools.partial(orthogonalize, method=method, steps=steps, dtype=dtype, form=form), method, dtype
     kw = {}
@@ -376,7 +359,7 @@ def _ns_variant(name: str, steps: int, device, backend: str = "inductor"):
         kw["dynamic"] = True
     elif "static" in opts or "autotune" in opts:
         kw["dynamic"] = False
-    if form in ("baddbmm", "hybrid", "sym2", "sym4"):
+    if form in ("baddbmm", "hybrid"):
         fn = torch.compile(functools.partial(_quintic_form(form), dtype=dtype, steps=steps), backend=backend,
                            dynamic=kw.get("dynamic", True), mode=kw.get("mode"))
         return fn, method, dtype
@@ -699,6 +682,7 @@ def worker(args) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     if kind.startswith("ds_muon") or kind == "adam_mini":
         import ds_muon
+        use_quintic_form(bench_options(args.optimizer))
         engine, _, _, _ = ds_muon.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     else:
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)

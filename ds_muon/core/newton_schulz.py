@@ -37,6 +37,7 @@ __all__ = [
     "QUINTIC_FORMS",
     "QUINTIC_FORM",
     "orthogonalize",
+    "symmetric_product",
     "frobenius_normalize",
     "newton_schulz_quintic",
     "gram_newton_schulz",
@@ -55,7 +56,18 @@ __all__ = [
 #:   ``torch.compile(mode="max-autotune...")`` inductor can then fold the whole expression into the
 #:   epilogue of the ``A A`` matmul template (no separate pass over ``(m, m)``), and in half precision
 #:   the compiled form rounds ``P`` once instead of ``B`` and ``P``.
-QUINTIC_FORMS: tuple[str, ...] = ("plain", "fused")
+#: * ``"sym2"``, ``"sym4"``: ``"plain"`` with its two symmetric products (``A = X X^T`` and
+#:   ``(c A + b I) A``, a polynomial in ``A`` times ``A``) taken from their upper blocks
+#:   (:func:`symmetric_product`, 2 or 4 block rows): the ``(m, m)`` products cost
+#:   ``(k + 1) / (2 k)`` of theirs, so 15% (``sym2``) or 23% (``sym4``) of the standard quintic's
+#:   FLOPs are saved at 2.9B's shapes (``(96, 3072, 3072)``, ``(48, 8192, 3072)``), for ``k`` smaller
+#:   matmuls per product and a copy of each block row into the ``(m, m)`` result plus the mirror.
+#:   Equal to ``"plain"`` in exact arithmetic (tests/unit/test_newton_schulz.py checks fp64, and half
+#:   precision against the plain form's tolerances). Not yet measured on a GPU
+#:   (docs/benchmarks.md, "What the next GPU session runs").
+QUINTIC_FORMS: tuple[str, ...] = ("plain", "fused", "sym2", "sym4")
+#: Block rows of each symmetric product, per form (:func:`symmetric_product`).
+_SYM_BLOCKS = {"sym2": 2, "sym4": 4}
 #: The form ``orthogonalize`` uses when none is given. To be chosen by the GPU microbenchmark
 #: (``python benchmarks/step_time.py --optimizers '' --ns-micro``, docs/benchmarks.md).
 QUINTIC_FORM: str = "plain"
@@ -124,7 +136,16 @@ def _quintic_iterations(x: torch.Tensor, coeffs: list[tuple[float, float, float]
     form = check_form(form)
     X = _as_batch(x)
     eye = torch.eye(X.shape[-2], dtype=X.dtype, device=X.device) if form == "fused" else None
+    blocks = _SYM_BLOCKS.get(form)
     for a, b, c in coeffs:
+        if blocks is not None:  # A and P A are symmetric: their upper blocks only
+            A = symmetric_product(X, X, blocks)
+            P = A * c
+            P.diagonal(dim1=-2, dim2=-1).add_(b)
+            P = symmetric_product(P, A, blocks)
+            P.diagonal(dim1=-2, dim2=-1).add_(a)
+            X = torch.bmm(P, X)
+            continue
         A = torch.bmm(X, X.mT)
         if form == "fused":
             P = torch.bmm(A, A) * c + A * b + eye * a
@@ -135,6 +156,46 @@ def _quintic_iterations(x: torch.Tensor, coeffs: list[tuple[float, float, float]
             P.diagonal(dim1=-2, dim2=-1).add_(a)
         X = torch.bmm(P, X)
     return X.reshape(x.shape)
+
+
+def symmetric_product(L: torch.Tensor, R: torch.Tensor, blocks: int) -> torch.Tensor:
+    """``L @ R^T`` for a product known to be symmetric (``X X^T``; ``P A`` for symmetric ``A`` and ``P`` a
+    polynomial in ``A``), computed from its upper blocks only.
+
+    The ``s`` rows are cut into ``blocks`` block rows (sizes differ by at most one row; ``min(blocks, s)`` of
+    them). Block row ``i`` is one batched matmul of ``L``'s rows of that block against ``R``'s rows from that
+    block on (views, no copy of the inputs), written into the result; the blocks below the diagonal are then
+    written as the transposes of those above it. With ``k`` equal block rows that costs ``(k + 1) / (2 k)`` of
+    the full product's FLOPs (3/4 at ``k = 2``, 5/8 at ``k = 4``). The blocks below the diagonal are exact
+    mirrors, so in half precision they can differ from ``torch.bmm(L, R.mT)``'s by rounding. Source of the
+    saving: the Gram matrix of the Newton–Schulz iteration is symmetric (https://kellerjordan.github.io/posts/muon/
+    computes ``A = X X^T`` in full); the block-row split is ds_muon's.
+
+    Args:
+        L, R: ``(b, s, l)``, the same shape and dtype.
+        blocks: block rows, >= 1 (1: one full ``bmm``).
+
+    Returns:
+        ``(b, s, s)`` in ``L.dtype``.
+
+    Raises:
+        ValueError: ``L`` and ``R`` differ in shape or are not 3-dimensional, or ``blocks`` < 1.
+    """
+    if L.shape != R.shape or L.dim() != 3:
+        raise ValueError(f"symmetric_product: L {tuple(L.shape)} and R {tuple(R.shape)} must be the same (b, s, l)")
+    if blocks < 1:
+        raise ValueError(f"symmetric_product: blocks must be >= 1, got {blocks}")
+    s = L.shape[1]
+    k = min(blocks, s)
+    if k == 1:
+        return torch.bmm(L, R.mT)
+    cuts = [s * i // k for i in range(k + 1)]
+    out = L.new_empty(L.shape[0], s, s)
+    for lo, hi in zip(cuts[:-1], cuts[1:]):
+        out[:, lo:hi, lo:] = torch.bmm(L[:, lo:hi], R[:, lo:].mT)
+    for lo, hi in zip(cuts[1:-1], cuts[2:]):
+        out[:, lo:hi, :lo] = out[:, :lo, lo:hi].mT
+    return out
 
 
 def newton_schulz_quintic(x: torch.Tensor, steps: int, form: str | None = None) -> torch.Tensor:

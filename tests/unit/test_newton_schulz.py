@@ -595,12 +595,66 @@ def test_autocast_region_does_not_change_the_compute_dtype():
 def test_quintic_forms_are_the_same_polynomial(method):
     # "fused" writes P = c A^2 + b A + a I over the product A A; "plain" B = c A + b I, P = B A + a I.
     # In fp64 both are the polynomial to rounding; each against the exact singular-value map.
+    # "sym2"/"sym4" take A and P A from their upper blocks (symmetric_product); 12 rows cut into 2 or 4 block rows.
     x = torch.randn(3, 12, 30, generator=_gen(21), dtype=F64)
-    plain, fused = (orthogonalize(x, method, 5, form=f) for f in ns.QUINTIC_FORMS)
-    assert rel_err(fused, plain) < 1e-12
+    assert ns.QUINTIC_FORMS == ("plain", "fused", "sym2", "sym4")
+    plain, *others = (orthogonalize(x, method, 5, form=f) for f in ns.QUINTIC_FORMS)
+    for form, other in zip(ns.QUINTIC_FORMS[1:], others):
+        assert rel_err(other, plain) < 1e-12, form
+        assert rel_err(orthogonalize(x.mT, method, 5, form=form), plain.mT) < 1e-12, form  # tall input
     assert torch.equal(orthogonalize(x, method, 5), orthogonalize(x, method, 5, form=ns.QUINTIC_FORM))
     with pytest.raises(ValueError, match="quintic form must be one of"):
         orthogonalize(x, method, 5, form="bogus")
+
+
+def test_symmetric_product_is_the_full_product_from_its_upper_blocks(monkeypatch):
+    """``symmetric_product`` equals ``L @ R^T`` for both symmetric products of the quintic (``X X^T``, and ``P A``
+    with ``P = c A + b I``), for row counts that the block rows do not divide and fewer rows than blocks, with
+    one batched matmul per block row on rows from that block on; and the sym forms run it with 2 and 4 blocks."""
+    for s in (1, 2, 5, 12, 13):
+        X = torch.randn(2, s, 7, generator=_gen(s), dtype=F64)
+        A, P = X @ X.mT, None
+        P = A * 2.0315
+        P.diagonal(dim1=-2, dim2=-1).add_(-4.775)
+        for blocks in (1, 2, 3, 4):
+            calls = []
+            real = torch.bmm
+            monkeypatch.setattr(torch, "bmm", lambda a, b: calls.append((a.shape, b.shape)) or real(a, b))
+            got = ns.symmetric_product(X, X, blocks)
+            monkeypatch.setattr(torch, "bmm", real)
+            assert torch.allclose(got, A, rtol=0, atol=1e-12), (s, blocks)
+            k = min(blocks, s)
+            first = s // k  # the first block row's height: below it, every entry left of the diagonal block
+            assert torch.equal(got[:, first:, :first], got[:, :first, first:].mT), (s, blocks)  # mirrored
+            assert torch.allclose(ns.symmetric_product(P, A, blocks), P @ A, rtol=0, atol=1e-10), (s, blocks)
+            assert len(calls) == k and sum(a[1] for a, _ in calls) == s  # block rows cover every row once
+            assert [b[2] for _, b in calls] == [s - s * i // k for i in range(k)]  # columns from the block on
+    with pytest.raises(ValueError, match="must be the same"):
+        ns.symmetric_product(X, X[:, :, :3], 2)
+    with pytest.raises(ValueError, match="blocks must be >= 1"):
+        ns.symmetric_product(X, X, 0)
+    used = []
+    real_sym = ns.symmetric_product
+    monkeypatch.setattr(ns, "symmetric_product", lambda L, R, k: used.append(k) or real_sym(L, R, k))
+    for form, k in (("sym2", 2), ("sym4", 4)):
+        used.clear()
+        orthogonalize(torch.randn(2, 8, 16, generator=_gen(3), dtype=F64), "standard", 5, form=form)
+        assert used == [k] * 10, (form, used)  # two products per iteration, 5 iterations
+
+
+@pytest.mark.parametrize("form", ["sym2", "sym4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_symmetric_forms_in_half_precision_stay_within_the_plain_forms_bounds(form, dtype):
+    """In half precision the sym forms meet the plain form's tolerances (``HALF_REL``, the band with
+    ``HALF_BAND_SLACK``) against the exact polynomial map."""
+    for batch, m, n in (((2,), 24, 64), ((), 64, 24), ((), 32, 32)):
+        x, U, s, V = make_case(batch, m, n, "wellcond", seed=9)
+        O = orthogonalize(x.float(), "standard", dtype=dtype, form=form)
+        assert O.dtype == dtype and torch.isfinite(O).all()
+        assert rel_err(O, (U * scalar_map(normalized(s), "standard", 5).unsqueeze(-2)) @ V.mT) < HALF_REL[dtype]
+        d = in_basis(O, U, V).diagonal(dim1=-2, dim2=-1)
+        lo, hi = QUINTIC_BAND
+        assert lo - HALF_BAND_SLACK[dtype] <= d.min().item() and d.max().item() <= hi + HALF_BAND_SLACK[dtype]
 
 
 def test_cost_model_picks_the_kernel_by_flops_over_measured_efficiency(monkeypatch):

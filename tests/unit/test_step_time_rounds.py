@@ -11,6 +11,7 @@ import sys
 import types
 
 import pytest
+import torch
 
 from tests.support.tools import repo_module
 
@@ -523,3 +524,25 @@ def test_reduce_stream_priority_is_checked_before_any_worker_and_replaces_deepsp
     source = inspect.getsource(stage3.DeepSpeedZeroOptimizer_Stage3)
     assert "self.reduce_and_partition_stream = " in source
     assert source.count("get_accelerator().stream(self.reduce_and_partition_stream)") >= 2
+
+
+def test_quintic_form_is_checked_and_set_before_the_engine(monkeypatch) -> None:
+    """``bench.quintic_form`` names one of ds_muon's forms on a ds_muon arm (refused otherwise, before any worker),
+    and the worker's ``use_quintic_form`` sets the form the engine then builds its Newton-Schulz with; an arm
+    without the option keeps the default."""
+    from ds_muon.core import newton_schulz
+    from ds_muon.core.muon_update import scaled_orthogonalizer
+    assert step_time.bench_options("ds_muon:bench.quintic_form=sym4") == {"quintic_form": "sym4"}
+    with pytest.raises(ValueError, match=r"bench.quintic_form='sym3' is not one of \('plain', 'fused', 'sym2'"):
+        step_time.bench_options("ds_muon:bench.quintic_form=sym3")
+    with pytest.raises(ValueError, match="use it on a ds_muon arm"):
+        step_time.bench_options("adamw:bench.quintic_form=sym4")
+    monkeypatch.setattr(newton_schulz, "QUINTIC_FORM", newton_schulz.QUINTIC_FORM)  # restored after the test
+    default = newton_schulz.QUINTIC_FORM
+    assert step_time.use_quintic_form(step_time.bench_options("ds_muon")) == default
+    assert step_time.use_quintic_form(step_time.bench_options("ds_muon:bench.quintic_form=sym2")) == "sym2"
+    seen = []
+    real = newton_schulz.symmetric_product
+    monkeypatch.setattr(newton_schulz, "symmetric_product", lambda L, R, k: seen.append(k) or real(L, R, k))
+    scaled_orthogonalizer("standard", 5, torch.float32, "shape", compiled=False)(torch.randn(2, 8, 16))
+    assert seen == [2] * 10
