@@ -29,6 +29,10 @@ echo ">> installing ds_muon (pip install -e .[test])"
 python -m pip install -q -U "setuptools>=77" wheel  # tests/e2e/test_autoload.py builds ds_muon without isolation (77: the SPDX license and license-files keys)
 python -m pip install -q -e ".[test]"
 
+# DeepSpeed's CPU shared-memory all-reduce never unlinks its /dev/shm segments (66 MiB per rank, RAM until reboot):
+# remove those that no process maps, left by earlier runs, before the op builds below need the memory.
+python -c "from tests.support.spawn import remove_orphan_shm_segments as r; n = r(); n and print(f'>> removed {len(n)} DeepSpeed /dev/shm segments left by earlier runs ({sum(s for _, s in n) / 2**30:.2f} GiB)')" || true
+
 # Build DeepSpeed's JIT ops (shared-memory comm, CPU Adam, FusedAdam, pinned memory, async_io) once, here, with a
 # progress line each: a build inside a test would run under that test's time-out, and a build killed halfway leaves
 # a lock every later run waits on forever (the builder removes such a lock when no process is building).

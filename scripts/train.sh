@@ -31,4 +31,10 @@ else
     python -m ds_muon.integration.jit_ops ShareMemCommBuilder FusedAdamBuilder || true
 fi
 echo ">> deepspeed --num_gpus $NPROC examples/train.py $*"
-exec deepspeed --num_gpus "$NPROC" examples/train.py "$@"
+# On the CPU, DeepSpeed 0.19.8's shared-memory all-reduce gives each rank a 66 MiB /dev/shm segment named after the
+# launcher's port (29500) and never unlinks it: RAM until reboot, however the run ends. Removed after the run (no
+# other group can use port 29500 meanwhile: its rendezvous would not bind).
+status=0
+deepspeed --num_gpus "$NPROC" examples/train.py "$@" || status=$?
+rm -f /dev/shm/deepspeed_allreduce_buffer_*_127.0.0.1_29500_*
+exit "$status"

@@ -45,7 +45,7 @@ def _remove_shm_segments(port: int) -> None:
 
 def remove_orphan_shm_segments() -> list[tuple[str, int]]:
     """Delete every DeepSpeed shared-memory all-reduce segment (``/dev/shm/deepspeed_allreduce_buffer_*``, 66 MiB
-    each at W=2) that no live process maps; ``[(path, bytes)]`` of those deleted. DeepSpeed 0.19.8 never unlinks
+    each) that no live process maps; ``[(path, bytes)]`` of those deleted. DeepSpeed 0.19.8 never unlinks
     them: a group started outside :func:`run_distributed` (a launcher in a subprocess, a script with its own
     ``MASTER_PORT``) leaves its segments in RAM (tmpfs) until the machine reboots. Left to pile up they took 20 GiB
     of this 24 GiB machine's memory (2026-12-05: 309 segments over a day of runs), and the suite slowed down 2x and
