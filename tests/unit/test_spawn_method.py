@@ -63,8 +63,9 @@ def test_inductor_setting_its_default_cache_dir_keeps_the_forkserver(monkeypatch
 
 
 def test_orphan_shm_segments_are_removed_and_mapped_ones_kept(tmp_path) -> None:
-    """DeepSpeed's shared-memory all-reduce segments that no live process maps are deleted (with their sizes); one a
-    live process maps is kept; a segment stops being kept when its process is gone."""
+    """DeepSpeed's shared-memory all-reduce segments that no live process maps or holds open are deleted (with their
+    sizes); one a live process maps, and one a live process has open but not mapped yet (its rank still writing it),
+    are kept; a segment stops being kept when its process is gone."""
     import mmap
     import subprocess
     import sys
@@ -78,12 +79,19 @@ def test_orphan_shm_segments_are_removed_and_mapped_ones_kept(tmp_path) -> None:
         "import mmap, sys, time\n"
         f"f = open({live!r}, 'r+b'); m = mmap.mmap(f.fileno(), 0); f.close()\n"
         "print('mapped', flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
+    opened = base + "_2"  # created and still being written, not mapped yet (DeepSpeed's shared_create)
+    writer = subprocess.Popen([sys.executable, "-c", (
+        "import os, time\n"
+        f"fd = os.open({opened!r}, os.O_CREAT | os.O_RDWR)\n"
+        "print('open', flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
     try:
-        assert holder.stdout.readline().strip() == "mapped"
+        assert holder.stdout.readline().strip() == "mapped" and writer.stdout.readline().strip() == "open"
         removed = spawn.remove_orphan_shm_segments()
         assert (orphan, mmap.PAGESIZE) in removed and not os.path.exists(orphan)
-        assert os.path.exists(live) and all(p != live for p, _ in removed)
+        assert os.path.exists(live) and os.path.exists(opened) and all(p not in (live, opened) for p, _ in removed)
     finally:
-        holder.kill()
-        holder.wait()
-    assert (live, mmap.PAGESIZE) in spawn.remove_orphan_shm_segments() and not os.path.exists(live)
+        for proc in (holder, writer):
+            proc.kill()
+            proc.wait()
+    assert {p for p, _ in spawn.remove_orphan_shm_segments()} >= {live, opened}
+    assert not os.path.exists(live) and not os.path.exists(opened)
