@@ -24,12 +24,17 @@ _OP_CACHE: list[str] = []
 
 def pytest_sessionstart(session):
     """Remove JIT build locks that a killed build left in the op cache before this session (another run's time-out,
-    Ctrl-C): DeepSpeed's loader would wait on each forever, and the NVMe configs are refused while one stands."""
-    from ds_muon.integration.jit_ops import _build_dir, clear_stale_locks
-    _OP_CACHE.append(os.path.dirname(_build_dir("async_io")))
+    Ctrl-C): DeepSpeed's loader would wait on each forever, and the NVMe configs are refused while one stands. A
+    failure here (an unsupported DeepSpeed, an unwritable cache) is a warning: the tests then say what is wrong."""
+    import warnings
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     log = reporter.write_line if reporter is not None else print
-    clear_stale_locks(_OP_CACHE[0], log)
+    try:
+        from ds_muon.integration.jit_ops import _build_dir, clear_stale_locks
+        _OP_CACHE.append(os.path.dirname(_build_dir("async_io")))
+        clear_stale_locks(_OP_CACHE[0], log)
+    except Exception as err:  # noqa: BLE001 - reported; every test still runs
+        warnings.warn(f"stale JIT build locks were not checked: {type(err).__name__}: {err}", stacklevel=1)
     from tests.support.spawn import remove_orphan_shm_segments
     removed = remove_orphan_shm_segments()
     if removed:
@@ -41,9 +46,9 @@ def pytest_sessionstart(session):
 def _nothing_left_by_the_test():
     """After each test, remove what its processes left that would break or slow later tests, each with a warning
     that names it: JIT build locks no live process holds (a rank or subprocess the test killed while it loaded an
-    op leaves its lock, which would fail every later NVMe test; no grace, as when a test ends no process of it is
-    between taking a lock and starting ninja), and DeepSpeed shared-memory segments no process maps (RAM until
-    reboot: :func:`tests.support.spawn.remove_orphan_shm_segments`)."""
+    op leaves its lock, which would fail every later NVMe test; no grace: a lock some live process holds open, or
+    builds under, is kept, :func:`ds_muon.integration.jit_ops.builder_alive`), and DeepSpeed shared-memory
+    segments no process maps (RAM until reboot: :func:`tests.support.spawn.remove_orphan_shm_segments`)."""
     yield
     import warnings
 

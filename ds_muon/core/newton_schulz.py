@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from .ns_cost import NS_METHODS, check_method, check_steps, gram_pays, gram_restart_points
+from .ns_cost import (NS_METHODS, QUINTIC_FORMS, SYM_BLOCKS, check_method, check_steps, gram_pays,
+                      gram_restart_points)
 
 __all__ = [
     "NS_METHODS",
@@ -46,28 +47,29 @@ __all__ = [
 ]
 
 
-#: How one quintic iteration ``X <- (a I + b A + c A^2) X`` (``A = X X^T``) is written; the same
-#: polynomial and the same 3 matmuls of ``ns_flops`` either way (``_quintic_iterations``):
-#:
-#: * ``"plain"``: ``B = c A + b I``; ``P = B A + a I``; ``X <- P X``. Element-wise work on the
-#:   ``(m, m)`` side between the matmuls (one pass for ``B``, the ``+ a I`` on the diagonal).
-#: * ``"fused"``: ``P = c (A A) + b A + a I`` as one element-wise expression over the product ``A A``
-#:   (the identity as ``torch.eye``, not an in-place diagonal add), then ``X <- P X``. Under
-#:   ``torch.compile(mode="max-autotune...")`` inductor can then fold the whole expression into the
-#:   epilogue of the ``A A`` matmul template (no separate pass over ``(m, m)``), and in half precision
-#:   the compiled form rounds ``P`` once instead of ``B`` and ``P``.
-#: * ``"sym2"``, ``"sym4"``: ``"plain"`` with its two symmetric products (``A = X X^T`` and
-#:   ``(c A + b I) A``, a polynomial in ``A`` times ``A``) taken from their upper blocks
-#:   (:func:`symmetric_product`, 2 or 4 block rows): the ``(m, m)`` products cost
-#:   ``(k + 1) / (2 k)`` of theirs, so 15% (``sym2``) or 23% (``sym4``) of the standard quintic's
-#:   FLOPs are saved at 2.9B's shapes (``(96, 3072, 3072)``, ``(48, 8192, 3072)``), for ``k`` smaller
-#:   matmuls per product and a copy of each block row into the ``(m, m)`` result plus the mirror.
-#:   Equal to ``"plain"`` in exact arithmetic (tests/unit/test_newton_schulz.py checks fp64, and half
-#:   precision against the plain form's tolerances). Not yet measured on a GPU
-#:   (docs/benchmarks.md, "What the next GPU session runs").
-QUINTIC_FORMS: tuple[str, ...] = ("plain", "fused", "sym2", "sym4")
-#: Block rows of each symmetric product, per form (:func:`symmetric_product`).
-_SYM_BLOCKS = {"sym2": 2, "sym4": 4}
+# How one quintic iteration ``X <- (a I + b A + c A^2) X`` (``A = X X^T``) is written, in
+# ``QUINTIC_FORMS``: the same polynomial either way (``_quintic_iterations``), and the same 3 matmuls
+# but for the ``sym`` forms' smaller two:
+#
+# * ``"plain"``: ``B = c A + b I``; ``P = B A + a I``; ``X <- P X``. Element-wise work on the
+#   ``(m, m)`` side between the matmuls (one pass for ``B``, the ``+ a I`` on the diagonal).
+# * ``"fused"``: ``P = c (A A) + b A + a I`` as one element-wise expression over the product ``A A``
+#   (the identity as ``torch.eye``, not an in-place diagonal add), then ``X <- P X``. Under
+#   ``torch.compile(mode="max-autotune...")`` inductor can then fold the whole expression into the
+#   epilogue of the ``A A`` matmul template (no separate pass over ``(m, m)``), and in half precision
+#   the compiled form rounds ``P`` once instead of ``B`` and ``P``.
+# * ``"sym2"``, ``"sym4"``: ``"plain"`` with its two symmetric products (``A = X X^T`` and
+#   ``(c A + b I) A``, a polynomial in ``A`` times ``A``) taken from their upper blocks
+#   (:func:`symmetric_product`, 2 or 4 block rows): the ``(m, m)`` products cost
+#   ``(k + 1) / (2 k)`` of theirs, so 15% (``sym2``) or 23% (``sym4``) of the standard quintic's
+#   FLOPs are saved at 2.9B's shapes (``(96, 3072, 3072)``, ``(48, 8192, 3072)``), for ``k`` smaller
+#   matmuls per product and a copy of each block row into the ``(m, m)`` result plus the mirror.
+#   Equal to ``"plain"`` in exact arithmetic (tests/unit/test_newton_schulz.py checks fp64, and half
+#   precision against the plain form's tolerances). Not yet measured on a GPU
+#   (docs/benchmarks.md, "What the next GPU session runs").
+#   ``ns_flops(..., form=...)`` counts each form's FLOPs.
+# QUINTIC_FORMS and the sym forms' block rows (SYM_BLOCKS) live in ns_cost, which counts FLOPs by form.
+
 #: The form ``orthogonalize`` uses when none is given. To be chosen by the GPU microbenchmark
 #: (``python benchmarks/step_time.py --optimizers '' --ns-micro``, docs/benchmarks.md).
 QUINTIC_FORM: str = "plain"
@@ -136,7 +138,7 @@ def _quintic_iterations(x: torch.Tensor, coeffs: list[tuple[float, float, float]
     form = check_form(form)
     X = _as_batch(x)
     eye = torch.eye(X.shape[-2], dtype=X.dtype, device=X.device) if form == "fused" else None
-    blocks = _SYM_BLOCKS.get(form)
+    blocks = SYM_BLOCKS.get(form)
     for a, b, c in coeffs:
         if blocks is not None:  # A and P A are symmetric: their upper blocks only
             A = symmetric_product(X, X, blocks)

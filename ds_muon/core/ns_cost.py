@@ -13,10 +13,15 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-__all__ = ["NS_METHODS", "NS_EFFICIENCY", "check_method", "check_steps", "check_dims", "gram_pays",
-           "gram_restart_points", "ns_flops", "ns_kernel", "ns_seconds"]
+__all__ = ["NS_METHODS", "NS_EFFICIENCY", "QUINTIC_FORMS", "SYM_BLOCKS", "check_method", "check_steps", "check_dims",
+           "gram_pays", "gram_restart_points", "ns_flops", "ns_kernel", "ns_seconds", "symmetric_product_flops"]
 
 NS_METHODS: tuple[str, ...] = ("standard", "gram", "polar_express")
+#: How the standard and Polar Express quintics can be written (:data:`ds_muon.core.newton_schulz.QUINTIC_FORMS`
+#: says how each one computes); here for the FLOP count, which the ``sym`` forms change.
+QUINTIC_FORMS: tuple[str, ...] = ("plain", "fused", "sym2", "sym4")
+#: Block rows of each of a ``sym`` form's two symmetric products (:func:`ds_muon.core.newton_schulz.symmetric_product`).
+SYM_BLOCKS: dict[str, int] = {"sym2": 2, "sym4": 4}
 
 # Gram NS restarts after iteration 2 (the blog's choice for 5 steps), then every 3 iterations.
 _GRAM_FIRST_RESTART = 2
@@ -48,9 +53,21 @@ def gram_restart_points(steps: int) -> tuple[int, ...]:
     return tuple(range(_GRAM_FIRST_RESTART, steps, _GRAM_RESTART_PERIOD))
 
 
-def _standard_flops(s: int, l: int, steps: int) -> int:
-    # per iteration: X X^T (s*s*l), A @ A (s^3), B @ X (s*s*l)
-    return steps * (2 * s * s * l + 2 * s**3 + 2 * s * s * l)
+def symmetric_product_flops(s: int, inner: int, blocks: int) -> int:
+    """Matmul FLOPs of ``symmetric_product`` of two ``(s, inner)`` matrices cut into ``blocks`` block rows (the
+    same cuts, ``s * i // k`` for ``k = min(blocks, s)``): block row ``[lo, hi)`` multiplies against rows
+    ``lo:``, ``2 (hi - lo) (s - lo) inner``; about ``(k + 1) / (2 k)`` of the full product's ``2 s^2 inner``."""
+    k = min(blocks, s)
+    cuts = [s * i // k for i in range(k + 1)]
+    return sum(2 * (hi - lo) * (s - lo) * inner for lo, hi in zip(cuts[:-1], cuts[1:]))
+
+
+def _standard_flops(s: int, l: int, steps: int, form: str = "plain") -> int:
+    # per iteration: X X^T (s*s*l), A @ A (s^3), B @ X (s*s*l); a sym form takes the first two from upper blocks
+    blocks = SYM_BLOCKS.get(form)
+    if blocks is None:
+        return steps * (2 * s * s * l + 2 * s**3 + 2 * s * s * l)
+    return steps * (symmetric_product_flops(s, l, blocks) + symmetric_product_flops(s, s, blocks) + 2 * s * s * l)
 
 
 def _gram_flops(s: int, l: int, steps: int) -> int:
@@ -151,13 +168,15 @@ def check_dims(**dims: int) -> None:
             raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
 
 
-def ns_flops(m: int, n: int, steps: int, method: str = "standard", batch: int = 1) -> int:
-    """Matmul FLOPs of one ``orthogonalize(x, method, steps)`` call on a ``(batch, m, n)`` input.
+def ns_flops(m: int, n: int, steps: int, method: str = "standard", batch: int = 1, form: str = "plain") -> int:
+    """Matmul FLOPs of one ``orthogonalize(x, method, steps, form=form)`` call on a ``(batch, m, n)`` input.
 
     Each matmul of ``(p, k) @ (k, q)`` counts ``2 p k q``; element-wise work is not counted. With
     ``s = min(m, n)`` and ``l = max(m, n)`` (the wide orientation ``orthogonalize`` works in):
 
-    * standard, polar_express: ``steps * (4 s^2 l + 2 s^3)`` (3 matmuls per iteration).
+    * standard, polar_express: ``steps * (4 s^2 l + 2 s^3)`` (3 matmuls per iteration) in the forms
+      ``plain`` and ``fused``; the ``sym`` forms (:data:`SYM_BLOCKS`) take ``X X^T`` and ``(cA + bI) A`` from
+      their upper block rows, :func:`symmetric_product_flops` each, plus ``2 s^2 l`` for ``P X``.
     * gram: what ``gram_newton_schulz`` does: ``4 s^2 l`` (first Gram product and final ``Q X``)
       ``+ 4 s^2 l`` per restart, plus per iteration ``2 s^3`` (``R^2``), ``2 s^3`` (``Q P``, not
       right after a (re)start) and ``4 s^3`` (``P R P``, not before a restart or at the end).
@@ -165,21 +184,25 @@ def ns_flops(m: int, n: int, steps: int, method: str = "standard", batch: int = 
       kernel instead (``l <= 1.5 s`` at 5 steps with the measured efficiencies),
       ``orthogonalize`` runs it and this returns the standard count.
 
-    Used by the owner-balancing plan and the benchmarks.
+    Used by the owner-balancing plan (with the ``plain`` count: a form scales every matrix's cost about alike)
+    and the benchmarks.
 
     Args:
         m, n: matrix shape, >= 1. steps: >= 1. method: one of ``NS_METHODS``. batch: >= 0.
+        form: one of :data:`QUINTIC_FORMS` (the Gram kernel has one way only).
 
     Returns:
         An ``int``.
 
     Raises:
-        ValueError: bad ``method`` (names the allowed values), ``steps``, ``m``, ``n`` or ``batch``.
+        ValueError: bad ``method`` or ``form`` (names the allowed values), ``steps``, ``m``, ``n`` or ``batch``.
     """
     check_method(method)
     check_steps(steps)
     check_dims(m=m, n=n, batch=batch)
+    if form not in QUINTIC_FORMS:
+        raise ValueError(f"quintic form must be one of {QUINTIC_FORMS}, got {form!r}")
     s, l = min(m, n), max(m, n)
     if ns_kernel(m, n, steps, method) == "gram":
         return batch * _gram_flops(s, l, steps)
-    return batch * _standard_flops(s, l, steps)
+    return batch * _standard_flops(s, l, steps, form)

@@ -7,9 +7,9 @@ removed at its end. Every other process that needs the op waits, without a deadl
 build killed halfway (a test's time-out, Ctrl-C, OOM) leaves the file, and from then on every run that needs
 the op hangs. Two remedies here:
 
-* :func:`stale_lock`: a lock is stale when no process is building in that directory any more (no process has it
-  as its working directory: ninja and the compilers it runs do) and the lock is older than
-  :data:`LOCK_GRACE_S` (a build that just took the lock may not have started ninja yet);
+* :func:`stale_lock`: a lock is stale when no process holds it or builds in that directory any more (no process
+  has the lock file open, as ``FileBaton`` keeps it from taking it to releasing it, nor the directory as its
+  working directory, as ninja and the compilers it runs do) and the lock is older than :data:`LOCK_GRACE_S`;
 * :func:`build_ops` (``python -m ds_muon.integration.jit_ops``, run by ``scripts/test.sh`` and
   ``scripts/train.sh``): removes stale locks with a log line, then builds or loads each op with a progress
   line, outside any test's time-out.
@@ -45,26 +45,33 @@ LOCK_GRACE_S = 60.0
 
 
 def builder_alive(build_dir: str) -> Optional[bool]:
-    """Whether some process has ``build_dir`` as its working directory (ninja and the compilers it starts do),
-    read from ``/proc``; None where ``/proc`` cannot tell (not Linux)."""
+    """Whether some process holds ``build_dir``'s lock or builds there, read from ``/proc``: it has the ``lock``
+    file open (torch's ``FileBaton`` keeps the descriptor it created the file with open until it removes the file,
+    also in the milliseconds before ninja starts) or ``build_dir`` as its working directory (ninja and the
+    compilers it starts do); None where ``/proc`` cannot tell (not Linux)."""
     if not os.path.isdir("/proc/self"):
         return None
     target = os.path.realpath(build_dir)
+    lock = os.path.join(target, "lock")
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             if os.path.realpath(os.readlink(f"/proc/{pid}/cwd")) == target:
                 return True
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):  # closed meanwhile
+                    if os.readlink(f"/proc/{pid}/fd/{fd}") == lock:
+                        return True
         except OSError:  # gone, or another user's process
             continue
     return False
 
 
 def stale_lock(build_dir: str, now: Optional[float] = None, grace_s: float = LOCK_GRACE_S) -> Optional[str]:
-    """The path of ``build_dir``'s ``lock`` if it is stale (no builder alive, older than ``grace_s`` seconds),
-    else None (no lock, a build in progress, or no way to tell). ``grace_s=0`` only where no process can be
-    between taking the lock and starting ninja (a test's teardown, after its processes ended)."""
+    """The path of ``build_dir``'s ``lock`` if it is stale (no process holds it or builds there,
+    :func:`builder_alive`; older than ``grace_s`` seconds), else None (no lock, a build in progress, or no way to
+    tell). The grace is a margin for systems where ``/proc`` shows another user's descriptors only partly."""
     lock = os.path.join(build_dir, "lock")
     try:
         age = (time.time() if now is None else now) - os.stat(lock).st_mtime
@@ -82,11 +89,12 @@ def clear_stale_lock(build_dir: str, log: Callable[[str], None] = print, grace_s
     if lock is None:
         return False
     try:
+        age = time.time() - os.stat(lock).st_mtime
         os.remove(lock)
     except FileNotFoundError:
         return False
-    log(f">> removed {lock}: a build of this op was killed before it finished (no process is building in "
-        f"{build_dir}); it is rebuilt now")
+    log(f">> removed {lock}, taken {age:.0f} s ago: a build or load of this op was killed before it finished (no "
+        f"process holds the lock or builds in {build_dir}); the next load builds or loads it again")
     return True
 
 
@@ -96,8 +104,7 @@ def clear_stale_locks(root: Optional[str] = None, log: Callable[[str], None] = p
     extension cache torch uses now: ``TORCH_EXTENSIONS_DIR``, or torch's default with its per-Python, per-device
     folder); the directories cleared. Whatever killed a build (a test's time-out, Ctrl-C) leaves the lock, and every
     later load of that op waits on it."""
-    if root is None:
-        root = os.path.dirname(_build_dir("async_io"))  # torch's rule for the cache (it creates that folder)
+    root = os.path.dirname(_build_dir("async_io")) if root is None else os.path.abspath(root)  # torch's rule
     try:
         names = sorted(os.listdir(root))
     except OSError:  # no cache yet

@@ -518,6 +518,26 @@ def test_ns_flops_hand_computed():
     assert ns_flops(4, 8, 5, "gram", batch=0) == 0
 
 
+def test_ns_flops_count_what_each_form_runs():
+    """``ns_flops(..., form=...)`` equals torch's own FLOP count of ``orthogonalize`` in that form: the sym forms'
+    block-row products (unequal blocks where 13 rows do not split evenly, tall and wide), and the same count for
+    ``plain`` and ``fused``; a form outside ``QUINTIC_FORMS`` is refused."""
+    from torch.utils.flop_counter import FlopCounterMode
+    # hand count, 2x16x40 in sym2: X X^T block rows [0, 8) x 16 cols + [8, 16) x 8 cols, times 2*40 (15360); P A
+    # the same with 16 for 40 (6144); P X 2*16*16*40 (20480); per iteration 41984, times 5 steps and 2 matrices
+    assert ns_flops(16, 40, 5, batch=2, form="sym2") == 2 * 5 * (15360 + 6144 + 20480) == 419840
+    for shape in ((2, 16, 40), (3, 13, 7), (1, 5, 5)):
+        x = torch.randn(*shape, generator=_gen(5), dtype=F64)
+        for form in ns.QUINTIC_FORMS:
+            with FlopCounterMode(display=False) as counter:
+                orthogonalize(x, "standard", 5, form=form)
+            assert counter.get_total_flops() == ns_flops(*shape[1:], 5, batch=shape[0], form=form), (shape, form)
+    assert ns_flops(16, 40, 5, form="sym4") < ns_flops(16, 40, 5, form="sym2") < ns_flops(16, 40, 5) \
+        == ns_flops(16, 40, 5, form="fused")
+    with pytest.raises(ValueError, match="quintic form must be one of"):
+        ns_flops(4, 8, 5, form="sym3")
+
+
 @pytest.mark.parametrize("method", NS_METHODS)
 def test_ns_flops_counts_the_real_matmuls(method):
     from torch.utils.flop_counter import FlopCounterMode

@@ -546,3 +546,36 @@ def test_quintic_form_is_checked_and_set_before_the_engine(monkeypatch) -> None:
     monkeypatch.setattr(newton_schulz, "symmetric_product", lambda L, R, k: seen.append(k) or real(L, R, k))
     scaled_orthogonalizer("standard", 5, torch.float32, "shape", compiled=False)(torch.randn(2, 8, 16))
     assert seen == [2] * 10
+    # the compiled Newton-Schulz (CUDA) fixes its form when it is built, i.e. in ds_muon.initialize: one built after
+    # the form is set runs it, one built before keeps the form it had; the worker sets the form before initialize
+    from ds_muon.core.ns_compile import compiled_orthogonalize
+    try:
+        seen.clear()
+        compiled_orthogonalize("standard", 5, torch.float32, backend="eager")(torch.randn(2, 8, 16))
+        assert seen and set(seen) == {2}
+        monkeypatch.setattr(newton_schulz, "QUINTIC_FORM", "plain")
+        seen.clear()
+        compiled_orthogonalize("standard", 5, torch.float32, backend="eager")(torch.randn(2, 8, 16))
+        assert seen == []
+    finally:
+        compiled_orthogonalize.cache_clear()
+        torch._dynamo.reset()
+    import inspect
+    worker = inspect.getsource(step_time.worker)
+    assert 0 < worker.index("use_quintic_form(") < worker.index("ds_muon.initialize(")
+
+
+def test_ns_loads_count_the_arms_form() -> None:
+    """``ns_loads`` (the worker's Newton-Schulz floor) equals the owner plans' own ``load()`` in the plain form, at
+    W=1 and W=3, and counts the sym forms' fewer FLOPs: 2.9B's Muon matrices lose 15.3% (``sym2``) and 23.0%
+    (``sym4``)."""
+    from ds_muon.sharded.ownership import ParamInfo, build_bucketed_plan
+    layer = [(3072, 3072)] * 4 + [(8192, 3072)] * 2 + [(3072, 8192)]
+    params = [ParamInfo(f"p{i}", s, s[0] * s[1]) for i, s in enumerate(layer * 2)]
+    for world in (1, 3):
+        plans = [build_bucketed_plan(params, world, 3072 * 8192 * 2, order="reverse")]
+        plain = step_time.ns_loads(plans, world, 5, "standard", "plain")
+        assert plain == plans[0].load()
+        for form, saved in (("sym2", 0.153), ("sym4", 0.230)):
+            got = step_time.ns_loads(plans, world, 5, "standard", form)
+            assert sum(got) / sum(plain) == pytest.approx(1 - saved, abs=5e-4), form
