@@ -404,7 +404,8 @@ def ns_microbenchmark(out_path: str, steps: int = 5, shapes=NS_SHAPES, variants=
     import torch
     from torch._dynamo.utils import counters
     sys.path.insert(0, REPO)
-    from ds_muon.core.ns_cost import SYM_BLOCKS, ns_flops
+    from ds_muon.core.newton_schulz import QUINTIC_FORM
+    from ds_muon.core.ns_cost import QUINTIC_FORMS, ns_flops
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cpu = device.type == "cpu"
     rate = matmul_tflops(device, 256 if cpu else 8192, torch.float32 if cpu else torch.bfloat16)
@@ -425,8 +426,10 @@ def ns_microbenchmark(out_path: str, steps: int = 5, shapes=NS_SHAPES, variants=
             try:
                 graphs0 = int(counters["stats"].get("unique_graphs", 0))
                 fn, flops_method, _ = ns_variant(name, steps, device, backend)
-                # the variant's own FLOPs: a sym form does fewer (its time, not its rate, is what to compare)
-                form = next((o for o in SYM_BLOCKS if o in name.partition("[")[2].rstrip("]").split(",")), "plain")
+                # the variant's own FLOPs: a sym form does fewer (its time, not its rate, is what to compare); a
+                # variant without a form runs QUINTIC_FORM, a peer the plain quintic
+                opts = [o.strip() for o in name.partition("[")[2].rstrip("]").split(",")]
+                form = next((o for o in opts if o in QUINTIC_FORMS), "plain" if name in PEERS else QUINTIC_FORM)
                 flops = ns_flops(m, n, steps, flops_method, batch=b, form=form)
                 t0 = time.perf_counter()
                 out = fn(x)

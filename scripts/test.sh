@@ -30,8 +30,8 @@ python -m pip install -q -U "setuptools>=77" wheel  # tests/e2e/test_autoload.py
 python -m pip install -q -e ".[test]"
 
 # DeepSpeed's CPU shared-memory all-reduce never unlinks its /dev/shm segments (66 MiB per rank, RAM until reboot):
-# remove those that no process maps, left by earlier runs, before the op builds below need the memory.
-python -c "from tests.support.spawn import remove_orphan_shm_segments as r; n = r(); n and print(f'>> removed {len(n)} DeepSpeed /dev/shm segments left by earlier runs ({sum(s for _, s in n) / 2**30:.2f} GiB)')" || true
+# remove those that no process maps or holds open, left by earlier runs, before the op builds below need the memory.
+python -m ds_muon.integration.shm_segments || true
 
 # Build DeepSpeed's JIT ops (shared-memory comm, CPU Adam, FusedAdam, pinned memory, async_io) once, here, with a
 # progress line each: a build inside a test would run under that test's time-out, and a build killed halfway leaves

@@ -32,9 +32,14 @@ else
 fi
 echo ">> deepspeed --num_gpus $NPROC examples/train.py $*"
 # On the CPU, DeepSpeed 0.19.8's shared-memory all-reduce gives each rank a 66 MiB /dev/shm segment named after the
-# launcher's port (29500) and never unlinks it: RAM until reboot, however the run ends. Removed after the run (no
-# other group can use port 29500 meanwhile: its rendezvous would not bind).
+# launcher's port (29500) and never unlinks it: RAM until reboot. When the script exits (the run ended, failed, or
+# was stopped by Ctrl-C, SIGTERM or SIGHUP: with these traps bash waits for the launcher, then exits), this job's
+# port's segments that no process maps or holds open any more are removed (a live job's are kept).
+cleanup() { python -m ds_muon.integration.shm_segments --port 29500 || true; }
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+trap 'exit 129' HUP
 status=0
 deepspeed --num_gpus "$NPROC" examples/train.py "$@" || status=$?
-rm -f /dev/shm/deepspeed_allreduce_buffer_*_127.0.0.1_29500_*
 exit "$status"

@@ -31,14 +31,17 @@ def pytest_sessionstart(session):
     log = reporter.write_line if reporter is not None else print
     try:
         from ds_muon.integration.jit_ops import _build_dir, clear_stale_locks
-        _OP_CACHE.append(os.path.dirname(_build_dir("async_io")))
-        clear_stale_locks(_OP_CACHE[0], log)
-    except Exception as err:  # noqa: BLE001 - reported; every test still runs
-        warnings.warn(f"stale JIT build locks were not checked: {type(err).__name__}: {err}", stacklevel=1)
-    from tests.support.spawn import remove_orphan_shm_segments
-    removed = remove_orphan_shm_segments()
+        from ds_muon.integration.shm_segments import remove_leaked_segments
+        cache = os.path.dirname(_build_dir("async_io"))
+        clear_stale_locks(cache, log)
+        removed = remove_leaked_segments(min_age_s=0)
+    except Exception as err:  # noqa: BLE001 - reported; every test still runs, without the clean-ups
+        warnings.warn(f"stale JIT build locks and leaked shared memory were not checked: {type(err).__name__}: "
+                      f"{err}", stacklevel=1)
+        return
+    _OP_CACHE.append(cache)
     if removed:
-        log(f">> removed {len(removed)} DeepSpeed shared-memory segments no process maps "
+        log(f">> removed {len(removed)} DeepSpeed shared-memory segments no process maps or holds open "
             f"({sum(n for _, n in removed) / 2**30:.2f} GiB of RAM), left by earlier runs")
 
 
@@ -48,17 +51,19 @@ def _nothing_left_by_the_test():
     that names it: JIT build locks no live process holds (a rank or subprocess the test killed while it loaded an
     op leaves its lock, which would fail every later NVMe test; no grace: a lock some live process holds open, or
     builds under, is kept, :func:`ds_muon.integration.jit_ops.builder_alive`), and DeepSpeed shared-memory
-    segments no process maps (RAM until reboot: :func:`tests.support.spawn.remove_orphan_shm_segments`)."""
+    segments no process maps or holds open (RAM until reboot: :mod:`ds_muon.integration.shm_segments`)."""
     yield
+    if not _OP_CACHE:  # the session's start could not check (a warning said why)
+        return
     import warnings
 
-    from tests.support.spawn import remove_orphan_shm_segments
-    if _OP_CACHE:
-        from ds_muon.integration.jit_ops import clear_stale_locks
-        clear_stale_locks(_OP_CACHE[0], lambda line: warnings.warn(line.removeprefix(">> "), stacklevel=1), grace_s=0)
-    removed = remove_orphan_shm_segments()
+    from ds_muon.integration.jit_ops import clear_stale_locks
+    from ds_muon.integration.shm_segments import remove_leaked_segments
+    clear_stale_locks(_OP_CACHE[0], lambda line: warnings.warn(line.removeprefix(">> "), stacklevel=1), grace_s=0)
+    removed = remove_leaked_segments(min_age_s=0)  # the suite's groups take free ports: no name is reused
     if removed:
-        warnings.warn(f"this test left {len(removed)} DeepSpeed shared-memory segments no process maps "
+        warnings.warn(f"this test (or another process meanwhile) left {len(removed)} DeepSpeed shared-memory "
+                      f"segments no process maps or holds open "
                       f"({sum(n for _, n in removed) / 2**20:.0f} MiB), removed: "
                       + ", ".join(os.path.basename(p) for p, _ in removed), stacklevel=1)
 

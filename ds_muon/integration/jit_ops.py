@@ -85,11 +85,18 @@ def stale_lock(build_dir: str, now: Optional[float] = None, grace_s: float = LOC
 def clear_stale_lock(build_dir: str, log: Callable[[str], None] = print, grace_s: float = LOCK_GRACE_S) -> bool:
     """Remove ``build_dir``'s stale lock (:func:`stale_lock` with ``grace_s``), saying so through ``log``; whether
     it did."""
+    try:
+        seen = os.stat(os.path.join(build_dir, "lock"))
+    except OSError:
+        return False
     lock = stale_lock(build_dir, grace_s=grace_s)
     if lock is None:
         return False
     try:
-        age = time.time() - os.stat(lock).st_mtime
+        now = os.stat(lock)
+        if (now.st_ino, now.st_mtime_ns) != (seen.st_ino, seen.st_mtime_ns):
+            return False  # removed and taken anew while /proc was read (another cleaner, then a loader)
+        age = time.time() - now.st_mtime
         os.remove(lock)
     except FileNotFoundError:
         return False

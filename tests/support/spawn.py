@@ -43,43 +43,6 @@ def _remove_shm_segments(port: int) -> None:
             os.remove(path)
 
 
-def remove_orphan_shm_segments() -> list[tuple[str, int]]:
-    """Delete every DeepSpeed shared-memory all-reduce segment (``/dev/shm/deepspeed_allreduce_buffer_*``, 66 MiB
-    each) that no live process maps; ``[(path, bytes)]`` of those deleted. DeepSpeed 0.19.8 never unlinks
-    them: a group started outside :func:`run_distributed` (a launcher in a subprocess, a script with its own
-    ``MASTER_PORT``) leaves its segments in RAM (tmpfs) until the machine reboots. Left to pile up they took 20 GiB
-    of this 24 GiB machine's memory (2026-12-05: 309 segments over a day of runs), and the suite slowed down 2x and
-    then hung in a subprocess. A segment in use is kept: mapped (``/proc/<pid>/maps``), or open
-    (``/proc/<pid>/fd``), as it is while its rank writes its 66 MiB before mapping it (DeepSpeed's
-    ``shared_create``; removed then, the other ranks would wait for its name forever)."""
-    paths = glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")
-    if not paths:
-        return []
-    used: set[str] = set()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                used.update(line.split(None, 5)[-1].strip() for line in f if "/deepspeed_allreduce_buffer_" in line)
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                with contextlib.suppress(OSError):  # closed meanwhile
-                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                    if "/deepspeed_allreduce_buffer_" in target:
-                        used.add(target)
-        except OSError:  # gone, or another user's process
-            continue
-    removed = []
-    for path in paths:
-        if path in used:
-            continue
-        with contextlib.suppress(OSError):
-            size = os.stat(path).st_size
-            os.remove(path)
-            removed.append((path, size))
-    return removed
-
-
 def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple, env: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), **env)

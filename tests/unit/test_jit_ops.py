@@ -105,3 +105,24 @@ def test_every_stale_lock_under_the_cache_is_removed_and_live_builds_are_kept(tm
         builder.kill()
         builder.wait()
     assert clear_stale_locks(str(tmp_path / "missing"), lines.append) == []
+
+
+def test_a_lock_taken_anew_while_proc_is_read_is_kept(tmp_path, monkeypatch):
+    """Between the look at the lock and its removal another cleaner may remove it and a loader take a new one (a
+    new file): that one is kept."""
+    from ds_muon.integration import jit_ops
+    lock = tmp_path / "lock"
+    lock.touch()
+    _old(lock)
+    real = jit_ops.stale_lock
+
+    def retaken(build_dir, now=None, grace_s=LOCK_GRACE_S):
+        found = real(build_dir, now, grace_s)
+        lock.unlink()  # another cleaner
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL)  # a loader's FileBaton
+        os.close(fd)
+        return found
+
+    monkeypatch.setattr(jit_ops, "stale_lock", retaken)
+    assert real(str(tmp_path)) == str(lock)  # stale as it stands
+    assert not clear_stale_lock(str(tmp_path), print) and lock.exists()

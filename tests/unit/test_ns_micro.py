@@ -50,6 +50,12 @@ def test_ns_microbenchmark_on_cpu(tmp_path):
                   "standard[sym4,eager]"):
             assert errs[v] == pytest.approx(errs["standard"], rel=1e-4), (v, shape)
         assert errs["torch.optim.Muon"] == pytest.approx(errs["standard"], rel=0.05)
+        # the rate counts each variant's own FLOPs: the sym forms' fewer, the default form's for no form option
+        from ds_muon.core.ns_cost import ns_flops
+        for v, form in (("standard[sym2]", "sym2"), ("standard[sym4,eager]", "sym4"), ("standard[eager]", "plain")):
+            r = rows[v, shape]
+            assert r["tflops"] * r["seconds"] * 1e12 == pytest.approx(ns_flops(*shape[1:], 5, batch=shape[0],
+                                                                                form=form), rel=1e-9), v
         assert errs["polar_express[static]"] < errs["standard"]
     # compiled variants report the graphs they added; the eager one none
     assert rows["standard[eager]", shapes[0]]["graphs"] == 0 and rows["polar_express[static]", shapes[0]]["graphs"] == 1

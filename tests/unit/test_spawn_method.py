@@ -8,8 +8,6 @@ interpreters, and ``DS_MUON_TEST_FORKSERVER=0`` makes every group do so.
 """
 from __future__ import annotations
 
-import os
-
 from tests.support import spawn
 
 
@@ -60,38 +58,3 @@ def test_inductor_setting_its_default_cache_dir_keeps_the_forkserver(monkeypatch
     assert spawn.changed_env() == {"TORCHINDUCTOR_CACHE_DIR": (str(tmp_path / "relative_cache"),
                                                               str(tmp_path / "another"))}
     assert spawn.start_method(_fn, None) == "spawn"
-
-
-def test_orphan_shm_segments_are_removed_and_mapped_ones_kept(tmp_path) -> None:
-    """DeepSpeed's shared-memory all-reduce segments that no live process maps or holds open are deleted (with their
-    sizes); one a live process maps, and one a live process has open but not mapped yet (its rank still writing it),
-    are kept; a segment stops being kept when its process is gone."""
-    import mmap
-    import subprocess
-    import sys
-
-    base = f"/dev/shm/deepspeed_allreduce_buffer_9_test_{os.getpid()}"
-    orphan, live = base + "_0", base + "_1"
-    for path in (orphan, live):
-        with open(path, "wb") as f:
-            f.write(b"\0" * mmap.PAGESIZE)
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import mmap, sys, time\n"
-        f"f = open({live!r}, 'r+b'); m = mmap.mmap(f.fileno(), 0); f.close()\n"
-        "print('mapped', flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
-    opened = base + "_2"  # created and still being written, not mapped yet (DeepSpeed's shared_create)
-    writer = subprocess.Popen([sys.executable, "-c", (
-        "import os, time\n"
-        f"fd = os.open({opened!r}, os.O_CREAT | os.O_RDWR)\n"
-        "print('open', flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "mapped" and writer.stdout.readline().strip() == "open"
-        removed = spawn.remove_orphan_shm_segments()
-        assert (orphan, mmap.PAGESIZE) in removed and not os.path.exists(orphan)
-        assert os.path.exists(live) and os.path.exists(opened) and all(p not in (live, opened) for p, _ in removed)
-    finally:
-        for proc in (holder, writer):
-            proc.kill()
-            proc.wait()
-    assert {p for p, _ in spawn.remove_orphan_shm_segments()} >= {live, opened}
-    assert not os.path.exists(live) and not os.path.exists(opened)
