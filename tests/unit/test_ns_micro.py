@@ -95,8 +95,11 @@ def test_ns_autotune_progress_lines_and_persistent_cache(monkeypatch, tmp_path):
     assert "graph 1/3 for (16, 64, 64) bfloat16 standard" in lines[0] and "2 left" in lines[1]
     assert "graph 2/3 for (4, 32, 96)" in lines[2] and "1 left" in lines[3]
 
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", inductor_config.fx_graph_cache)
-    monkeypatch.setattr(inductor_config, "autotune_local_cache", inductor_config.autotune_local_cache)
+    # restored by inductor's own patch: monkeypatch.setattr reads these ConfigModule entries as unset and deletes
+    # them at undo, which breaks every later inductor compile in the process ("fx_graph_cache does not exist")
+    restore = inductor_config.patch(fx_graph_cache=inductor_config.fx_graph_cache,
+                                    autotune_local_cache=inductor_config.autotune_local_cache)
+    restore.__enter__()
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     want = str(tmp_path / "ds_muon" / "torchinductor")
@@ -119,6 +122,7 @@ def test_ns_autotune_progress_lines_and_persistent_cache(monkeypatch, tmp_path):
         assert progress.stream.getvalue() == before
     finally:
         ns_compile.compiled_orthogonalize.cache_clear()
+        restore.__exit__(None, None, None)
 
 
 def test_sym_variants_run_ds_muons_own_forms(monkeypatch):
