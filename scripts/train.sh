@@ -34,7 +34,9 @@ echo ">> deepspeed --num_gpus $NPROC examples/train.py $*"
 # On the CPU, DeepSpeed 0.19.8's shared-memory all-reduce gives each rank a 66 MiB /dev/shm segment named after the
 # launcher's port (29500) and never unlinks it: RAM until reboot. When the script exits (the run ended, failed, or
 # was stopped by Ctrl-C, SIGTERM or SIGHUP: with these traps bash waits for the launcher, then exits), this job's
-# port's segments that no process maps or holds open any more are removed (a live job's are kept).
+# port's segments that no process maps or holds open any more are removed (a live job's are kept). The exit status
+# is the launcher's (on Ctrl-C DeepSpeed's launcher stops its ranks and exits 1 itself; the INT trap serves a
+# launcher killed by the signal).
 cleanup() { python -m ds_muon.integration.shm_segments --port 29500 || true; }
 trap cleanup EXIT
 trap 'exit 130' INT
