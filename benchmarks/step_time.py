@@ -152,18 +152,16 @@ def use_quintic_form(options: dict) -> str:
 
 def ns_loads(plans, world_size: int, steps: int, method: str, form: str) -> list[int]:
     """Newton–Schulz matmul FLOPs per rank per step over the owner plans, counted in quintic ``form``
-    (``ns_flops(..., form=form)`` over each owned batch's block groups): the plans' own ``load()`` counts the plain
-    form, which a ``sym`` form cuts by 15-23% at 2.9B's shapes."""
+    (``MatrixView.cost`` of each owned batch, as the plans' own ``load()`` counts it, in the plain form, which a
+    ``sym`` form cuts by 15-23% at 2.9B's shapes)."""
     from ds_muon.core.matrix import matrix_view
-    from ds_muon.core.ns_cost import ns_flops
     loads = [0] * world_size
     for plan in plans:
         for bucket in getattr(plan, "buckets", (plan,)):
             for rank in range(world_size):
                 for b in bucket.batches[rank]:
                     view = b.view if b.view is not None else matrix_view(b.ns_shape)
-                    loads[rank] += b.count * sum(ns_flops(g.rows, g.cols, steps, method, batch=g.count, form=form)
-                                                 for g in view.groups)
+                    loads[rank] += b.count * view.cost(steps, method, form)
     return loads
 
 
@@ -336,6 +334,12 @@ def ns_variant(name: str, steps: int, device, backend: str = "inductor"):
     return fn, method, dtype
 
 
+def _variant_opts(name: str) -> tuple[str, str, list[str]]:
+    """``method[opt,...]`` -> ``(method, "opt,...]", [opt, ...])`` (options stripped; none without brackets)."""
+    method, _, rest = name.partition("[")
+    return method, rest, [o.strip() for o in rest.rstrip("]").split(",") if o.strip()] if rest else []
+
+
 def _ns_variant(name: str, steps: int, device, backend: str = "inductor"):
     """``(fn, flops_method, dtype)`` for a microbenchmark variant ``name``.
 
@@ -356,8 +360,7 @@ def _ns_variant(name: str, steps: int, device, backend: str = "inductor"):
     from ds_muon.core.dtypes import resolve_ns_dtype
     if name in PEERS:
         return _peer_kernel(name, steps), "standard", torch.bfloat16
-    method, _, rest = name.partition("[")
-    opts = [o.strip() for o in rest.rstrip("]").split(",") if o.strip()] if rest else []
+    method, rest, opts = _variant_opts(name)
     if method not in NS_METHODS or not rest.endswith("]") and rest or any(o not in _OPTS for o in opts):
         raise ValueError(f"bad Newton-Schulz variant {name!r}: a peer {PEERS} or method[opt,...] with method in "
                          f"{NS_METHODS} and opts in {_OPTS}")
@@ -428,8 +431,8 @@ def ns_microbenchmark(out_path: str, steps: int = 5, shapes=NS_SHAPES, variants=
                 fn, flops_method, _ = ns_variant(name, steps, device, backend)
                 # the variant's own FLOPs: a sym form does fewer (its time, not its rate, is what to compare); a
                 # variant without a form runs QUINTIC_FORM, a peer the plain quintic
-                opts = [o.strip() for o in name.partition("[")[2].rstrip("]").split(",")]
-                form = next((o for o in opts if o in QUINTIC_FORMS), "plain" if name in PEERS else QUINTIC_FORM)
+                form = next((o for o in _variant_opts(name)[2] if o in QUINTIC_FORMS),
+                            "plain" if name in PEERS else QUINTIC_FORM)
                 flops = ns_flops(m, n, steps, flops_method, batch=b, form=form)
                 t0 = time.perf_counter()
                 out = fn(x)
@@ -698,19 +701,18 @@ def worker(args) -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     torch.cuda.set_device(device)
     kind, _ = parse_arm(args.optimizer)
-    cfg = ds_config(args.optimizer, args.micro_batch, args.stage)
+    cfg, options = ds_config(args.optimizer, args.micro_batch, args.stage), bench_options(args.optimizer)
     torch.manual_seed(0)
     # no per-head max-logit recording (MuonClip): its cost is measured apart, by benchmarks/max_logit_cost.py
     model = CausalLM(ModelConfig.preset(args.model, max_seq_len=args.seq_len, record_max_logits=False))
     n_params = sum(p.numel() for p in model.parameters())
     if kind.startswith("ds_muon") or kind == "adam_mini":
         import ds_muon
-        form = use_quintic_form(bench_options(args.optimizer))
+        form = use_quintic_form(options)
         engine, _, _, _ = ds_muon.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     else:
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     vocab = model.cfg.vocab_size
-    options = bench_options(args.optimizer)
     reduce_events = options.get("reduce_events")
     if reduce_events is not None:
         if not hasattr(engine.optimizer, "max_param_reduce_events"):

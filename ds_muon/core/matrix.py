@@ -198,9 +198,10 @@ class MatrixView:
         ``(o, i, k, 1)`` and a matrix ``(o, i*k)`` share one), so plans batch such parameters."""
         return (self.ns_shape, tuple((g.offset, g.sizes, g.strides) for g in self.groups))
 
-    def cost(self, steps: int, method: str) -> int:
-        """Newton–Schulz matmul FLOPs of all blocks (:func:`ds_muon.core.ns_cost.ns_flops`, summed)."""
-        return sum(ns_flops(g.rows, g.cols, steps, method, batch=g.count) for g in self.groups)
+    def cost(self, steps: int, method: str, form: str = "plain") -> int:
+        """Newton–Schulz matmul FLOPs of all blocks in quintic ``form`` (:func:`ds_muon.core.ns_cost.ns_flops`,
+        summed)."""
+        return sum(ns_flops(g.rows, g.cols, steps, method, batch=g.count, form=form) for g in self.groups)
 
     def describe(self) -> str:
         """E.g. ``"16 blocks of 32x64"`` or ``"1 block of 64x64 + 2 blocks of 16x64"``."""

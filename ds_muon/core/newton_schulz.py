@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from .ns_cost import (NS_METHODS, QUINTIC_FORMS, SYM_BLOCKS, check_method, check_steps, gram_pays,
+from .ns_cost import (NS_METHODS, QUINTIC_FORMS, SYM_BLOCKS, block_row_cuts, check_method, check_steps, gram_pays,
                       gram_restart_points)
 
 __all__ = [
@@ -138,23 +138,15 @@ def _quintic_iterations(x: torch.Tensor, coeffs: list[tuple[float, float, float]
     form = check_form(form)
     X = _as_batch(x)
     eye = torch.eye(X.shape[-2], dtype=X.dtype, device=X.device) if form == "fused" else None
-    blocks = SYM_BLOCKS.get(form)
+    blocks = SYM_BLOCKS.get(form)  # A and P A are symmetric: a sym form takes their upper blocks only
     for a, b, c in coeffs:
-        if blocks is not None:  # A and P A are symmetric: their upper blocks only
-            A = symmetric_product(X, X, blocks)
-            P = A * c
-            P.diagonal(dim1=-2, dim2=-1).add_(b)
-            P = symmetric_product(P, A, blocks)
-            P.diagonal(dim1=-2, dim2=-1).add_(a)
-            X = torch.bmm(P, X)
-            continue
-        A = torch.bmm(X, X.mT)
+        A = torch.bmm(X, X.mT) if blocks is None else symmetric_product(X, X, blocks)
         if form == "fused":
             P = torch.bmm(A, A) * c + A * b + eye * a
         else:
             P = A * c
             P.diagonal(dim1=-2, dim2=-1).add_(b)
-            P = torch.bmm(P, A)
+            P = torch.bmm(P, A) if blocks is None else symmetric_product(P, A, blocks)
             P.diagonal(dim1=-2, dim2=-1).add_(a)
         X = torch.bmm(P, X)
     return X.reshape(x.shape)
@@ -188,10 +180,9 @@ def symmetric_product(L: torch.Tensor, R: torch.Tensor, blocks: int) -> torch.Te
     if blocks < 1:
         raise ValueError(f"symmetric_product: blocks must be >= 1, got {blocks}")
     s = L.shape[1]
-    k = min(blocks, s)
-    if k == 1:
+    cuts = block_row_cuts(s, blocks)
+    if len(cuts) == 2:  # one block row
         return torch.bmm(L, R.mT)
-    cuts = [s * i // k for i in range(k + 1)]
     out = L.new_empty(L.shape[0], s, s)
     for lo, hi in zip(cuts[:-1], cuts[1:]):
         out[:, lo:hi, lo:] = torch.bmm(L[:, lo:hi], R[:, lo:].mT)

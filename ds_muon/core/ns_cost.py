@@ -14,7 +14,8 @@ from __future__ import annotations
 from fractions import Fraction
 
 __all__ = ["NS_METHODS", "NS_EFFICIENCY", "QUINTIC_FORMS", "SYM_BLOCKS", "check_method", "check_steps", "check_dims",
-           "gram_pays", "gram_restart_points", "ns_flops", "ns_kernel", "ns_seconds", "symmetric_product_flops"]
+           "gram_pays", "gram_restart_points", "ns_flops", "ns_kernel", "ns_seconds", "block_row_cuts",
+           "symmetric_product_flops"]
 
 NS_METHODS: tuple[str, ...] = ("standard", "gram", "polar_express")
 #: How the standard and Polar Express quintics can be written (:data:`ds_muon.core.newton_schulz.QUINTIC_FORMS`
@@ -53,12 +54,19 @@ def gram_restart_points(steps: int) -> tuple[int, ...]:
     return tuple(range(_GRAM_FIRST_RESTART, steps, _GRAM_RESTART_PERIOD))
 
 
-def symmetric_product_flops(s: int, inner: int, blocks: int) -> int:
-    """Matmul FLOPs of ``symmetric_product`` of two ``(s, inner)`` matrices cut into ``blocks`` block rows (the
-    same cuts, ``s * i // k`` for ``k = min(blocks, s)``): block row ``[lo, hi)`` multiplies against rows
-    ``lo:``, ``2 (hi - lo) (s - lo) inner``; about ``(k + 1) / (2 k)`` of the full product's ``2 s^2 inner``."""
+def block_row_cuts(s: int, blocks: int) -> list[int]:
+    """Where ``symmetric_product`` cuts ``s`` rows into ``k = min(blocks, s)`` block rows: ``[s * i // k for i in
+    0..k]`` (sizes differ by at most one row). Shared with :func:`symmetric_product_flops`, so the count is of the
+    same blocks; plain integer arithmetic, also on ``torch.compile``'s symbolic sizes."""
     k = min(blocks, s)
-    cuts = [s * i // k for i in range(k + 1)]
+    return [s * i // k for i in range(k + 1)]
+
+
+def symmetric_product_flops(s: int, inner: int, blocks: int) -> int:
+    """Matmul FLOPs of ``symmetric_product`` of two ``(s, inner)`` matrices cut into ``blocks`` block rows
+    (:func:`block_row_cuts`): block row ``[lo, hi)`` multiplies against rows ``lo:``, ``2 (hi - lo) (s - lo) inner``;
+    about ``(k + 1) / (2 k)`` of the full product's ``2 s^2 inner``."""
+    cuts = block_row_cuts(s, blocks)
     return sum(2 * (hi - lo) * (s - lo) * inner for lo, hi in zip(cuts[:-1], cuts[1:]))
 
 

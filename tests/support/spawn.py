@@ -37,10 +37,11 @@ def free_port() -> int:
 
 
 def _remove_shm_segments(port: int) -> None:
-    """Delete the group's DeepSpeed shared-memory segments (DeepSpeed 0.19.8 never unlinks them)."""
-    for path in glob.glob(SHM_SEGMENTS.format(port=port)):
-        with contextlib.suppress(OSError):
-            os.remove(path)
+    """Delete the group's DeepSpeed shared-memory segments (DeepSpeed 0.19.8 never unlinks them) once its ranks are
+    gone: :func:`ds_muon.integration.shm_segments.remove_leaked_segments` for the group's port, with no age
+    margin (a free port: no other group reuses its names)."""
+    from ds_muon.integration.shm_segments import remove_leaked_segments
+    remove_leaked_segments(port, min_age_s=0)
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple, env: dict) -> None:
@@ -168,6 +169,8 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
+            for p in ctx.processes:  # gone, so that their shared-memory segments are unused when cleaned up
+                p.join(10)
             reports = []
             for r in range(world_size):
                 path = os.path.join(out_dir, f"rank{r}.pkl")
