@@ -304,7 +304,8 @@ def _quintic_form(form: str):
     return run
 
 
-_OPTS = ("eager", "static", "dynamic", "autotune", "fused", "plain", "baddbmm", "hybrid", "sym2", "sym4", "cublaslt")
+_OPTS = ("eager", "static", "dynamic", "autotune", "auto", "fused", "plain", "baddbmm", "hybrid", "sym2", "sym4",
+         "cublaslt")
 
 
 def _with_cublaslt(fn):
@@ -365,7 +366,7 @@ def _ns_variant(name: str, steps: int, device, backend: str = "inductor"):
         raise ValueError(f"bad Newton-Schulz variant {name!r}: a peer {PEERS} or method[opt,...] with method in "
                          f"{NS_METHODS} and opts in {_OPTS}")
     dtype = resolve_ns_dtype("auto", method, "cuda") if torch.device(device).type != "cpu" else torch.float32
-    forms = [o for o in opts if o in ("fused", "plain", "baddbmm", "hybrid", "sym2", "sym4")]
+    forms = [o for o in opts if o in ("auto", "fused", "plain", "baddbmm", "hybrid", "sym2", "sym4")]
     form = forms[0] if forms else None
     if form in ("baddbmm", "hybrid") and method != "standard":
         raise ValueError(f"bad Newton-Schulz variant {name!r}: {form} is a form of the standard quintic")

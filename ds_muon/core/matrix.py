@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 if TYPE_CHECKING:
     import torch
 
-from .ns_cost import ns_flops
+from .ns_cost import DEFAULT_QUINTIC_FORM, ns_flops
 
 UPDATE_SCALES = ("shape", "rms_match")
 
@@ -198,9 +198,9 @@ class MatrixView:
         ``(o, i, k, 1)`` and a matrix ``(o, i*k)`` share one), so plans batch such parameters."""
         return (self.ns_shape, tuple((g.offset, g.sizes, g.strides) for g in self.groups))
 
-    def cost(self, steps: int, method: str, form: str = "plain") -> int:
+    def cost(self, steps: int, method: str, form: str = DEFAULT_QUINTIC_FORM) -> int:
         """Newton–Schulz matmul FLOPs of all blocks in quintic ``form`` (:func:`ds_muon.core.ns_cost.ns_flops`,
-        summed)."""
+        summed; ``"auto"`` resolved per block shape)."""
         return sum(ns_flops(g.rows, g.cols, steps, method, batch=g.count, form=form) for g in self.groups)
 
     def describe(self) -> str:

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from .ns_cost import (NS_METHODS, QUINTIC_FORMS, SYM_BLOCKS, block_row_cuts, check_method, check_steps, gram_pays,
-                      gram_restart_points)
+from .ns_cost import (DEFAULT_QUINTIC_FORM, NS_METHODS, QUINTIC_FORMS, SYM_BLOCKS, block_row_cuts, check_method,
+                      check_steps, gram_pays, gram_restart_points, resolve_form)
 
 __all__ = [
     "NS_METHODS",
@@ -65,14 +65,16 @@ __all__ = [
 #   FLOPs are saved at 2.9B's shapes (``(96, 3072, 3072)``, ``(48, 8192, 3072)``), for ``k`` smaller
 #   matmuls per product and a copy of each block row into the ``(m, m)`` result plus the mirror.
 #   Equal to ``"plain"`` in exact arithmetic (tests/unit/test_newton_schulz.py checks fp64, and half
-#   precision against the plain form's tolerances). Not yet measured on a GPU
-#   (docs/benchmarks.md, "What the next GPU session runs").
+#   precision against the plain form's tolerances). On one H100 at ``s = 3072`` ``sym2`` is 9-11%
+#   faster than ``"plain"`` and ``sym4`` no faster (docs/benchmarks.md, "Session 7").
 #   ``ns_flops(..., form=...)`` counts each form's FLOPs.
+# * ``"auto"`` (the default): ``sym2`` where the matrix's short side is at least ``SYM2_MIN_ROWS``
+#   (3072, the size measured), ``"plain"`` below (``ns_cost.resolve_form``, a static-shape choice).
 # QUINTIC_FORMS and the sym forms' block rows (SYM_BLOCKS) live in ns_cost, which counts FLOPs by form.
 
-#: The form ``orthogonalize`` uses when none is given. To be chosen by the GPU microbenchmark
-#: (``python benchmarks/step_time.py --optimizers '' --ns-micro``, docs/benchmarks.md).
-QUINTIC_FORM: str = "plain"
+#: The form ``orthogonalize`` uses when none is given (``ns_cost.DEFAULT_QUINTIC_FORM``, ``"auto"``), chosen by the
+#: GPU microbenchmark (``python benchmarks/step_time.py --optimizers '' --ns-micro``, docs/benchmarks.md).
+QUINTIC_FORM: str = DEFAULT_QUINTIC_FORM
 #: Keller Jordan's quintic, https://kellerjordan.github.io/posts/muon/
 QUINTIC_COEFFS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
 
@@ -135,8 +137,8 @@ def _quintic_iterations(x: torch.Tensor, coeffs: list[tuple[float, float, float]
     # orthogonality error. In half precision "plain" rounds the (m, m) polynomial matrix before it
     # multiplies X (tests/unit/test_newton_schulz.py, "half precision"); in fp32 every form is as exact
     # as the baddbmm form.
-    form = check_form(form)
     X = _as_batch(x)
+    form = resolve_form(check_form(form), X.shape[-2], X.shape[-1])
     eye = torch.eye(X.shape[-2], dtype=X.dtype, device=X.device) if form == "fused" else None
     blocks = SYM_BLOCKS.get(form)  # A and P A are symmetric: a sym form takes their upper blocks only
     for a, b, c in coeffs:

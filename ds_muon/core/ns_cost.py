@@ -13,16 +13,27 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-__all__ = ["NS_METHODS", "NS_EFFICIENCY", "QUINTIC_FORMS", "SYM_BLOCKS", "check_method", "check_steps", "check_dims",
-           "gram_pays", "gram_restart_points", "ns_flops", "ns_kernel", "ns_seconds", "block_row_cuts",
+__all__ = ["NS_METHODS", "NS_EFFICIENCY", "QUINTIC_FORMS", "DEFAULT_QUINTIC_FORM", "SYM_BLOCKS", "SYM2_MIN_ROWS",
+           "check_method", "check_steps", "check_dims", "resolve_form", "gram_pays", "gram_restart_points", "ns_flops", "ns_kernel", "ns_seconds", "block_row_cuts",
            "symmetric_product_flops"]
 
 NS_METHODS: tuple[str, ...] = ("standard", "gram", "polar_express")
 #: How the standard and Polar Express quintics can be written (:data:`ds_muon.core.newton_schulz.QUINTIC_FORMS`
-#: says how each one computes); here for the FLOP count, which the ``sym`` forms change.
-QUINTIC_FORMS: tuple[str, ...] = ("plain", "fused", "sym2", "sym4")
+#: says how each one computes); here for the FLOP count, which the ``sym`` forms change. ``"auto"`` picks one of the
+#: others per matrix shape (:func:`resolve_form`).
+QUINTIC_FORMS: tuple[str, ...] = ("auto", "plain", "fused", "sym2", "sym4")
+#: The form ``orthogonalize`` uses when none is given (``ds_muon.core.newton_schulz.QUINTIC_FORM`` starts as this)
+#: and the one the owner plan's cost counts (:meth:`ds_muon.core.matrix.MatrixView.cost`).
+DEFAULT_QUINTIC_FORM: str = "auto"
 #: Block rows of each of a ``sym`` form's two symmetric products (:func:`ds_muon.core.newton_schulz.symmetric_product`).
 SYM_BLOCKS: dict[str, int] = {"sym2": 2, "sym4": 4}
+#: ``"auto"`` runs ``sym2`` where the matrix's short side (the ``(s, s)`` products' size) is at least this, ``plain``
+#: below. Measured on one H100 (torch 2.11, bf16, 5 steps, static shapes; docs/benchmarks.md, "Session 7"): at
+#: ``s = 3072`` ``sym2`` took 114.98 / 117.28 / 57.64 ms against ``plain``'s 126.59 / 130.61 / 64.88 ms on 2.9B's
+#: ``96x3072x3072`` / ``48x8192x3072`` / ``24x3072x8192`` (9-11% less; ``sym4`` 2.5% slower at ``3072x3072``),
+#: and 2.9B's whole step 0.720 against 0.750 s (3 rotated rounds). Smaller ``s`` is not measured, so it keeps
+#: ``plain``.
+SYM2_MIN_ROWS: int = 3072
 
 # Gram NS restarts after iteration 2 (the blog's choice for 5 steps), then every 3 iterations.
 _GRAM_FIRST_RESTART = 2
@@ -52,6 +63,21 @@ def gram_restart_points(steps: int) -> tuple[int, ...]:
     """
     check_steps(steps)
     return tuple(range(_GRAM_FIRST_RESTART, steps, _GRAM_RESTART_PERIOD))
+
+
+def resolve_form(form: str, m: int, n: int) -> str:
+    """The quintic form that ``form`` means for an ``(m, n)`` matrix: ``"auto"`` is ``"sym2"`` where
+    ``min(m, n) >= SYM2_MIN_ROWS`` and ``"plain"`` below; any other form is itself. Plain integers, so also a guard
+    on ``torch.compile``'s symbolic sizes.
+
+    Raises:
+        ValueError: ``form`` not in :data:`QUINTIC_FORMS` (the message names them).
+    """
+    if form not in QUINTIC_FORMS:
+        raise ValueError(f"quintic form must be one of {QUINTIC_FORMS}, got {form!r}")
+    if form != "auto":
+        return form
+    return "sym2" if min(m, n) >= SYM2_MIN_ROWS else "plain"
 
 
 def block_row_cuts(s: int, blocks: int) -> list[int]:
@@ -192,12 +218,12 @@ def ns_flops(m: int, n: int, steps: int, method: str = "standard", batch: int = 
       kernel instead (``l <= 1.5 s`` at 5 steps with the measured efficiencies),
       ``orthogonalize`` runs it and this returns the standard count.
 
-    Used by the owner-balancing plan (with the ``plain`` count: a form scales every matrix's cost about alike)
-    and the benchmarks.
+    Used by the owner-balancing plan (counting :data:`DEFAULT_QUINTIC_FORM`) and the benchmarks.
 
     Args:
         m, n: matrix shape, >= 1. steps: >= 1. method: one of ``NS_METHODS``. batch: >= 0.
-        form: one of :data:`QUINTIC_FORMS` (the Gram kernel has one way only).
+        form: one of :data:`QUINTIC_FORMS` (the Gram kernel has one way only; ``"auto"``: the form
+            :func:`resolve_form` picks for ``(m, n)``).
 
     Returns:
         An ``int``.
@@ -208,8 +234,7 @@ def ns_flops(m: int, n: int, steps: int, method: str = "standard", batch: int = 
     check_method(method)
     check_steps(steps)
     check_dims(m=m, n=n, batch=batch)
-    if form not in QUINTIC_FORMS:
-        raise ValueError(f"quintic form must be one of {QUINTIC_FORMS}, got {form!r}")
+    form = resolve_form(form, m, n)
     s, l = min(m, n), max(m, n)
     if ns_kernel(m, n, steps, method) == "gram":
         return batch * _gram_flops(s, l, steps)

@@ -617,14 +617,45 @@ def test_quintic_forms_are_the_same_polynomial(method):
     # In fp64 both are the polynomial to rounding; each against the exact singular-value map.
     # "sym2"/"sym4" take A and P A from their upper blocks (symmetric_product); 12 rows cut into 2 or 4 block rows.
     x = torch.randn(3, 12, 30, generator=_gen(21), dtype=F64)
-    assert ns.QUINTIC_FORMS == ("plain", "fused", "sym2", "sym4")
-    plain, *others = (orthogonalize(x, method, 5, form=f) for f in ns.QUINTIC_FORMS)
-    for form, other in zip(ns.QUINTIC_FORMS[1:], others):
+    assert ns.QUINTIC_FORMS == ("auto", "plain", "fused", "sym2", "sym4")
+    plain = orthogonalize(x, method, 5, form="plain")
+    for form in ns.QUINTIC_FORMS:
+        other = orthogonalize(x, method, 5, form=form)
         assert rel_err(other, plain) < 1e-12, form
         assert rel_err(orthogonalize(x.mT, method, 5, form=form), plain.mT) < 1e-12, form  # tall input
     assert torch.equal(orthogonalize(x, method, 5), orthogonalize(x, method, 5, form=ns.QUINTIC_FORM))
     with pytest.raises(ValueError, match="quintic form must be one of"):
         orthogonalize(x, method, 5, form="bogus")
+
+
+def test_auto_form_is_sym2_from_the_measured_size_and_plain_below(monkeypatch):
+    """``"auto"`` (the default form) runs ``sym2`` where the short side is >= ``SYM2_MIN_ROWS`` (3072, where it was
+    measured faster) and ``plain`` below, in the eager and the compiled kernel, tall or wide; the FLOP count and the
+    owner plan's cost follow the same choice."""
+    from ds_muon.core.matrix import matrix_view
+    assert ns.QUINTIC_FORM == ns_cost.DEFAULT_QUINTIC_FORM == "auto" and ns_cost.SYM2_MIN_ROWS == 3072
+    assert [ns_cost.resolve_form("auto", *s) for s in ((3072, 8192), (8192, 3072), (3071, 8192), (3072, 3072))] \
+        == ["sym2", "sym2", "plain", "sym2"]
+    assert ns_cost.resolve_form("sym4", 8, 8) == "sym4"
+    with pytest.raises(ValueError, match="quintic form must be one of"):
+        ns_cost.resolve_form("sym3", 8, 8)
+    assert ns_flops(3072, 8192, 5, form="auto") == ns_flops(3072, 8192, 5, form="sym2") < ns_flops(3072, 8192, 5)
+    assert ns_flops(2048, 5440, 5, form="auto") == ns_flops(2048, 5440, 5)
+    assert matrix_view((24, 3072, 8192)).cost(5, "standard") == ns_flops(3072, 8192, 5, batch=24, form="sym2")
+    monkeypatch.setattr(ns_cost, "SYM2_MIN_ROWS", 12)  # small matrices through both branches on the CPU
+    from ds_muon.core.ns_compile import compiled_orthogonalize
+    torch._dynamo.reset()
+    try:
+        fn = compiled_orthogonalize("standard", 5, torch.float32, backend="eager", dynamic=False, form="auto")
+        for shape, picked in (((2, 12, 30), "sym2"), ((2, 30, 12), "sym2"), ((2, 11, 30), "plain")):
+            x = torch.randn(*shape, generator=_gen(31))
+            want = orthogonalize(x, "standard", 5, torch.float32, form=picked)
+            assert torch.equal(orthogonalize(x, "standard", 5, torch.float32), want), shape
+            assert torch.equal(fn(x), want), shape
+            other = "plain" if picked == "sym2" else "sym2"
+            assert not torch.equal(want, orthogonalize(x, "standard", 5, torch.float32, form=other)), shape
+    finally:
+        torch._dynamo.reset()
 
 
 def test_symmetric_product_is_the_full_product_from_its_upper_blocks(monkeypatch):

@@ -533,7 +533,7 @@ def test_quintic_form_is_checked_and_set_before_the_engine(monkeypatch) -> None:
     from ds_muon.core import newton_schulz
     from ds_muon.core.muon_update import scaled_orthogonalizer
     assert step_time.bench_options("ds_muon:bench.quintic_form=sym4") == {"quintic_form": "sym4"}
-    with pytest.raises(ValueError, match=r"bench.quintic_form='sym3' is not one of \('plain', 'fused', 'sym2'"):
+    with pytest.raises(ValueError, match=r"bench.quintic_form='sym3' is not one of \('auto', 'plain', 'fused', 'sym2'"):
         step_time.bench_options("ds_muon:bench.quintic_form=sym3")
     with pytest.raises(ValueError, match="use it on a ds_muon arm"):
         step_time.bench_options("adamw:bench.quintic_form=sym4")
@@ -566,16 +566,18 @@ def test_quintic_form_is_checked_and_set_before_the_engine(monkeypatch) -> None:
 
 
 def test_ns_loads_count_the_arms_form() -> None:
-    """``ns_loads`` (the worker's Newton-Schulz floor) equals the owner plans' own ``load()`` in the plain form, at
-    W=1 and W=3, and counts the sym forms' fewer FLOPs: 2.9B's Muon matrices lose 15.3% (``sym2``) and 23.0%
-    (``sym4``)."""
+    """``ns_loads`` (the worker's Newton-Schulz floor) equals the owner plans' own ``load()`` in the default form
+    (``"auto"``: ``sym2`` at 2.9B's shapes), at W=1 and W=3, and counts each form's FLOPs: 2.9B's Muon matrices lose
+    15.3% (``sym2``) and 23.0% (``sym4``) against ``plain``."""
     from ds_muon.sharded.ownership import ParamInfo, build_bucketed_plan
     layer = [(3072, 3072)] * 4 + [(8192, 3072)] * 2 + [(3072, 8192)]
     params = [ParamInfo(f"p{i}", s, s[0] * s[1]) for i, s in enumerate(layer * 2)]
     for world in (1, 3):
         plans = [build_bucketed_plan(params, world, 3072 * 8192 * 2, order="reverse")]
         plain = step_time.ns_loads(plans, world, 5, "standard", "plain")
-        assert plain == plans[0].load()
+        assert step_time.ns_loads(plans, world, 5, "standard", "auto") == plans[0].load()
+        assert step_time.ns_loads(plans, world, 5, "standard", "auto") == step_time.ns_loads(plans, world, 5,
+                                                                                              "standard", "sym2")
         for form, saved in (("sym2", 0.153), ("sym4", 0.230)):
             got = step_time.ns_loads(plans, world, 5, "standard", form)
             assert sum(got) / sum(plain) == pytest.approx(1 - saved, abs=5e-4), form
