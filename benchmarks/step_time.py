@@ -152,8 +152,8 @@ def use_quintic_form(options: dict) -> str:
 
 def ns_loads(plans, world_size: int, steps: int, method: str, form: str) -> list[int]:
     """Newton–Schulz matmul FLOPs per rank per step over the owner plans, counted in quintic ``form``
-    (``MatrixView.cost`` of each owned batch, as the plans' own ``load()`` counts it, in the plain form, which a
-    ``sym`` form cuts by 15-23% at 2.9B's shapes)."""
+    (``MatrixView.cost`` of each owned batch; the plans' own ``load()`` counts the default form, ``auto``, which runs
+    ``sym2`` at 2.9B's shapes: a ``sym`` form cuts ``plain``'s FLOPs there by 15-23%)."""
     from ds_muon.core.matrix import matrix_view
     loads = [0] * world_size
     for plan in plans:
@@ -276,7 +276,7 @@ def _quintic_form(form: str):
     (``X <- baddbmm(X, baddbmm(A, A, A), X)``: the sums in the matmuls' fp32 epilogues), ``hybrid``
     computes ``bA + cA^2`` in one baddbmm on the small side and the long-side product as a plain
     matmul (half the bf16 deviation of the plain form, tests/unit/test_newton_schulz.py). ds_muon's own forms
-    (``QUINTIC_FORMS``: ``plain``, ``fused``, ``sym2``, ``sym4``) run through ``orthogonalize``'s ``form``
+    (``QUINTIC_FORMS``: ``auto``, ``plain``, ``fused``, ``sym2``, ``sym4``) run through ``orthogonalize``'s ``form``
     instead. Returns ``run(x, dtype, steps)``."""
     import torch
     from ds_muon.core.newton_schulz import QUINTIC_COEFFS, frobenius_normalize as _normalize
@@ -347,8 +347,9 @@ def _ns_variant(name: str, steps: int, device, backend: str = "inductor"):
     ``name`` is a peer (``PEERS``) or ``method[opt,...]`` with ``method`` in ds_muon's ``NS_METHODS``
     and options: ``eager`` (not compiled), ``static`` (``dynamic=False``), ``dynamic``
     (``dynamic=True``), ``autotune`` (``mode="max-autotune-no-cudagraphs"``, static unless
-    ``dynamic``), ``fused``/``plain``/``sym2``/``sym4`` (``QUINTIC_FORMS``: ``sym2``/``sym4`` take the quintic's two
-    symmetric products from their upper blocks, ``symmetric_product``), ``baddbmm``/``hybrid`` (other forms of the
+    ``dynamic``), ``auto``/``fused``/``plain``/``sym2``/``sym4`` (``QUINTIC_FORMS``: ``sym2``/``sym4`` take the
+    quintic's two symmetric products from their upper blocks, ``symmetric_product``; ``auto``, the default, picks
+    ``sym2`` or ``plain`` by shape; compare against ``plain`` by naming it), ``baddbmm``/``hybrid`` (other forms of the
     standard quintic, ``_quintic_form``), ``cublaslt`` (cuBLASLt as the preferred BLAS library, CUDA
     only). No options: ``compiled_orthogonalize(method)`` as ds_muon runs it (``COMPILE_MODE``,
     ``COMPILE_DYNAMIC``, ``QUINTIC_FORM``). Compute dtype: bf16 (gram: fp16, as ``resolve_ns_dtype``'s ``auto``);

@@ -66,7 +66,8 @@ __all__ = [
 #   matmuls per product and a copy of each block row into the ``(m, m)`` result plus the mirror.
 #   Equal to ``"plain"`` in exact arithmetic (tests/unit/test_newton_schulz.py checks fp64, and half
 #   precision against the plain form's tolerances). On one H100 at ``s = 3072`` ``sym2`` is 9-11%
-#   faster than ``"plain"`` and ``sym4`` no faster (docs/benchmarks.md, "Session 7").
+#   faster than ``"plain"`` and ``sym4`` no faster (docs/benchmarks.md, "Issue 40: 2.9B's gap split,
+#   MoE-1.5B's host time, the symmetric Newton–Schulz forms").
 #   ``ns_flops(..., form=...)`` counts each form's FLOPs.
 # * ``"auto"`` (the default): ``sym2`` where the matrix's short side is at least ``SYM2_MIN_ROWS``
 #   (3072, the size measured), ``"plain"`` below (``ns_cost.resolve_form``, a static-shape choice).

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-__all__ = ["NS_METHODS", "NS_EFFICIENCY", "QUINTIC_FORMS", "DEFAULT_QUINTIC_FORM", "SYM_BLOCKS", "SYM2_MIN_ROWS",
-           "check_method", "check_steps", "check_dims", "resolve_form", "gram_pays", "gram_restart_points", "ns_flops", "ns_kernel", "ns_seconds", "block_row_cuts",
-           "symmetric_product_flops"]
+__all__ = ["NS_METHODS", "NS_EFFICIENCY", "FORM_RELATIVE_RATE", "QUINTIC_FORMS", "DEFAULT_QUINTIC_FORM", "SYM_BLOCKS",
+           "SYM2_MIN_ROWS", "check_method", "check_steps", "check_dims", "resolve_form", "gram_pays",
+           "gram_restart_points", "ns_flops", "ns_kernel", "ns_seconds", "block_row_cuts", "symmetric_product_flops"]
 
 NS_METHODS: tuple[str, ...] = ("standard", "gram", "polar_express")
 #: How the standard and Polar Express quintics can be written (:data:`ds_muon.core.newton_schulz.QUINTIC_FORMS`
@@ -28,7 +28,8 @@ DEFAULT_QUINTIC_FORM: str = "auto"
 #: Block rows of each of a ``sym`` form's two symmetric products (:func:`ds_muon.core.newton_schulz.symmetric_product`).
 SYM_BLOCKS: dict[str, int] = {"sym2": 2, "sym4": 4}
 #: ``"auto"`` runs ``sym2`` where the matrix's short side (the ``(s, s)`` products' size) is at least this, ``plain``
-#: below. Measured on one H100 (torch 2.11, bf16, 5 steps, static shapes; docs/benchmarks.md, "Session 7"): at
+#: below. Measured on one H100 (torch 2.11, bf16, 5 steps, static shapes; docs/benchmarks.md, "Issue 40: 2.9B's gap
+#: split, MoE-1.5B's host time, the symmetric Newton–Schulz forms"): at
 #: ``s = 3072`` ``sym2`` took 114.98 / 117.28 / 57.64 ms against ``plain``'s 126.59 / 130.61 / 64.88 ms on 2.9B's
 #: ``96x3072x3072`` / ``48x8192x3072`` / ``24x3072x8192`` (9-11% less; ``sym4`` 2.5% slower at ``3072x3072``),
 #: and 2.9B's whole step 0.720 against 0.750 s (3 rotated rounds). Smaller ``s`` is not measured, so it keeps
@@ -128,21 +129,33 @@ def _gram_flops(s: int, l: int, steps: int) -> int:
 #: parameters. From the 1xH200 microbenchmark in docs/benchmarks.md ("Performance II":
 #: torch 2.11, inductor default mode, dynamic shapes; 16x5440x2048 and 16x2048x5440): the standard
 #: quintic (plain form) 75% and 74%, Gram Newton–Schulz (fp16) 75% and 74%. Polar Express runs the
-#: standard kernel. Re-measure with ``python benchmarks/step_time.py --optimizers '' --ns-micro``
-#: when ``COMPILE_MODE``/``QUINTIC_FORM`` change.
+#: standard kernel. The standard value is the ``plain`` form's (the ``auto`` form runs ``plain`` at these shapes); a
+#: ``sym`` form's is it times :data:`FORM_RELATIVE_RATE`. Re-measure with
+#: ``python benchmarks/step_time.py --optimizers '' --ns-micro`` when ``COMPILE_MODE``/``QUINTIC_FORM`` change.
 NS_EFFICIENCY: dict[str, float] = {"standard": 0.745, "gram": 0.745}
+#: A ``sym`` form's FLOP rate as a fraction of the ``plain`` form's on the same shapes (its smaller matmuls run
+#: slower): the FLOPs' ratio over the time's, on one H100 over 2.9B's three shapes at ``s = 3072`` (the microbenchmark
+#: of :data:`SYM2_MIN_ROWS`): ``sym2`` 0.847 / 0.900 (289.9 against 322.1 ms), ``sym4`` 0.770 / 0.964 (310.6 ms).
+FORM_RELATIVE_RATE: dict[str, float] = {"sym2": 0.941, "sym4": 0.799}
+
+
+def _standard_efficiency(s: int, l: int) -> float:
+    """``NS_EFFICIENCY["standard"]`` in the form ``DEFAULT_QUINTIC_FORM`` resolves to for ``(s, l)``."""
+    return NS_EFFICIENCY["standard"] * FORM_RELATIVE_RATE.get(resolve_form(DEFAULT_QUINTIC_FORM, s, l), 1.0)
 
 
 def gram_pays(s: int, l: int, steps: int) -> bool:
     """Whether Gram Newton–Schulz is predicted faster than the standard kernel on ``(s, l)`` (``s <= l``).
 
-    Predicted time = FLOPs / measured efficiency (:data:`NS_EFFICIENCY`).
+    Predicted time = FLOPs / measured efficiency (:data:`NS_EFFICIENCY`); the standard kernel counted in the form
+    it would run (:data:`DEFAULT_QUINTIC_FORM` resolved for ``(s, l)``, with :data:`FORM_RELATIVE_RATE`).
     """
     # gram_time < standard_time with time = FLOPs / (efficiency * rate); integer arithmetic (the
     # efficiencies as a ratio of ints), so under torch.compile's dynamic shapes the choice is an
     # integer guard on the symbolic sizes.
-    ratio = Fraction(NS_EFFICIENCY["standard"] / NS_EFFICIENCY["gram"]).limit_denominator(1000)
-    return _gram_flops(s, l, steps) * ratio.numerator < _standard_flops(s, l, steps) * ratio.denominator
+    form = resolve_form(DEFAULT_QUINTIC_FORM, s, l)
+    ratio = Fraction(_standard_efficiency(s, l) / NS_EFFICIENCY["gram"]).limit_denominator(1000)
+    return _gram_flops(s, l, steps) * ratio.numerator < _standard_flops(s, l, steps, form) * ratio.denominator
 
 
 def ns_kernel(m: int, n: int, steps: int, method: str = "standard") -> str:
@@ -175,7 +188,8 @@ def ns_kernel(m: int, n: int, steps: int, method: str = "standard") -> str:
 def ns_seconds(m: int, n: int, steps: int, method: str = "standard", batch: int = 1,
                matmul_tflops: float = 1.0) -> float:
     """Predicted seconds of one ``orthogonalize(x, method, steps)`` call on a ``(batch, m, n)`` input:
-    ``ns_flops / (NS_EFFICIENCY[ns_kernel(...)] * matmul_tflops * 1e12)``.
+    ``ns_flops / (NS_EFFICIENCY[ns_kernel(...)] * matmul_tflops * 1e12)``, the standard kernel's efficiency in the
+    form it runs (times :data:`FORM_RELATIVE_RATE` for a ``sym`` form).
 
     Args:
         m, n, steps, method, batch: as ``ns_flops``. matmul_tflops: the device's measured dense
@@ -190,8 +204,8 @@ def ns_seconds(m: int, n: int, steps: int, method: str = "standard", batch: int 
     if not matmul_tflops > 0:
         raise ValueError(f"matmul_tflops must be > 0, got {matmul_tflops!r}")
     kernel = ns_kernel(m, n, steps, method)
-    return ns_flops(m, n, steps, method, batch) / (NS_EFFICIENCY["gram" if kernel == "gram" else "standard"]
-                                                    * matmul_tflops * 1e12)
+    efficiency = NS_EFFICIENCY["gram"] if kernel == "gram" else _standard_efficiency(m, n)
+    return ns_flops(m, n, steps, method, batch) / (efficiency * matmul_tflops * 1e12)
 
 
 def check_dims(**dims: int) -> None:
@@ -202,7 +216,8 @@ def check_dims(**dims: int) -> None:
             raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
 
 
-def ns_flops(m: int, n: int, steps: int, method: str = "standard", batch: int = 1, form: str = "plain") -> int:
+def ns_flops(m: int, n: int, steps: int, method: str = "standard", batch: int = 1,
+             form: str = DEFAULT_QUINTIC_FORM) -> int:
     """Matmul FLOPs of one ``orthogonalize(x, method, steps, form=form)`` call on a ``(batch, m, n)`` input.
 
     Each matmul of ``(p, k) @ (k, q)`` counts ``2 p k q``; element-wise work is not counted. With
