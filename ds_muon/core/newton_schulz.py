@@ -329,7 +329,8 @@ def orthogonalize(
     * ``"standard"``: ``newton_schulz_quintic`` (https://kellerjordan.github.io/posts/muon/).
     * ``"gram"``: ``gram_newton_schulz`` (https://tridao.me/blog/2026/gram-newton-schulz/) where the
       cost model predicts it faster than the standard kernel (``ns_kernel``: FLOPs over measured
-      efficiency; ``max(m,n) > 1.5 min(m,n)`` at 5 steps), else the standard kernel: the same
+      efficiency; ``max(m,n) > 1.5 min(m,n)`` at 5 steps against the ``plain`` form, ``> 1.89 min(m,n)``
+      against ``sym2``), else the standard kernel: the same
       polynomial either way. ``ns_flops`` counts the same choice.
     * ``"polar_express"``: ``polar_express`` (arXiv:2505.16932).
 
@@ -369,7 +370,7 @@ def orthogonalize(
     # An enclosing torch.autocast region (an optimizer step called inside the user's autocast) would
     # otherwise run the matmuls in its own dtype, not in ``dtype``.
     with torch.autocast(device_type=x.device.type, enabled=False):
-        if method == "standard" or (method == "gram" and not gram_pays(s, l, steps)):
+        if method == "standard" or (method == "gram" and not gram_pays(s, l, steps, form)):
             out = newton_schulz_quintic(X, steps, form)
         elif method == "gram":
             out = gram_newton_schulz(X, steps)

@@ -32,7 +32,7 @@ SYM_BLOCKS: dict[str, int] = {"sym2": 2, "sym4": 4}
 #: split, MoE-1.5B's host time, the symmetric Newton–Schulz forms"): at
 #: ``s = 3072`` ``sym2`` took 114.98 / 117.28 / 57.64 ms against ``plain``'s 126.59 / 130.61 / 64.88 ms on 2.9B's
 #: ``96x3072x3072`` / ``48x8192x3072`` / ``24x3072x8192`` (9-11% less; ``sym4`` 2.5% slower at ``3072x3072``),
-#: and 2.9B's whole step 0.720 against 0.750 s (3 rotated rounds). Smaller ``s`` is not measured, so it keeps
+#: and 2.9B's whole step 0.720 against 0.749 s (3 rotated rounds). Smaller ``s`` is not measured, so it keeps
 #: ``plain``.
 SYM2_MIN_ROWS: int = 3072
 
@@ -139,26 +139,27 @@ NS_EFFICIENCY: dict[str, float] = {"standard": 0.745, "gram": 0.745}
 FORM_RELATIVE_RATE: dict[str, float] = {"sym2": 0.941, "sym4": 0.799}
 
 
-def _standard_efficiency(s: int, l: int) -> float:
-    """``NS_EFFICIENCY["standard"]`` in the form ``DEFAULT_QUINTIC_FORM`` resolves to for ``(s, l)``."""
-    return NS_EFFICIENCY["standard"] * FORM_RELATIVE_RATE.get(resolve_form(DEFAULT_QUINTIC_FORM, s, l), 1.0)
+def _standard_efficiency(m: int, n: int, form: str = DEFAULT_QUINTIC_FORM) -> float:
+    """``NS_EFFICIENCY["standard"]`` in the form ``form`` resolves to for ``(m, n)``."""
+    return NS_EFFICIENCY["standard"] * FORM_RELATIVE_RATE.get(resolve_form(form, m, n), 1.0)
 
 
-def gram_pays(s: int, l: int, steps: int) -> bool:
+def gram_pays(s: int, l: int, steps: int, form: str = DEFAULT_QUINTIC_FORM) -> bool:
     """Whether Gram Newton–Schulz is predicted faster than the standard kernel on ``(s, l)`` (``s <= l``).
 
     Predicted time = FLOPs / measured efficiency (:data:`NS_EFFICIENCY`); the standard kernel counted in the form
-    it would run (:data:`DEFAULT_QUINTIC_FORM` resolved for ``(s, l)``, with :data:`FORM_RELATIVE_RATE`).
+    it would run (``form`` resolved for ``(s, l)``, with :data:`FORM_RELATIVE_RATE`). At 5 steps that is
+    ``l > 1.5 s`` where the form is ``plain`` and ``l > 1.89 s`` where it is ``sym2``.
     """
     # gram_time < standard_time with time = FLOPs / (efficiency * rate); integer arithmetic (the
     # efficiencies as a ratio of ints), so under torch.compile's dynamic shapes the choice is an
     # integer guard on the symbolic sizes.
-    form = resolve_form(DEFAULT_QUINTIC_FORM, s, l)
-    ratio = Fraction(_standard_efficiency(s, l) / NS_EFFICIENCY["gram"]).limit_denominator(1000)
+    form = resolve_form(form, s, l)
+    ratio = Fraction(_standard_efficiency(s, l, form) / NS_EFFICIENCY["gram"]).limit_denominator(1000)
     return _gram_flops(s, l, steps) * ratio.numerator < _standard_flops(s, l, steps, form) * ratio.denominator
 
 
-def ns_kernel(m: int, n: int, steps: int, method: str = "standard") -> str:
+def ns_kernel(m: int, n: int, steps: int, method: str = "standard", form: str = DEFAULT_QUINTIC_FORM) -> str:
     """The kernel ``orthogonalize(x, method, steps)`` runs on an ``(..., m, n)`` input: the per-shape
     choice of the cost model.
 
@@ -166,10 +167,12 @@ def ns_kernel(m: int, n: int, steps: int, method: str = "standard") -> str:
     where its predicted time is below the standard kernel's, else the standard quintic (the same
     polynomial either way): predicted time = ``ns_flops`` of the kernel / (``NS_EFFICIENCY`` of the
     kernel x matmul rate), the efficiencies measured on one H200. With equal efficiencies that is
-    ``max(m, n) > 1.5 min(m, n)`` at 5 steps (``8 s^2 l + 28 s^3 < 20 s^2 l + 10 s^3``).
+    ``max(m, n) > 1.5 min(m, n)`` at 5 steps (``8 s^2 l + 28 s^3 < 20 s^2 l + 10 s^3``) against the ``plain``
+    form, and ``> 1.89 min(m, n)`` against ``sym2`` (:func:`gram_pays`).
 
     Args:
-        m, n: matrix shape, >= 1. steps: >= 1. method: one of ``NS_METHODS``.
+        m, n: matrix shape, >= 1. steps: >= 1. method: one of ``NS_METHODS``. form: the quintic form the
+            standard kernel would run in (one of :data:`QUINTIC_FORMS`).
 
     Returns:
         ``"standard"``, ``"gram"`` or ``"polar_express"``.
@@ -180,19 +183,19 @@ def ns_kernel(m: int, n: int, steps: int, method: str = "standard") -> str:
     check_method(method)
     check_steps(steps)
     check_dims(m=m, n=n)
-    if method == "gram" and not gram_pays(min(m, n), max(m, n), steps):
+    if method == "gram" and not gram_pays(min(m, n), max(m, n), steps, form):
         return "standard"
     return method
 
 
 def ns_seconds(m: int, n: int, steps: int, method: str = "standard", batch: int = 1,
-               matmul_tflops: float = 1.0) -> float:
+               matmul_tflops: float = 1.0, form: str = DEFAULT_QUINTIC_FORM) -> float:
     """Predicted seconds of one ``orthogonalize(x, method, steps)`` call on a ``(batch, m, n)`` input:
     ``ns_flops / (NS_EFFICIENCY[ns_kernel(...)] * matmul_tflops * 1e12)``, the standard kernel's efficiency in the
     form it runs (times :data:`FORM_RELATIVE_RATE` for a ``sym`` form).
 
     Args:
-        m, n, steps, method, batch: as ``ns_flops``. matmul_tflops: the device's measured dense
+        m, n, steps, method, batch, form: as ``ns_flops``. matmul_tflops: the device's measured dense
             matmul rate in TFLOP/s (> 0; ``benchmarks/step_time.py`` measures it on 8192^3 bf16).
 
     Returns:
@@ -203,9 +206,9 @@ def ns_seconds(m: int, n: int, steps: int, method: str = "standard", batch: int 
     """
     if not matmul_tflops > 0:
         raise ValueError(f"matmul_tflops must be > 0, got {matmul_tflops!r}")
-    kernel = ns_kernel(m, n, steps, method)
-    efficiency = NS_EFFICIENCY["gram"] if kernel == "gram" else _standard_efficiency(m, n)
-    return ns_flops(m, n, steps, method, batch) / (efficiency * matmul_tflops * 1e12)
+    kernel = ns_kernel(m, n, steps, method, form)
+    efficiency = NS_EFFICIENCY["gram"] if kernel == "gram" else _standard_efficiency(m, n, form)
+    return ns_flops(m, n, steps, method, batch, form) / (efficiency * matmul_tflops * 1e12)
 
 
 def check_dims(**dims: int) -> None:
@@ -230,7 +233,7 @@ def ns_flops(m: int, n: int, steps: int, method: str = "standard", batch: int = 
       ``+ 4 s^2 l`` per restart, plus per iteration ``2 s^3`` (``R^2``), ``2 s^3`` (``Q P``, not
       right after a (re)start) and ``4 s^3`` (``P R P``, not before a restart or at the end).
       For 5 steps: ``8 s^2 l + 28 s^3``. Where the cost model (``ns_kernel``) picks the standard
-      kernel instead (``l <= 1.5 s`` at 5 steps with the measured efficiencies),
+      kernel instead (``l <= 1.5 s`` at 5 steps with the measured efficiencies, ``1.89 s`` against ``sym2``),
       ``orthogonalize`` runs it and this returns the standard count.
 
     Used by the owner-balancing plan (counting :data:`DEFAULT_QUINTIC_FORM`) and the benchmarks.
@@ -251,6 +254,6 @@ def ns_flops(m: int, n: int, steps: int, method: str = "standard", batch: int = 
     check_dims(m=m, n=n, batch=batch)
     form = resolve_form(form, m, n)
     s, l = min(m, n), max(m, n)
-    if ns_kernel(m, n, steps, method) == "gram":
+    if ns_kernel(m, n, steps, method, form) == "gram":
         return batch * _gram_flops(s, l, steps)
     return batch * _standard_flops(s, l, steps, form)

@@ -654,6 +654,15 @@ def test_auto_form_is_sym2_from_the_measured_size_and_plain_below(monkeypatch):
         < ns_flops(4096, 7168, 5, form="plain")
     assert not ns_cost.gram_pays(4096, 7168, 5) and ns_cost.ns_kernel(4096, 7168, 5, "gram") == "standard"
     assert ns_flops(4096, 7168, 5, "gram") == ns_flops(4096, 7168, 5, form="sym2")  # what orthogonalize runs
+    # the choice follows the form asked for: against plain, Gram pays there
+    assert ns_cost.gram_pays(4096, 7168, 5, "plain") and ns_cost.ns_kernel(4096, 7168, 5, "gram", "plain") == "gram"
+    assert ns_flops(4096, 7168, 5, "gram", form="plain") == gram
+    calls = []
+    real_pays = ns.gram_pays
+    import ds_muon.core.newton_schulz as ns_module
+    monkeypatch.setattr(ns_module, "gram_pays", lambda *a: calls.append(a) or real_pays(*a))
+    orthogonalize(torch.randn(2, 3, 5, generator=_gen(7)), "gram", 5, torch.float32, form="plain")
+    assert calls == [(3, 5, 5, "plain")]
     monkeypatch.setattr(ns_cost, "SYM2_MIN_ROWS", 12)  # small matrices through both branches on the CPU
     from ds_muon.core.ns_compile import compiled_orthogonalize
     torch._dynamo.reset()
