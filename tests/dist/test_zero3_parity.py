@@ -56,7 +56,42 @@ def _spy_gram_finish(engine) -> dict:
     return {"gram_calls": _GRAM_CALLS[1]}
 
 
+_SYM_CALLS: list = []
+
+
+def _spy_sym_start(engine) -> None:
+    """Record the rows and block rows of every ``symmetric_product`` call (the ``sym2`` form's two products;
+    ``_quintic_iterations`` looks it up in its module at each call)."""
+    import ds_muon.core.newton_schulz as ns
+    real = ns.symmetric_product
+    _SYM_CALLS[:] = [real, set()]
+
+    def recorded(L, R, blocks):
+        _SYM_CALLS[1].add((int(L.shape[-2]), blocks))
+        return real(L, R, blocks)
+
+    ns.symmetric_product = recorded
+
+
+def _spy_sym_finish(engine) -> list:
+    import ds_muon.core.newton_schulz as ns
+    ns.symmetric_product = _SYM_CALLS[0]
+    return sorted(_SYM_CALLS[1])
+
+
 def _run_case(rank: int, world_size: int, case: dict, nvme_dir: str = "") -> dict | None:
+    """One case on this rank; ``sym2_min_rows`` lowers the ``auto`` form's threshold for the whole case (engine and
+    oracle), so that the small model's matrices run both quintic forms."""
+    from ds_muon.core import ns_cost
+    saved = ns_cost.SYM2_MIN_ROWS
+    ns_cost.SYM2_MIN_ROWS = case.get("sym2_min_rows", saved)
+    try:
+        return _run_case_body(rank, world_size, case, nvme_dir)
+    finally:
+        ns_cost.SYM2_MIN_ROWS = saved
+
+
+def _run_case_body(rank: int, world_size: int, case: dict, nvme_dir: str = "") -> dict | None:
     import ds_muon
     from ds_muon.integration.zero3 import MuonZeroOptimizer
 
@@ -269,7 +304,12 @@ CASES = {
         dict(name="w3-gram-rms-match", gas=1, clip=0.5, params=dict(ns_method="gram", update_scale="rms_match"),
              probe=(_spy_gram_start, _spy_gram_finish), expect_gram=True, alt_params=[dict(update_scale="shape")]),
         dict(name="w3-polar-express-3-steps", gas=1, params=dict(ns_method="polar_express", ns_steps=3),
-             alt_params=[dict(ns_steps=5), dict(ns_method="standard")])],
+             alt_params=[dict(ns_steps=5), dict(ns_method="standard")]),
+        # the default quintic form "auto" with its threshold lowered to 20 rows (3072 in the package): the owners run
+        # sym2 on the 24-row matrices and plain on the 12- and 16-row ones, as the oracle does; sym2 equals plain up
+        # to fp32 rounding, so a probe records which matrices ran it (rows, block rows) over all owner ranks
+        dict(name="w3-auto-form-sym2-above-20-rows", gas=2, clip=0.5, sym2_min_rows=20,
+             probe=(_spy_sym_start, _spy_sym_finish), want_probe_union=[(24, 2)])],
     4: [dict(name="w4-clip", gas=1, clip=0.5),
         dict(name="w4-gas4-zeroinit-buckets", gas=4, zero_init=True, params=dict(exchange_bucket_mb=0.004)),
         # pad_b (3 elements) leaves rank 3 only padding: DeepSpeed sets that rank's gradient for it to
@@ -335,6 +375,9 @@ def check_parity(case: dict, per_rank: list[dict]) -> None:
     assert res["steps"] == STEPS, (name, res["steps"])
     if "want_probe" in case:
         assert all(r["probe"] == case["want_probe"] for r in per_rank), (name, [r["probe"] for r in per_rank])
+    if "want_probe_union" in case:  # over the owner ranks: each owns some of the matrices
+        seen = sorted(set().union(*(map(tuple, r["probe"]) for r in per_rank)))
+        assert seen == case["want_probe_union"], (name, [r["probe"] for r in per_rank])
     assert res["n_muon_sub_groups"] >= 1
     if case.get("params", {}).get("exchange_bucket_mb"):
         assert res["n_buckets"] >= res["n_muon_sub_groups"] + 2, f"{name}: expected several buckets"
