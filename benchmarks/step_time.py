@@ -357,7 +357,7 @@ def _ns_variant(name: str, steps: int, device, backend: str = "inductor"):
     import functools
 
     import torch
-    from ds_muon.core.newton_schulz import NS_METHODS, orthogonalize
+    from ds_muon.core.newton_schulz import NS_METHODS, QUINTIC_FORMS, orthogonalize
     from ds_muon.core.ns_compile import compiled_orthogonalize
     from ds_muon.core.dtypes import resolve_ns_dtype
     if name in PEERS:
@@ -367,7 +367,7 @@ def _ns_variant(name: str, steps: int, device, backend: str = "inductor"):
         raise ValueError(f"bad Newton-Schulz variant {name!r}: a peer {PEERS} or method[opt,...] with method in "
                          f"{NS_METHODS} and opts in {_OPTS}")
     dtype = resolve_ns_dtype("auto", method, "cuda") if torch.device(device).type != "cpu" else torch.float32
-    forms = [o for o in opts if o in ("auto", "fused", "plain", "baddbmm", "hybrid", "sym2", "sym4")]
+    forms = [o for o in opts if o in QUINTIC_FORMS or o in ("baddbmm", "hybrid")]
     form = forms[0] if forms else None
     if form in ("baddbmm", "hybrid") and method != "standard":
         raise ValueError(f"bad Newton-Schulz variant {name!r}: {form} is a form of the standard quintic")

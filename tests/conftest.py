@@ -31,7 +31,7 @@ def pytest_sessionstart(session):
     log = reporter.write_line if reporter is not None else print
     try:
         from ds_muon.integration.jit_ops import _build_dir, clear_stale_locks
-        from ds_muon.integration.shm_segments import remove_leaked_segments
+        from ds_muon.integration.shm_segments import describe, remove_leaked_segments
         cache = os.path.dirname(_build_dir("async_io"))
         clear_stale_locks(cache, log)
         removed = remove_leaked_segments(min_age_s=0)
@@ -41,8 +41,7 @@ def pytest_sessionstart(session):
         return
     _OP_CACHE.append(cache)
     if removed:
-        log(f">> removed {len(removed)} DeepSpeed shared-memory segments no process maps or holds open "
-            f"({sum(n for _, n in removed) / 2**30:.2f} GiB of RAM), left by earlier runs")
+        log(f">> removed {describe(removed)}, left by earlier runs")
 
 
 @pytest.fixture(autouse=True)
@@ -58,13 +57,11 @@ def _nothing_left_by_the_test():
     import warnings
 
     from ds_muon.integration.jit_ops import clear_stale_locks
-    from ds_muon.integration.shm_segments import remove_leaked_segments
+    from ds_muon.integration.shm_segments import describe, remove_leaked_segments
     clear_stale_locks(_OP_CACHE[0], lambda line: warnings.warn(line.removeprefix(">> "), stacklevel=1), grace_s=0)
     removed = remove_leaked_segments(min_age_s=0)  # the suite's groups take free ports: no name is reused
     if removed:
-        warnings.warn(f"this test (or another process meanwhile) left {len(removed)} DeepSpeed shared-memory "
-                      f"segments no process maps or holds open "
-                      f"({sum(n for _, n in removed) / 2**20:.0f} MiB), removed: "
+        warnings.warn(f"this test (or another process meanwhile) left {describe(removed)}, removed: "
                       + ", ".join(os.path.basename(p) for p, _ in removed), stacklevel=1)
 
 

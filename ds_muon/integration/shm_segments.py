@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Optional
 
-__all__ = ["SHM_DIR", "PREFIX", "segments_in_use", "remove_leaked_segments", "main"]
+__all__ = ["SHM_DIR", "PREFIX", "segments_in_use", "remove_leaked_segments", "describe", "main"]
 
 #: Where POSIX shared memory lives on Linux (``shm_open``'s names).
 SHM_DIR = "/dev/shm"
@@ -83,6 +83,13 @@ def remove_leaked_segments(port: Optional[int] = None, directory: str = SHM_DIR,
     return removed
 
 
+def describe(removed: list[tuple[str, int]]) -> str:
+    """``remove_leaked_segments``'s result in words: ``"<n> DeepSpeed shared-memory segments no process maps or
+    holds open (<MiB> MiB of RAM)"``, for the lines that report a clean-up."""
+    return (f"{len(removed)} DeepSpeed shared-memory segments no process maps or holds open "
+            f"({sum(n for _, n in removed) / 2**20:.0f} MiB of RAM)")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """``python -m ds_muon.integration.shm_segments [--port P]``: remove leaked segments, one line if any."""
     parser = argparse.ArgumentParser(prog="python -m ds_muon.integration.shm_segments",
@@ -91,8 +98,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     removed = remove_leaked_segments(args.port)
     if removed:
-        print(f">> removed {len(removed)} DeepSpeed shared-memory segments no process uses "
-              f"({sum(n for _, n in removed) / 2**30:.2f} GiB of RAM)", flush=True)
+        print(f">> removed {describe(removed)}", flush=True)
     return 0
 
 

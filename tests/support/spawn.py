@@ -21,17 +21,15 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 
-SHM_SEGMENTS = "/dev/shm/deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"  # DeepSpeed's CPU shm comm, per MASTER_PORT
-
-
 def free_port() -> int:
     """A free TCP port that no DeepSpeed shared-memory segment is named after (one left by an earlier group
-    that was killed would otherwise be shared with this group's all_reduce)."""
+    that was killed would otherwise be shared with this group's all_reduce; any user's, named after the port)."""
+    from ds_muon.integration.shm_segments import PREFIX, SHM_DIR
     for _ in range(64):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if not glob.glob(SHM_SEGMENTS.format(port=port)):
+        if not glob.glob(os.path.join(SHM_DIR, f"{PREFIX}*_127.0.0.1_{port}_*")):
             break
     return port
 
