@@ -362,7 +362,7 @@ class MuonOptimizerParams(BaseModel):
                      "docs/benchmarks.md, 'Issue 40: the overlapped step as CUDA graphs'); off elsewhere (at W >= 2 "
                      "its launches run on backward's host thread, measured slower at W=1 that way; ZeRO-1/2 not yet "
                      "measured on a GPU against the step without overlap; the CPU has no streams). Where it runs and zero_optimization.reduce_bucket_size is not set, "
-                     "ds_muon gives DeepSpeed 5e7 elements instead of its 5e8, so that the first gradient bucket, and "
+                     "ds_muon gives DeepSpeed 1e8 elements instead of its 5e8, so that the first gradient bucket, and "
                      "the speculation with it, starts early in backward (logged once; a set value is kept). true: on where it applies (ZeRO-3, ZeRO-2, ZeRO-1 with overlap_comm; "
                      "no optimizer offload; on CUDA on a side stream, on the CPU inline in backward: exact, not "
                      "faster), refused with optimizer offload, at ZeRO-1 without overlap_comm (DeepSpeed reduces after "

@@ -67,10 +67,11 @@ __all__ = [
 #   Equal to ``"plain"`` in exact arithmetic (tests/unit/test_newton_schulz.py checks fp64, and half
 #   precision against the plain form's tolerances). On one H100 at ``s = 3072`` ``sym2`` is 9-11%
 #   faster than ``"plain"`` and ``sym4`` no faster (docs/benchmarks.md, "Issue 40: 2.9B's gap split,
-#   MoE-1.5B's host time, the symmetric Newton–Schulz forms").
+#   MoE-1.5B's host time, the symmetric Newton–Schulz forms"); at ``s = 2048`` ``sym2`` is 4-12%
+#   faster, at ``s = 1408`` no faster ("Issue 40: the reduce bucket in three rounds").
 #   ``ns_flops(..., form=...)`` counts each form's FLOPs.
 # * ``"auto"`` (the default): ``sym2`` where the matrix's short side is at least ``SYM2_MIN_ROWS``
-#   (3072, the size measured), ``"plain"`` below (``ns_cost.resolve_form``, a static-shape choice).
+#   (2048, the smallest size measured faster), ``"plain"`` below (``ns_cost.resolve_form``, a static-shape choice).
 # QUINTIC_FORMS and the sym forms' block rows (SYM_BLOCKS) live in ns_cost, which counts FLOPs by form.
 
 #: The form ``orthogonalize`` uses when none is given (``ns_cost.DEFAULT_QUINTIC_FORM``, ``"auto"``), chosen by the

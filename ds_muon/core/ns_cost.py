@@ -32,9 +32,12 @@ SYM_BLOCKS: dict[str, int] = {"sym2": 2, "sym4": 4}
 #: split, MoE-1.5B's host time, the symmetric Newton–Schulz forms"): at
 #: ``s = 3072`` ``sym2`` took 114.98 / 117.28 / 57.64 ms against ``plain``'s 126.59 / 130.61 / 64.88 ms on 2.9B's
 #: ``96x3072x3072`` / ``48x8192x3072`` / ``24x3072x8192`` (9-11% less; ``sym4`` 2.5% slower at ``3072x3072``),
-#: and 2.9B's whole step 0.720 against 0.749 s (3 rotated rounds). Smaller ``s`` is not measured, so it keeps
-#: ``plain``.
-SYM2_MIN_ROWS: int = 3072
+#: and 2.9B's whole step 0.720 against 0.749 s (3 rotated rounds). At ``s = 2048`` (934M's and MoE-1.5B's shapes,
+#: section "Issue 40: the reduce bucket in three rounds") ``sym2`` took 24.56 / 23.28 / 11.57 / 58.84 ms against
+#: 25.50 / 26.30 / 12.90 / 62.86 ms on ``64x2048x2048`` / ``32x5440x2048`` / ``16x2048x5440`` / ``128x2816x2048``
+#: (4-12% less), and at ``s = 1408`` (``128x2048x1408``) 23.00 against 22.94 ms (no gain), so ``plain`` stays
+#: below 2048.
+SYM2_MIN_ROWS: int = 2048
 
 # Gram NS restarts after iteration 2 (the blog's choice for 5 steps), then every 3 iterations.
 _GRAM_FIRST_RESTART = 2
@@ -135,7 +138,9 @@ def _gram_flops(s: int, l: int, steps: int) -> int:
 NS_EFFICIENCY: dict[str, float] = {"standard": 0.745, "gram": 0.745}
 #: A ``sym`` form's FLOP rate as a fraction of the ``plain`` form's on the same shapes (its smaller matmuls run
 #: slower): the FLOPs' ratio over the time's, on one H100 over 2.9B's three shapes at ``s = 3072`` (the microbenchmark
-#: of :data:`SYM2_MIN_ROWS`): ``sym2`` 0.847 / 0.900 (289.9 against 322.1 ms), ``sym4`` 0.770 / 0.964 (310.6 ms).
+#: of 2026-12-06's first run): ``sym2`` 0.847 / 0.900 (289.9 against 322.1 ms), ``sym4`` 0.770 / 0.964 (310.6 ms).
+#: At ``s = 2048`` ``sym2``'s rate is lower, 0.87-0.97 of ``plain``'s (its time 0.88-0.96 of ``plain``'s), which
+#: this single value does not follow: it only weighs Gram's choice and the cost model's seconds.
 FORM_RELATIVE_RATE: dict[str, float] = {"sym2": 0.941, "sym4": 0.799}
 
 

@@ -629,25 +629,27 @@ def test_quintic_forms_are_the_same_polynomial(method):
 
 
 def test_auto_form_is_sym2_from_the_measured_size_and_plain_below(monkeypatch):
-    """``"auto"`` (the default form) runs ``sym2`` where the short side is >= ``SYM2_MIN_ROWS`` (3072, where it was
-    measured faster) and ``plain`` below, in the eager and the compiled kernel, tall or wide; the FLOP count and the
+    """``"auto"`` (the default form) runs ``sym2`` where the short side is >= ``SYM2_MIN_ROWS`` (2048, the smallest
+    size where it was measured faster) and ``plain`` below, in the eager and the compiled kernel, tall or wide; the FLOP count and the
     owner plan's cost follow the same choice."""
     from ds_muon.core.matrix import matrix_view
-    assert ns.QUINTIC_FORM == ns_cost.DEFAULT_QUINTIC_FORM == "auto" and ns_cost.SYM2_MIN_ROWS == 3072
-    assert [ns_cost.resolve_form("auto", *s) for s in ((3072, 8192), (8192, 3072), (3071, 8192), (3072, 3072))] \
-        == ["sym2", "sym2", "plain", "sym2"]
+    assert ns.QUINTIC_FORM == ns_cost.DEFAULT_QUINTIC_FORM == "auto" and ns_cost.SYM2_MIN_ROWS == 2048
+    assert [ns_cost.resolve_form("auto", *s) for s in ((2048, 5440), (5440, 2048), (2047, 5440), (2048, 2048),
+                                                       (3072, 8192), (2048, 1408))] \
+        == ["sym2", "sym2", "plain", "sym2", "sym2", "plain"]
     assert ns_cost.resolve_form("sym4", 8, 8) == "sym4"
     with pytest.raises(ValueError, match="quintic form must be one of"):
         ns_cost.resolve_form("sym3", 8, 8)
     assert ns_flops(3072, 8192, 5) == ns_flops(3072, 8192, 5, form="sym2") < ns_flops(3072, 8192, 5, form="plain")
-    assert ns_flops(2048, 5440, 5) == ns_flops(2048, 5440, 5, form="plain")  # the default form counts "auto"
+    assert ns_flops(2048, 5440, 5) == ns_flops(2048, 5440, 5, form="sym2")  # the default form counts "auto"
+    assert ns_flops(1408, 2048, 5) == ns_flops(1408, 2048, 5, form="plain")
     assert matrix_view((24, 3072, 8192)).cost(5, "standard") == ns_flops(3072, 8192, 5, batch=24, form="sym2")
     # the cost model counts the form the standard kernel runs: sym2's FLOPs at its measured relative rate
     rate = ns_cost.NS_EFFICIENCY["standard"] * ns_cost.FORM_RELATIVE_RATE["sym2"]
     assert ns_cost.ns_seconds(3072, 8192, 5, batch=24, matmul_tflops=800) == pytest.approx(
         ns_flops(3072, 8192, 5, batch=24, form="sym2") / (rate * 800e12), rel=1e-12)
-    assert ns_cost.ns_seconds(2048, 5440, 5, matmul_tflops=800) == pytest.approx(
-        ns_flops(2048, 5440, 5, form="plain") / (ns_cost.NS_EFFICIENCY["standard"] * 800e12), rel=1e-12)
+    assert ns_cost.ns_seconds(1408, 2048, 5, matmul_tflops=800) == pytest.approx(
+        ns_flops(1408, 2048, 5, form="plain") / (ns_cost.NS_EFFICIENCY["standard"] * 800e12), rel=1e-12)
     # at (4096, 7168) Gram's 5-step FLOPs beat plain's and lose to sym2's at sym2's measured rate: the standard kernel
     gram = ns_cost._gram_flops(4096, 7168, 5)
     assert ns_flops(4096, 7168, 5, form="sym2") / ns_cost.FORM_RELATIVE_RATE["sym2"] < gram \
