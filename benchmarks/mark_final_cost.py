@@ -13,7 +13,8 @@ cut into sub-groups by DeepSpeed 0.19.8's own ``DeepSpeedZeroOptimizer_Stage3._c
 default ``sub_group_size`` (1e9 elements), each sub-group's owner plan at W=1 in backward order with the default
 256 MiB exchange bucket (bf16, as ``zero_common.py`` sizes it). ``mark_final`` is called once per ZeRO reduce
 bucket, with that bucket's Muon parameters: every trainable parameter in reverse order (backward's, roughly),
-cut into buckets of at most ``--reduce-bucket`` elements (ds_muon's 5e7 under the overlapped step; a larger
+cut into buckets of at most ``--reduce-bucket`` elements (default 5e7, ds_muon's bucket under the overlapped step
+when the measurement below was taken; 1e8 since, which halves the calls; a larger
 parameter is a bucket of its own), ``--steps`` times. Prints a table: Muon parameters, sub-groups, owner-plan
 buckets, calls per step, milliseconds per step.
 

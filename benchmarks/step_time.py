@@ -99,8 +99,8 @@ def bench_options(spec: str) -> dict:
     around it (:func:`paired_overlap`; the arm's columns hold the overlapped steps only);
     ``bench.reduce_events=N`` sets DeepSpeed's ZeRO-3 ``max_param_reduce_events`` (2 in 0.19.8): backward's host
     waits (``Event.synchronize``) for the oldest reduced gradient bucket once more than N are in flight on the
-    reduce stream, a back-pressure that a small ``reduce_bucket_size`` (ds_muon's 5e7 under the overlapped step)
-    meets more often than DeepSpeed's 5e8; ``bench.reduce_stream_priority=P`` (a negative integer, CUDA's higher
+    reduce stream, a back-pressure that a small ``reduce_bucket_size`` (ds_muon's 1e8 under the overlapped step, 5e7
+    before) meets more often than DeepSpeed's 5e8; ``bench.reduce_stream_priority=P`` (a negative integer, CUDA's higher
     priorities; ZeRO-3 with ``overlap_comm``) replaces DeepSpeed's ZeRO-3 reduce stream, before the first step,
     with a stream of priority P (:func:`reduce_stream_at_priority`): its gradient copies, which the back-pressure
     above makes backward's host wait for, then take the SMs ahead of the speculative Newton–Schulz's pending

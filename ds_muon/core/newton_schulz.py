@@ -67,7 +67,7 @@ __all__ = [
 #   Equal to ``"plain"`` in exact arithmetic (tests/unit/test_newton_schulz.py checks fp64, and half
 #   precision against the plain form's tolerances). On one H100 at ``s = 3072`` ``sym2`` is 9-11%
 #   faster than ``"plain"`` and ``sym4`` no faster (docs/benchmarks.md, "Issue 40: 2.9B's gap split,
-#   MoE-1.5B's host time, the symmetric Newton–Schulz forms"); at ``s = 2048`` ``sym2`` is 4-12%
+#   MoE-1.5B's host time, the symmetric Newton–Schulz forms"); at ``s = 2048`` ``sym2`` is 4-11%
 #   faster, at ``s = 1408`` no faster ("Issue 40: the reduce bucket in three rounds").
 #   ``ns_flops(..., form=...)`` counts each form's FLOPs.
 # * ``"auto"`` (the default): ``sym2`` where the matrix's short side is at least ``SYM2_MIN_ROWS``

@@ -35,7 +35,7 @@ SYM_BLOCKS: dict[str, int] = {"sym2": 2, "sym4": 4}
 #: and 2.9B's whole step 0.720 against 0.749 s (3 rotated rounds). At ``s = 2048`` (934M's and MoE-1.5B's shapes,
 #: section "Issue 40: the reduce bucket in three rounds") ``sym2`` took 24.56 / 23.28 / 11.57 / 58.84 ms against
 #: 25.50 / 26.30 / 12.90 / 62.86 ms on ``64x2048x2048`` / ``32x5440x2048`` / ``16x2048x5440`` / ``128x2816x2048``
-#: (4-12% less), and at ``s = 1408`` (``128x2048x1408``) 23.00 against 22.94 ms (no gain), so ``plain`` stays
+#: (4-11% less), and at ``s = 1408`` (``128x2048x1408``) 23.00 against 22.94 ms (no gain), so ``plain`` stays
 #: below 2048.
 SYM2_MIN_ROWS: int = 2048
 
@@ -132,15 +132,15 @@ def _gram_flops(s: int, l: int, steps: int) -> int:
 #: parameters. From the 1xH200 microbenchmark in docs/benchmarks.md ("Performance II":
 #: torch 2.11, inductor default mode, dynamic shapes; 16x5440x2048 and 16x2048x5440): the standard
 #: quintic (plain form) 75% and 74%, Gram Newton–Schulz (fp16) 75% and 74%. Polar Express runs the
-#: standard kernel. The standard value is the ``plain`` form's (the ``auto`` form runs ``plain`` at these shapes); a
-#: ``sym`` form's is it times :data:`FORM_RELATIVE_RATE`. Re-measure with
-#: ``python benchmarks/step_time.py --optimizers '' --ns-micro`` when ``COMPILE_MODE``/``QUINTIC_FORM`` change.
+#: standard kernel. The standard value is the ``plain`` form's (measured in it; the ``auto`` form runs ``sym2`` at
+#: these shapes since :data:`SYM2_MIN_ROWS` is 2048); a ``sym`` form's is it times :data:`FORM_RELATIVE_RATE`.
+#: Re-measure with ``python benchmarks/step_time.py --optimizers '' --ns-micro`` when ``COMPILE_MODE``/``QUINTIC_FORM`` change.
 NS_EFFICIENCY: dict[str, float] = {"standard": 0.745, "gram": 0.745}
 #: A ``sym`` form's FLOP rate as a fraction of the ``plain`` form's on the same shapes (its smaller matmuls run
 #: slower): the FLOPs' ratio over the time's, on one H100 over 2.9B's three shapes at ``s = 3072`` (the microbenchmark
-#: of 2026-12-06's first run): ``sym2`` 0.847 / 0.900 (289.9 against 322.1 ms), ``sym4`` 0.770 / 0.964 (310.6 ms).
-#: At ``s = 2048`` ``sym2``'s rate is lower, 0.87-0.97 of ``plain``'s (its time 0.88-0.96 of ``plain``'s), which
-#: this single value does not follow: it only weighs Gram's choice and the cost model's seconds.
+#: that set the first :data:`SYM2_MIN_ROWS`): ``sym2`` 0.847 / 0.900 (289.9 against 322.1 ms), ``sym4`` 0.770 / 0.964
+#: (310.6 ms). At ``s = 2048`` ``sym2``'s rate is 0.87-0.97 of ``plain``'s (its time 0.885-0.963 of ``plain``'s),
+#: which this single value does not follow: it only weighs Gram's choice and the cost model's seconds.
 FORM_RELATIVE_RATE: dict[str, float] = {"sym2": 0.941, "sym4": 0.799}
 
 

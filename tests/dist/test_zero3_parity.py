@@ -309,7 +309,7 @@ CASES = {
              probe=(_spy_gram_start, _spy_gram_finish), expect_gram=True, alt_params=[dict(update_scale="shape")]),
         dict(name="w3-polar-express-3-steps", gas=1, params=dict(ns_method="polar_express", ns_steps=3),
              alt_params=[dict(ns_steps=5), dict(ns_method="standard")]),
-        # the default quintic form "auto" with its threshold lowered to 20 rows (3072 in the package): the owners run
+        # the default quintic form "auto" with its threshold lowered to 20 rows (2048 in the package): the owners run
         # sym2 on the matrices with a 24-row short side and plain on the others (12, 16, 5 and 1 rows), as the oracle
         # does; sym2 equals plain up to fp32 rounding, so a probe counts the matrices of each symmetric product over
         # all owner ranks. Per step, 5 iterations of two products on q, o, extra (24x24), conv (24x72), up and down

@@ -630,8 +630,8 @@ def test_quintic_forms_are_the_same_polynomial(method):
 
 def test_auto_form_is_sym2_from_the_measured_size_and_plain_below(monkeypatch):
     """``"auto"`` (the default form) runs ``sym2`` where the short side is >= ``SYM2_MIN_ROWS`` (2048, the smallest
-    size where it was measured faster) and ``plain`` below, in the eager and the compiled kernel, tall or wide; the FLOP count and the
-    owner plan's cost follow the same choice."""
+    size where it was measured faster) and ``plain`` below, in the eager and the compiled kernel, tall or wide; the
+    FLOP count and the owner plan's cost follow the same choice."""
     from ds_muon.core.matrix import matrix_view
     assert ns.QUINTIC_FORM == ns_cost.DEFAULT_QUINTIC_FORM == "auto" and ns_cost.SYM2_MIN_ROWS == 2048
     assert [ns_cost.resolve_form("auto", *s) for s in ((2048, 5440), (5440, 2048), (2047, 5440), (2048, 2048),

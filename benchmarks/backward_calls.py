@@ -1,0 +1,193 @@
+"""Python calls in one backward, by optimizer arm: is the host time ds_muon's backward takes over AdamW's its own
+work (issue 40)? A CPU diagnostic.
+
+    python benchmarks/backward_calls.py [--arms "adamw:bench.clip=0,ds_muon_overlap:bench.clip=0:bench.pause=true"]
+                                        [--layers 16] [--reduce-bucket 100000] [--steps 3] [--out calls.json]
+
+On one H100, MoE-1.5B's backward took 0.038 s more host time in ds_muon's steps with the overlapped Muon step
+paused than in AdamW's (docs/benchmarks.md, "Issue 40: the reduce bucket in three rounds"), a share that the
+reduce bucket and the overlap do not explain. This script counts what runs in Python on backward's host thread,
+which is the same on any accelerator: each arm in a fresh single-rank process (gloo on the CPU, ZeRO-3, fp32, arms
+as ``benchmarks/step_time.py`` builds them, :func:`step_time.ds_config`), the ``moe-1.5b`` preset's structure
+(``--layers`` layers, 8 experts of which 2 per token, grouped-query attention) at d=64 and a 256-token vocab, and
+``zero_optimization.reduce_bucket_size`` set to ``--reduce-bucket`` elements in every arm (1.4e6 parameters in
+about 15 reduce buckets at the defaults, as MoE-1.5B's 1.5e9 with ds_muon's 1e8). After two warm-up steps, ``cProfile``
+records each of ``--steps`` backwards (``engine.backward``): the Python function calls per backward (the same in
+every step: the script checks it) and the backward's seconds on the CPU (median; kernels included, so only a
+rough guide). The extra arm option ``bench.pause=true`` runs every step of a ds_muon arm inside
+``OverlapHooks.overlap_paused`` (as ``bench.alternate_overlap`` pauses every second step on the GPU).
+
+Prints a table (arm, reduce bucket, calls per backward, calls over the first arm, backward seconds) and, for
+every other arm, the functions whose call count differs from the first arm's. Measured on this repository's
+2-core CPU machine: docs/benchmarks.md, "Issue 40: the reduce bucket in three rounds" (the paused ds_muon
+backward makes 1.5% more Python calls than AdamW's: one error-naming wrapper per gradient hook and one
+``partition_grads`` override per reduce bucket). **Target** (for the hypothesis it tests): ds_muon's calls over
+AdamW's at most a few percent with the overlap paused; if so, the GPU's 0.038 s is not ds_muon's Python work.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from step_time import bench_options, ds_config  # noqa: E402
+
+DEFAULT_ARMS = ("adamw:bench.clip=0,ds_muon_nooverlap:bench.clip=0,ds_muon_overlap:bench.clip=0:bench.pause=true,"
+                "ds_muon_overlap:bench.clip=0")
+WARMUP = 2
+VOCAB = 256
+SEQ = 32
+
+
+def _model(layers: int):
+    """The ``moe-1.5b`` preset's structure, small: ``layers`` layers, d=64, 8 experts (top 2) of hidden 48."""
+    sys.path.insert(0, os.path.join(REPO, "examples"))
+    from model import CausalLM, ModelConfig
+    return CausalLM(ModelConfig(vocab_size=VOCAB, d_model=64, n_layers=layers, n_heads=4, n_kv_heads=2,
+                                max_seq_len=SEQ, n_experts=8, top_k=2, expert_hidden=48))
+
+
+def worker(arm: str, layers: int, bucket: int, steps: int, out: str) -> None:
+    """One arm in this process (rank 0 of 1): writes ``{"arm", "reduce_bucket_size", "calls": [per step],
+    "backward_s": [per step], "functions": {"file:line name": calls of the last profiled backward}}`` to ``out``."""
+    import cProfile
+    import pstats
+    import time
+
+    import deepspeed
+    import torch
+    sys.path.insert(0, REPO)
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = _model(layers)
+    cfg = ds_config(arm, 2, 3)
+    cfg["bf16"] = {"enabled": False}
+    cfg["zero_optimization"]["reduce_bucket_size"] = bucket
+    options = bench_options(arm)
+    if arm.startswith("ds_muon"):
+        import ds_muon
+        engine, *_ = ds_muon.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    else:
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    if options.get("pause") and not getattr(engine.optimizer, "overlap_running", False):
+        raise SystemExit(f"{arm}: bench.pause needs the overlapped Muon step running (ds_muon_overlap)")
+    g = torch.Generator().manual_seed(0)
+    calls, seconds, functions = [], [], {}
+    for i in range(WARMUP + steps):
+        x = torch.randint(0, VOCAB, (2, SEQ + 1), generator=g)
+        with engine.optimizer.overlap_paused() if options.get("pause") else contextlib.nullcontext():
+            loss = engine(x[:, :-1], x[:, 1:])
+            prof = cProfile.Profile() if i >= WARMUP else None
+            t0 = time.perf_counter()
+            if prof:
+                prof.enable()
+            engine.backward(loss)
+            if prof:
+                prof.disable()
+            dt = time.perf_counter() - t0
+            engine.step()
+        if prof:
+            stats = pstats.Stats(prof).stats
+            calls.append(sum(v[1] for v in stats.values()))
+            seconds.append(dt)
+            functions = {f"{os.path.basename(f)}:{line} {name}": v[1] for (f, line, name), v in stats.items()}
+    with open(out, "w") as f:
+        json.dump({"arm": arm, "reduce_bucket_size": int(engine.zero_reduce_bucket_size()), "calls": calls,
+                   "backward_s": seconds, "functions": functions}, f)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_arm(arm: str, layers: int, bucket: int, steps: int, timeout: float = 600) -> dict:
+    """:func:`worker` for ``arm`` in a fresh process; its result. Afterwards the DeepSpeed shared-memory segment
+    of the worker's rendezvous port is removed (DeepSpeed 0.19.8's CPU all-reduce never unlinks it: 66 MiB of RAM).
+    Raises RuntimeError (with the worker's output's tail) if it fails."""
+    from ds_muon.integration.shm_segments import remove_leaked_segments
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "arm.json")
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+                   LOCAL_RANK="0", LOCAL_SIZE="1")
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--arm", arm, "--layers", str(layers),
+               "--reduce-bucket", str(bucket), "--steps", str(steps), "--worker-out", out]
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        finally:
+            remove_leaked_segments(port, min_age_s=0)
+        if proc.returncode != 0 or not os.path.exists(out):
+            raise RuntimeError(f"arm {arm!r} failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def call_differences(base: dict, other: dict) -> list[tuple[str, int, int]]:
+    """``[(function, base calls, other calls)]`` where the counts differ, largest difference first (functions
+    keyed by file, line and name; built-ins by name only, as their addresses differ between processes)."""
+    def norm(functions):
+        out: dict = {}
+        for key, n in functions.items():
+            key = key.split(" at 0x")[0]
+            out[key] = out.get(key, 0) + n
+        return out
+    a, b = norm(base["functions"]), norm(other["functions"])
+    rows = [(k, a.get(k, 0), b.get(k, 0)) for k in set(a) | set(b) if a.get(k, 0) != b.get(k, 0)]
+    return sorted(rows, key=lambda r: (-abs(r[2] - r[1]), r[0]))
+
+
+def print_report(results: list[dict], top: int = 15) -> None:
+    """The table and each arm's differing functions against the first arm."""
+    base = results[0]
+    print("| arm | reduce bucket | Python calls per backward | over the first arm | backward s (CPU, median) |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        n = r["calls"][0]
+        print(f"| {r['arm']} | {r['reduce_bucket_size']:.0e} | {n} | {n - base['calls'][0]:+d} "
+              f"({(n / base['calls'][0] - 1) * 100:+.1f}%) | {statistics.median(r['backward_s']):.3f} |")
+    for r in results[1:]:
+        print(f"\n{r['arm']}: functions called a different number of times than in {base['arm']} (per backward)")
+        for name, a, b in call_differences(base, r)[:top]:
+            print(f"  {b - a:+6d}  {name}  ({a} -> {b})")
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arms", default=DEFAULT_ARMS, help="step_time.py arms, comma-separated; the first is the base")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--reduce-bucket", type=int, default=100_000, help="ZeRO reduce bucket, elements, every arm")
+    ap.add_argument("--steps", type=int, default=3, help="profiled backwards per arm (after 2 warm-up steps)")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--arm", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(args.arm, args.layers, args.reduce_bucket, args.steps, args.worker_out)
+        return []
+    results = [run_arm(a.strip(), args.layers, args.reduce_bucket, args.steps) for a in args.arms.split(",")
+               if a.strip()]
+    for r in results:
+        if len(set(r["calls"])) != 1:
+            raise SystemExit(f"{r['arm']}: the calls per backward changed between steps {r['calls']}: raise --steps "
+                             "or the warm-up")
+    print_report(results)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()
