@@ -6,12 +6,15 @@ work (issue 40)? A CPU diagnostic.
 
 On one H100, MoE-1.5B's backward took 0.038 s more host time in ds_muon's steps with the overlapped Muon step
 paused than in AdamW's (docs/benchmarks.md, "Issue 40: the reduce bucket in three rounds"), a share that the
-reduce bucket and the overlap do not explain. This script counts what runs in Python on backward's host thread,
-which is the same on any accelerator: each arm in a fresh single-rank process (gloo on the CPU, ZeRO-3, fp32, arms
-as ``benchmarks/step_time.py`` builds them, :func:`step_time.ds_config`), the ``moe-1.5b`` preset's structure
-(``--layers`` layers, 8 experts of which 2 per token, grouped-query attention) at d=64 and a 256-token vocab, and
-``zero_optimization.reduce_bucket_size`` set to ``--reduce-bucket`` elements in every arm (1.4e6 parameters in
-about 15 reduce buckets at the defaults, as MoE-1.5B's 1.5e9 with ds_muon's 1e8). After two warm-up steps, ``cProfile``
+reduce bucket and the overlap do not explain. This script counts what runs in Python on backward's host thread
+on the CPU; ds_muon's own additions to a paused backward (``integration/overlap.py: partition_grads``,
+``integration/zero3.py``'s hook wrappers) take the same path on any device, DeepSpeed's device-specific paths are
+the same for every arm. Each arm in a fresh single-rank process (gloo on the CPU, ZeRO-3, fp32, arms as
+``benchmarks/step_time.py`` builds them, :func:`step_time.ds_config`), the ``moe-1.5b`` preset's structure
+(``--layers`` layers, 8 experts of which 2 per token; 2 key-value heads where the preset has 16, which changes no
+hook) at d=64 and a 256-token vocab, and ``zero_optimization.reduce_bucket_size`` set to ``--reduce-bucket``
+elements in every arm (1.4e6 parameters in 17 reduce buckets at the defaults, as MoE-1.5B's 1.5e9 make about 15
+with ds_muon's 1e8). After two warm-up steps, ``cProfile``
 records each of ``--steps`` backwards (``engine.backward``): the Python function calls per backward (the same in
 every step: the script checks it) and the backward's seconds on the CPU (median; kernels included, so only a
 rough guide). The extra arm option ``bench.pause=true`` runs every step of a ds_muon arm inside
@@ -22,7 +25,8 @@ every other arm, the functions whose call count differs from the first arm's. Me
 2-core CPU machine: docs/benchmarks.md, "Issue 40: the reduce bucket in three rounds" (the paused ds_muon
 backward makes 1.5% more Python calls than AdamW's: one error-naming wrapper per gradient hook and one
 ``partition_grads`` override per reduce bucket). **Target** (for the hypothesis it tests): ds_muon's calls over
-AdamW's at most a few percent with the overlap paused; if so, the GPU's 0.038 s is not ds_muon's Python work.
+AdamW's under 5% with the overlap paused; if so, the GPU's 0.038 s is not ds_muon's Python work. Counts, not
+times: a call's cost is not measured.
 """
 from __future__ import annotations
 
@@ -99,7 +103,10 @@ def worker(arm: str, layers: int, bucket: int, steps: int, out: str) -> None:
             stats = pstats.Stats(prof).stats
             calls.append(sum(v[1] for v in stats.values()))
             seconds.append(dt)
-            functions = {f"{os.path.basename(f)}:{line} {name}": v[1] for (f, line, name), v in stats.items()}
+            functions = {}
+            for (f, line, name), v in stats.items():  # two files of one basename, line and name add up
+                key = f"{os.path.basename(f)}:{line} {name}"
+                functions[key] = functions.get(key, 0) + v[1]
     with open(out, "w") as f:
         json.dump({"arm": arm, "reduce_bucket_size": int(engine.zero_reduce_bucket_size()), "calls": calls,
                    "backward_s": seconds, "functions": functions}, f)
@@ -114,7 +121,8 @@ def _free_port() -> int:
 def run_arm(arm: str, layers: int, bucket: int, steps: int, timeout: float = 600) -> dict:
     """:func:`worker` for ``arm`` in a fresh process; its result. Afterwards the DeepSpeed shared-memory segment
     of the worker's rendezvous port is removed (DeepSpeed 0.19.8's CPU all-reduce never unlinks it: 66 MiB of RAM).
-    Raises RuntimeError (with the worker's output's tail) if it fails."""
+    Raises RuntimeError (with the worker's output's tail) if it fails, ``subprocess.TimeoutExpired`` after
+    ``timeout`` seconds."""
     from ds_muon.integration.shm_segments import remove_leaked_segments
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:

@@ -43,10 +43,10 @@ __all__ = ["OVERLAP_REDUCE_BUCKET_SIZE", "OverlapHooks", "overlap_auto_applies",
 #: 5e8 of its gradient elements, so the speculation starts late and spills past backward's end (one H200, W=1, 934M,
 #: 3 rounds each: step 1.16x AdamW's with 5e8, 0.99x with 5e7, in two runs; docs/benchmarks.md, "Issue 40: the
 #: per-bucket stash on a GPU"). 1e8 rather than 5e7 since one H100, W=1, 3 rotated rounds beside AdamW, one run
-#: per model (docs/benchmarks.md, "Issue 40: the reduce bucket in three rounds"): at 934M the step is 0.264 against
-#: 0.307 s (every 1e8 round below every 5e7 round; AdamW 0.220); at MoE-1.5B 0.494 against 0.473 s (4% slower,
-#: within the rounds' spread, 0.445-0.577 against 0.461-0.541; slower in 2 of the 3 rounds), so the choice rests
-#: on 934M.
+#: per model (docs/benchmarks.md, "Issue 40: the reduce bucket in three rounds"): backward's host time was lower
+#: with 1e8 (934M 0.125 against 0.134 s, MoE-1.5B 0.227 against 0.243) and backward plus the speculation's spill
+#: past it no higher; the steps' medians (934M 0.264 against 0.307 s, MoE-1.5B 0.494 against 0.473) differ
+#: mostly in forward host time, which the bucket does not touch (the spread between processes).
 OVERLAP_REDUCE_BUCKET_SIZE = 100_000_000
 
 

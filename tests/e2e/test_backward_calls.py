@@ -52,6 +52,9 @@ def test_paused_overlap_adds_only_wrappers_and_running_overlap_marks_buckets(mon
     assert not any("mark_final" in name for name in extra), extra
     assert 0 < paused["calls"][0] - adamw["calls"][0] < 0.05 * adamw["calls"][0]
     assert _named(_diff(paused, running), "overlap.py", "mark_final") > 0  # running: buckets start in backward
+    # the profile holds backward alone: none of the model's forward methods, none of the optimizer step's
+    for r in (adamw, paused, running):
+        assert not [k for k in r["functions"] if k.startswith("model.py:") or k.endswith(" step")], r["arm"]
     out = capsys.readouterr().out
     assert "| adamw:bench.clip=0 | 2e+04 |" in out and "named_collective" in out
 
