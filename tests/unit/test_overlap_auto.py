@@ -77,3 +77,17 @@ def test_the_log_says_whether_the_overlap_runs(monkeypatch, speculative, said):
         hooks.ds_logger.setLevel(level)
     assert len(lines) == 1 and f"{SMALL:.0e} elements instead of DeepSpeed's default 5e+08" in lines[0], lines
     assert said in lines[0], lines
+
+
+def test_the_docs_state_the_bucket_the_code_picks():
+    """The option's description (and so the schemas and docs/configuration.md), README.md and docs/design.md give
+    the reduce bucket :data:`OVERLAP_REDUCE_BUCKET_SIZE` holds, written as they write it (``1e8``)."""
+    from pathlib import Path
+
+    from ds_muon.config.muon import MuonOptimizerParams
+    written = f"{SMALL:.0e}".replace("e+0", "e").replace("e+", "e")  # 100_000_000 -> "1e8"
+    repo = Path(__file__).resolve().parents[2]
+    assert f"gives DeepSpeed {written} elements instead of its 5e8" in \
+        MuonOptimizerParams.model_fields["overlap_backward"].description
+    assert f"a reduce bucket of {written} elements" in (repo / "README.md").read_text()
+    assert f"`OVERLAP_REDUCE_BUCKET_SIZE` = {written} before DeepSpeed builds" in (repo / "docs/design.md").read_text()
