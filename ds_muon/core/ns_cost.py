@@ -134,7 +134,8 @@ def _gram_flops(s: int, l: int, steps: int) -> int:
 #: quintic (plain form) 75% and 74%, Gram Newton–Schulz (fp16) 75% and 74%. Polar Express runs the
 #: standard kernel. The standard value is the ``plain`` form's (measured in it; the ``auto`` form runs ``sym2`` at
 #: these shapes since :data:`SYM2_MIN_ROWS` is 2048); a ``sym`` form's is it times :data:`FORM_RELATIVE_RATE`.
-#: Re-measure with ``python benchmarks/step_time.py --optimizers '' --ns-micro`` when ``COMPILE_MODE``/``QUINTIC_FORM`` change.
+#: Re-measure with ``python benchmarks/step_time.py --optimizers '' --ns-micro`` when ``COMPILE_MODE`` or
+#: ``QUINTIC_FORM`` change.
 NS_EFFICIENCY: dict[str, float] = {"standard": 0.745, "gram": 0.745}
 #: A ``sym`` form's FLOP rate as a fraction of the ``plain`` form's on the same shapes (its smaller matmuls run
 #: slower): the FLOPs' ratio over the time's, on one H100 over 2.9B's three shapes at ``s = 3072`` (the microbenchmark
