@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+sys.path.insert(0, REPO)  # tests.support
 from step_time import bench_options, ds_config  # noqa: E402
 
 DEFAULT_ARMS = ("adamw:bench.clip=0,ds_muon_nooverlap:bench.clip=0,ds_muon_overlap:bench.clip=0:bench.pause=true,"
@@ -112,19 +112,14 @@ def worker(arm: str, layers: int, bucket: int, steps: int, out: str) -> None:
                    "backward_s": seconds, "functions": functions}, f)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_arm(arm: str, layers: int, bucket: int, steps: int, timeout: float = 600) -> dict:
     """:func:`worker` for ``arm`` in a fresh process; its result. Afterwards the DeepSpeed shared-memory segment
     of the worker's rendezvous port is removed (DeepSpeed 0.19.8's CPU all-reduce never unlinks it: 66 MiB of RAM).
     Raises RuntimeError (with the worker's output's tail) if it fails, ``subprocess.TimeoutExpired`` after
     ``timeout`` seconds."""
     from ds_muon.integration.shm_segments import remove_leaked_segments
-    port = _free_port()
+    from tests.support.spawn import free_port  # a port no leftover shared-memory segment is named after
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "arm.json")
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
