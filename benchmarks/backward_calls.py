@@ -69,7 +69,6 @@ def worker(arm: str, layers: int, bucket: int, steps: int, out: str) -> None:
 
     import deepspeed
     import torch
-    sys.path.insert(0, REPO)
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
     model = _model(layers)

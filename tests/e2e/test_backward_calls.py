@@ -7,8 +7,6 @@ are keyed so that a built-in at another address in another process is the same f
 """
 from __future__ import annotations
 
-import sys
-
 import pytest
 
 from tests.support.tools import repo_module
@@ -34,9 +32,8 @@ def test_call_differences_key_built_ins_without_their_address() -> None:
     assert backward_calls.call_differences(base, other) == [("a.py:3 f", 2, 4), ("b.py:9 g", 0, 1)]
 
 
-def test_paused_overlap_adds_only_wrappers_and_running_overlap_marks_buckets(monkeypatch, capsys) -> None:
+def test_paused_overlap_adds_only_wrappers_and_running_overlap_marks_buckets(capsys) -> None:
     arms = "adamw:bench.clip=0,ds_muon_overlap:bench.clip=0:bench.pause=true,ds_muon_overlap:bench.clip=0"
-    monkeypatch.setattr(sys, "argv", ["backward_calls.py"])
     adamw, paused, running = backward_calls.main(["--arms", arms, "--layers", "2", "--reduce-bucket", "20000",
                                                   "--steps", "2"])
     for r in (adamw, paused, running):
