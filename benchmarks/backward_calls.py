@@ -43,7 +43,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, REPO)  # tests.support
-from step_time import bench_options, ds_config  # noqa: E402
+from step_time import (bench_options, check_engine_optimizer, ds_config, model_parameters, parse_arm,  # noqa: E402
+                       worker_env)
 
 DEFAULT_ARMS = ("adamw:bench.clip=0,ds_muon_nooverlap:bench.clip=0,ds_muon_overlap:bench.clip=0:bench.pause=true,"
                 "ds_muon_overlap:bench.clip=0")
@@ -60,12 +61,12 @@ def _model(layers: int):
                                 max_seq_len=SEQ, n_experts=8, top_k=2, expert_hidden=48))
 
 
-def worker(arm: str, layers: int, bucket: int, steps: int, out: str) -> None:
-    """One arm in this process (rank 0 of 1): writes ``{"arm", "reduce_bucket_size", "calls": [per step],
-    "backward_s": [per step], "functions": {"file:line name": calls of the last profiled backward}}`` to ``out``."""
+def worker(arm: str, layers: int, bucket: int, steps: int, out: str, phase: str = "backward") -> None:
+    """One arm in this process (rank 0 of 1): writes ``{"arm", "phase", "reduce_bucket_size", "calls": [per step],
+    "seconds": [per step], "functions": {"file:line name": calls of the last profiled phase}}`` to ``out``; the
+    profiled phase is ``phase``, ``"backward"`` (``engine.backward``) or ``"forward"`` (``engine(...)``)."""
     import cProfile
     import pstats
-    import time
 
     import deepspeed
     import torch
@@ -80,7 +81,8 @@ def worker(arm: str, layers: int, bucket: int, steps: int, out: str) -> None:
         import ds_muon
         engine, *_ = ds_muon.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     else:
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model_parameters(model, options), config=cfg)
+    check_engine_optimizer(parse_arm(arm)[0], engine.optimizer)
     if options.get("pause") and not getattr(engine.optimizer, "overlap_running", False):
         raise SystemExit(f"{arm}: bench.pause needs the overlapped Muon step running (ds_muon_overlap)")
     g = torch.Generator().manual_seed(0)
@@ -88,15 +90,12 @@ def worker(arm: str, layers: int, bucket: int, steps: int, out: str) -> None:
     for i in range(WARMUP + steps):
         x = torch.randint(0, VOCAB, (2, SEQ + 1), generator=g)
         with engine.optimizer.overlap_paused() if options.get("pause") else contextlib.nullcontext():
-            loss = engine(x[:, :-1], x[:, 1:])
             prof = cProfile.Profile() if i >= WARMUP else None
-            t0 = time.perf_counter()
-            if prof:
-                prof.enable()
-            engine.backward(loss)
-            if prof:
-                prof.disable()
-            dt = time.perf_counter() - t0
+            with _profiled(prof if phase == "forward" else None) as t_forward:
+                loss = engine(x[:, :-1], x[:, 1:])
+            with _profiled(prof if phase == "backward" else None) as t_backward:
+                engine.backward(loss)
+            dt = (t_forward if phase == "forward" else t_backward)[0]
             engine.step()
         if prof:
             stats = pstats.Stats(prof).stats
@@ -107,11 +106,29 @@ def worker(arm: str, layers: int, bucket: int, steps: int, out: str) -> None:
                 key = f"{os.path.basename(f)}:{line} {name}"
                 functions[key] = functions.get(key, 0) + v[1]
     with open(out, "w") as f:
-        json.dump({"arm": arm, "reduce_bucket_size": int(engine.zero_reduce_bucket_size()), "calls": calls,
-                   "backward_s": seconds, "functions": functions}, f)
+        json.dump({"arm": arm, "phase": phase, "reduce_bucket_size": int(engine.zero_reduce_bucket_size()),
+                   "param_groups": len(engine.optimizer.param_groups),
+                   "calls": calls, "seconds": seconds, "functions": functions}, f)
 
 
-def run_arm(arm: str, layers: int, bucket: int, steps: int, timeout: float = 600) -> dict:
+@contextlib.contextmanager
+def _profiled(prof):
+    """Time the ``with`` body (seconds, into the yielded one-element list on exit) under ``prof`` (a
+    ``cProfile.Profile``) when given; None: time only."""
+    import time
+    took = [0.0]
+    t0 = time.perf_counter()
+    if prof is not None:
+        prof.enable()
+    try:
+        yield took
+    finally:
+        if prof is not None:
+            prof.disable()
+        took[0] = time.perf_counter() - t0
+
+
+def run_arm(arm: str, layers: int, bucket: int, steps: int, timeout: float = 600, phase: str = "backward") -> dict:
     """:func:`worker` for ``arm`` in a fresh process; its result. Afterwards the DeepSpeed shared-memory segment
     of the worker's rendezvous port is removed (DeepSpeed 0.19.8's CPU all-reduce never unlinks it: 66 MiB of RAM).
     Raises RuntimeError (with the worker's output's tail) if it fails, ``subprocess.TimeoutExpired`` after
@@ -121,10 +138,10 @@ def run_arm(arm: str, layers: int, bucket: int, steps: int, timeout: float = 600
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "arm.json")
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
-                   LOCAL_RANK="0", LOCAL_SIZE="1")
+        env = dict(worker_env(parse_arm(arm)[0]), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
+                   WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1")
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--arm", arm, "--layers", str(layers),
-               "--reduce-bucket", str(bucket), "--steps", str(steps), "--worker-out", out]
+               "--reduce-bucket", str(bucket), "--steps", str(steps), "--phase", phase, "--worker-out", out]
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         finally:
@@ -152,14 +169,15 @@ def call_differences(base: dict, other: dict) -> list[tuple[str, int, int]]:
 def print_report(results: list[dict], top: int = 15) -> None:
     """The table and each arm's differing functions against the first arm."""
     base = results[0]
-    print("| arm | reduce bucket | Python calls per backward | over the first arm | backward s (CPU, median) |")
+    phase = base["phase"]
+    print(f"| arm | reduce bucket | Python calls per {phase} | over the first arm | {phase} s (CPU, median) |")
     print("|---|---|---|---|---|")
     for r in results:
         n = r["calls"][0]
         print(f"| {r['arm']} | {r['reduce_bucket_size']:.0e} | {n} | {n - base['calls'][0]:+d} "
-              f"({(n / base['calls'][0] - 1) * 100:+.1f}%) | {statistics.median(r['backward_s']):.3f} |")
+              f"({(n / base['calls'][0] - 1) * 100:+.1f}%) | {statistics.median(r['seconds']):.3f} |")
     for r in results[1:]:
-        print(f"\n{r['arm']}: functions called a different number of times than in {base['arm']} (per backward)")
+        print(f"\n{r['arm']}: functions called a different number of times than in {base['arm']} (per {phase})")
         for name, a, b in call_differences(base, r)[:top]:
             print(f"  {b - a:+6d}  {name}  ({a} -> {b})")
 
@@ -169,20 +187,22 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--arms", default=DEFAULT_ARMS, help="step_time.py arms, comma-separated; the first is the base")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--reduce-bucket", type=int, default=100_000, help="ZeRO reduce bucket, elements, every arm")
-    ap.add_argument("--steps", type=int, default=3, help="profiled backwards per arm (after 2 warm-up steps)")
+    ap.add_argument("--steps", type=int, default=3, help="profiled steps per arm (after 2 warm-up steps)")
+    ap.add_argument("--phase", choices=("backward", "forward"), default="backward",
+                    help="the phase of each step that cProfile records")
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--arm", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        worker(args.arm, args.layers, args.reduce_bucket, args.steps, args.worker_out)
+        worker(args.arm, args.layers, args.reduce_bucket, args.steps, args.worker_out, args.phase)
         return []
-    results = [run_arm(a.strip(), args.layers, args.reduce_bucket, args.steps) for a in args.arms.split(",")
-               if a.strip()]
+    results = [run_arm(a.strip(), args.layers, args.reduce_bucket, args.steps, phase=args.phase)
+               for a in args.arms.split(",") if a.strip()]
     for r in results:
         if len(set(r["calls"])) != 1:
-            raise SystemExit(f"{r['arm']}: the calls per backward changed between steps {r['calls']}: raise --steps "
+            raise SystemExit(f"{r['arm']}: the calls per {args.phase} changed between steps {r['calls']}: raise --steps "
                              "or the warm-up")
     print_report(results)
     if args.out:

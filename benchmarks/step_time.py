@@ -88,6 +88,25 @@ def parse_arm(spec: str) -> tuple[str, dict]:
     return kind, zero
 
 
+def worker_env(kind: str) -> dict:
+    """The environment of an arm's worker: this process's, with ``DS_MUON=0`` for ``builtin_muon``, so that ds_muon's
+    zero-code activation (``ds_muon_autoload.pth``, where ds_muon is pip-installed) leaves DeepSpeed's own ``"Muon"``
+    to it (without this an installed ds_muon would run in the built-in's arm)."""
+    return dict(os.environ, DS_MUON="0") if kind == "builtin_muon" else dict(os.environ)
+
+
+def check_engine_optimizer(kind: str, optimizer) -> None:
+    """Raise SystemExit where an arm's engine does not run the optimizer it is named for: ``builtin_muon`` runs
+    DeepSpeed's (no class of ds_muon's), every ``ds_muon*`` and ``adam_mini`` arm ds_muon's."""
+    ours = type(optimizer).__module__.startswith("ds_muon")
+    if kind == "builtin_muon" and ours:
+        raise SystemExit(f"builtin_muon: the engine runs ds_muon's {type(optimizer).__name__}, not DeepSpeed's "
+                         "built-in Muon (start the worker with DS_MUON=0: worker_env)")
+    if (kind.startswith("ds_muon") or kind == "adam_mini") and not ours:
+        raise SystemExit(f"{kind}: the engine runs {type(optimizer).__module__}.{type(optimizer).__name__}, "
+                         "not ds_muon's optimizer")
+
+
 def bench_options(spec: str) -> dict:
     """The arm's benchmark options (keys ``bench.*`` of its overrides, not ZeRO keys): ``bench.gc_freeze=true``
     runs ``gc.collect(); gc.freeze()`` in the worker after the warm-up steps (a diagnostic: how much of fwd+bwd is
@@ -105,13 +124,16 @@ def bench_options(spec: str) -> dict:
     with a stream of priority P (:func:`reduce_stream_at_priority`): its gradient copies, which the back-pressure
     above makes backward's host wait for, then take the SMs ahead of the speculative Newton–Schulz's pending
     blocks on the side stream (and of backward's own kernels) instead of after them;
+    ``bench.split_groups=true`` (an adamw arm) builds the engine with two parameter groups, the Muon engines'
+    split (:func:`model_parameters`);
     ``bench.quintic_form=F`` (a ds_muon arm; F in ``QUINTIC_FORMS``, e.g. ``sym4``) runs Newton–Schulz in that
     form (``ds_muon.core.newton_schulz.QUINTIC_FORM`` set in the worker before the engine is built), so that a
     form the microbenchmark favours is timed end to end against the default in the same run. Keys ``opt.*`` set
     the optimizer's params (``ds_muon_overlap:opt.overlap_cuda_graphs=false``).
 
     Raises:
-        ValueError: ``bench.alternate_overlap`` or ``bench.quintic_form`` on an arm that is not ds_muon's;
+        ValueError: ``bench.alternate_overlap`` or ``bench.quintic_form`` on an arm that is not ds_muon's,
+            ``bench.split_groups`` on one that is not adamw;
             ``bench.reduce_events`` not an integer >= 1; ``bench.reduce_stream_priority`` not a negative integer;
             ``bench.quintic_form`` not in ``QUINTIC_FORMS``.
     """
@@ -128,6 +150,9 @@ def bench_options(spec: str) -> dict:
     if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int) or priority >= 0):
         raise ValueError(f"arm {spec!r}: bench.reduce_stream_priority={priority!r} is not a negative integer (a "
                          "CUDA stream priority above the default stream's 0)")
+    if options.get("split_groups") and kind != "adamw":
+        raise ValueError(f"arm {spec!r}: bench.split_groups gives AdamW the Muon engines' two parameter groups; use "
+                         "it on an adamw arm")
     form = options.get("quintic_form")
     if form is not None:
         sys.path.insert(0, REPO)  # this checkout's ds_muon, as the worker imports it
@@ -138,6 +163,20 @@ def bench_options(spec: str) -> dict:
         if form not in QUINTIC_FORMS:
             raise ValueError(f"arm {spec!r}: bench.quintic_form={form!r} is not one of {QUINTIC_FORMS}")
     return options
+
+
+def model_parameters(model, options: dict):
+    """What an arm's engine is built with: ``model.parameters()``, or with ``bench.split_groups=true`` (an adamw arm)
+    two parameter groups, the parameters ds_muon trains with Muon (``ds_muon.model.selection.select_muon_params``)
+    and the rest, as DeepSpeed's built-in Muon and ds_muon group them (the same AdamW on each): whether the
+    grouping itself changes ZeRO-3's fwd+bwd (issue 40: at MoE-1.5B both Muon engines' forward and backward took
+    more host time than AdamW's, with the same Python calls)."""
+    if not options.get("split_groups"):
+        return model.parameters()
+    from ds_muon.model.selection import select_muon_params
+    muon = select_muon_params(model).use_muon
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if muon.get(n)]}, {"params": [p for n, p in named if not muon.get(n)]}]
 
 
 def use_quintic_form(options: dict) -> str:
@@ -713,7 +752,9 @@ def worker(args) -> None:
         form = use_quintic_form(options)
         engine, _, _, _ = ds_muon.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     else:
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model_parameters(model, options),
+                                               config=cfg)
+    check_engine_optimizer(kind, engine.optimizer)
     vocab = model.cfg.vocab_size
     reduce_events = options.get("reduce_events")
     if reduce_events is not None:
@@ -980,7 +1021,7 @@ def main() -> None:
                    *(["--trace", args.trace] if args.trace and rnd == 0 else []),
                    "--out", out] + (["--profile"] if args.profile and rnd == 0 else [])
             print(f">> round {rnd + 1}/{args.rounds}:", " ".join(cmd), flush=True)
-            proc = subprocess.run(cmd)
+            proc = subprocess.run(cmd, env=worker_env(parse_arm(arm)[0]))
             if proc.returncode == 0 and os.path.exists(out):
                 with open(out) as f:
                     return json.load(f)

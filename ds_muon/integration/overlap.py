@@ -96,7 +96,7 @@ class OverlapHooks:
         speculative: the :class:`~ds_muon.sharded.overlap.SpeculativeMuon`, or None (overlap off).
         overlap_stats: ``{"commits": n, "commits_idle_blocks": n, "fallback_clip": n, "fallback_overflow": n,
             "fallback_not_ready": n, "fallback_loss_scale": n, "graph_captures": n, "graph_replays": n,
-            "graph_recaptures_<grad|momentum|stash|loss_scale>": n, "graph_pinned_stashes": n}`` since construction
+            "graph_recaptures_<grad|momentum|loss_scale>": n}`` since construction
             (all zero with overlap off; :meth:`~ds_muon.sharded.overlap.SpeculativeMuon.stats`).
     """
 
@@ -187,9 +187,9 @@ class OverlapHooks:
     @contextlib.contextmanager
     def overlap_paused(self):
         """Inside the ``with``, the optimizer steps as with ``overlap_backward`` false: nothing is speculated in
-        backward, and every Muon sub-group takes the ordinary step. The speculative step's CUDA graphs, pinned
-        stashes and counters are kept, and it resumes at the next boundary backward after the ``with``. Each step
-        is exact either way, so alternating paused and overlapped steps trains as overlap on (or off) does: a
+        backward, and every Muon sub-group takes the ordinary step. The speculative step's CUDA graphs, their
+        output buffer and counters are kept, and it resumes at the next boundary backward after the ``with``. Each
+        step is exact either way, so alternating paused and overlapped steps trains as overlap on (or off) does: a
         paired measurement of what the overlap costs backward and saves the step, in one process
         (``benchmarks/step_time.py``, ``bench.alternate_overlap``). A no-op where overlap is off.
 

@@ -25,18 +25,23 @@ speculated, an fp32 scratch of this rank's stretch of the shard that the bucket 
 bucket of consecutive layers is a stretch about its own size) and a momentum copy of at most :data:`RUN_ELEMENTS`
 elements at a time, plus the exchange's buffers for that bucket (a :class:`~ds_muon.sharded.exchange.BufferPool`
 of the bucket's own, freed after it; at W=1 one buffer of the bucket in the exchange dtype and one batch of
-matrices in the compute dtype).
+matrices in the compute dtype). With CUDA graphs, also the graphs' output buffer (below): the largest bucket's
+stretch in the exchange dtype, held for the optimizer's life.
 
 CUDA graphs (``graphs=True``, a side stream, a sub-group whose exchange is one rank): the W=1 backward is
 host-bound, so the speculation's own kernel launches (a few hundred per bucket: the momentum runs, the copies,
 Newton–Schulz's iterations per batch of matrices) would lengthen it (docs/benchmarks.md, "Issue 40: why the
 overlapped step loses"). Each owner-plan bucket's work is therefore run eagerly once (which compiles its kernels),
 captured as one CUDA graph the next time and replayed from then on: one launch per bucket. A graph reads and
-writes fixed addresses, so it is captured again whenever the gradient buffer, the momentum, the stash or the loss
-scale it was captured with changed, and run eagerly once more when the momentum or Newton–Schulz settings
-changed. The stash is allocated before the replay (the caching allocator hands a bucket's freed block back in a
-steady loop, so its address repeats; where it does not, the bucket is captured again, counted in ``stats``, and
-after :data:`PIN_AFTER` such moves that bucket's stash is kept across steps).
+writes fixed addresses, so it is captured again whenever the gradient buffer, the momentum or the loss scale it was
+captured with changed, and run eagerly once more when the momentum or Newton–Schulz settings changed. The stash,
+allocated anew every step, is not one of them: a graph writes ``o`` into the graphs' output buffer, one buffer of
+the largest bucket's stretch in the exchange dtype held for the optimizer's life, and an eager copy after the
+replay (on the side stream, 4 bytes per bf16 element) moves it into the bucket's stash. Before, the stash's own
+address was the graph's; the caching allocator did not hand a bucket the same block back every step (one H100,
+934M and MoE-1.5B: every bucket moved), so each bucket was captured again and, after two moves, kept its stash
+across steps, the forward's peak included (+1.6 GiB at 934M: docs/benchmarks.md, "Issue 40: the defaults
+beside AdamW and the built-in").
 Everything a graph allocates (its scratch, its exchange buffers, Newton–Schulz's temporaries) lives in one memory
 pool shared by all the graphs, which run one at a time on the side stream: about one bucket's worth, held for the
 optimizer's life. Not supported: freeing cuBLAS's workspaces while the graphs live
@@ -56,7 +61,7 @@ from torch.profiler import record_function
 from .muon_step import MuonShardStep
 from .exchange import BufferPool, OwnerExchange
 
-__all__ = ["SpeculativeMuon", "FALLBACK_REASONS", "RUN_ELEMENTS", "PIN_AFTER"]
+__all__ = ["SpeculativeMuon", "FALLBACK_REASONS", "RUN_ELEMENTS"]
 
 #: the longest stretch of the shard one speculative momentum call covers (elements): its momentum copy, a
 #: temporary of ``RUN_ELEMENTS * 4`` bytes at most (64 MiB), lives on the side stream during backward.
@@ -71,13 +76,7 @@ RUN_ELEMENTS = 1 << 24
 FALLBACK_REASONS = ("clip", "overflow", "not_ready", "loss_scale")
 
 #: the parts of a graph's key before its settings, in key order: what a recapture is counted by (``stats``).
-_KEY_PARTS = ("grad", "momentum", "stash", "loss_scale")
-
-#: a bucket whose stash came at a new address this many times (each a capture again) keeps its stash across steps
-#: from then on (the memory of one shard-sized stash per sub-group before, for that bucket only): at most this many
-#: recaptures per bucket for the allocator's sake; the first move is allowed for the allocator settling after the
-#: first steps (the optimizer state and the warm-up's blocks arrive then).
-PIN_AFTER = 2
+_KEY_PARTS = ("grad", "momentum", "loss_scale")
 
 
 class _SubGroupState:
@@ -137,8 +136,7 @@ class SpeculativeMuon:
         self._warm: dict[tuple[int, int], tuple] = {}  # bucket -> the settings it last ran eagerly with
         self._uncovered: dict[int, list[tuple[int, int]]] = {}  # sub-group -> shard runs in no bucket (padding)
         self.recaptures: Counter = Counter({w: 0 for w in _KEY_PARTS})  # a graph captured again: what changed
-        self._stash_moves: Counter = Counter()  # bucket -> times its stash came at another address
-        self._pinned: dict[tuple[int, int], torch.Tensor] = {}  # bucket -> its stash, kept (PIN_AFTER)
+        self._graph_out: dict[torch.dtype, torch.Tensor] = {}  # exchange dtype -> the graphs' output buffer
         self._pool = None
 
     def stats(self) -> dict:
@@ -146,13 +144,11 @@ class SpeculativeMuon:
         "graph_captures": int, "graph_replays": int,
         "graph_recaptures_<what>": int, ...}`` since construction (for the monitor and benchmarks). A recapture is a
         capture of a bucket that had a graph whose key changed, counted under each part of the key that did
-        (``grad``, ``momentum``, ``stash``: an address; ``loss_scale``); ``graph_captures`` counts it once.
-        ``graph_pinned_stashes``: buckets whose stash is kept across steps now (:data:`PIN_AFTER`)."""
+        (``grad``, ``momentum``: an address; ``loss_scale``); ``graph_captures`` counts it once."""
         return {"commits": self.commits, "commits_idle_blocks": self.commits_idle_blocks,
                 **{f"fallback_{r}": n for r, n in self.fallbacks.items()},
                 "graph_captures": self.captures, "graph_replays": self.replays,
-                **{f"graph_recaptures_{w}": n for w, n in self.recaptures.items()},
-                "graph_pinned_stashes": len(self._pinned)}
+                **{f"graph_recaptures_{w}": n for w, n in self.recaptures.items()}}
 
     def active(self) -> bool:
         """Whether some speculation of this step is held (started, not yet committed or discarded)."""
@@ -197,8 +193,8 @@ class SpeculativeMuon:
             return
         writer = wait_for or torch.cuda.current_stream()
         self.stream.wait_stream(writer)
-        # the stashes come from the home stream's blocks (which its queued work may still read) and a pinned stash
-        # was last read there by the previous commit: the side stream starts after both
+        # the stashes come from the home stream's blocks, which its queued work may still read: the side stream
+        # starts after both
         home = torch.cuda.default_stream(self.stream.device)
         if home != writer:
             self.stream.wait_stream(home)
@@ -224,51 +220,56 @@ class SpeculativeMuon:
             return
         exchange = self.exchanges[i]
         graphs = self.graphs and exchange.world_size == 1
-        stash = st.stashes[k] = self._pinned.get((i, k))
-        if stash is None:
-            stash = st.stashes[k] = self._alloc_stash(self._stretch(i, k)[1], exchange.exchange_dtype, grad.device)
+        stash = st.stashes[k] = self._alloc_stash(self._stretch(i, k)[1], exchange.exchange_dtype, grad.device)
         orthogonalize = step._orthogonalizer(group)
 
-        def work() -> None:  # the exchange's buffers are the bucket's own: freed after it (eager), or the graph's.
-            # The stash is looked up now, not bound: a replay writes the captured address, which the key says is
-            # this step's stash (a test's stand-in capture that calls work again then writes the same one).
-            self._bucket_update(i, k, grad, momentum, group, loss_scale, self._state[i].stashes[k], orthogonalize,
-                                BufferPool())
+        def work(out: torch.Tensor) -> None:  # the exchange's buffers: the bucket's own (eager), or the graph's
+            self._bucket_update(i, k, grad, momentum, group, loss_scale, out, orthogonalize, BufferPool())
 
         settings = (group["momentum"], group["nesterov"], group["momentum_dtype"], step._ns_key)
         if not graphs or momentum is None:
-            work()
+            work(stash)
             self._warm[i, k] = settings
             return
-        key = (grad.data_ptr(), momentum.data_ptr(), stash.data_ptr(), loss_scale, settings)
+        key = (grad.data_ptr(), momentum.data_ptr(), loss_scale, settings)
         captured = self._captured.get((i, k))
         if captured is None or captured.key != key:
             if captured is not None and captured.key[-1] == settings:
-                changed = [w for w, a, b in zip(_KEY_PARTS, captured.key, key) if a != b]
-                self.recaptures.update(changed)
-                if "stash" in changed:
-                    self._stash_moves[i, k] += 1
-                    if self._stash_moves[i, k] >= PIN_AFTER:  # the allocator does not settle for this bucket:
-                        self._pinned[i, k] = stash            # its stash is kept across steps from now on
+                self.recaptures.update(w for w, a, b in zip(_KEY_PARTS, captured.key, key) if a != b)
             self._captured.pop((i, k), None)
             if self._warm.get((i, k)) != settings:  # first run with these settings: eagerly (compiles kernels)
-                work()
+                work(stash)
                 self._warm[i, k] = settings
                 return
+            out = self._graph_output(exchange.exchange_dtype, grad.device).narrow(0, 0, stash.numel())
             try:  # every buffer the graph allocates comes from the graphs' pool
-                replay = self._capture(work)
+                replay = self._capture(lambda: work(out))
             except RuntimeError as exc:  # e.g. an op that cannot be captured: eager from now on, this step exact
                 warnings.warn(f"ds_muon: capturing the overlapped Muon step as a CUDA graph failed "
                               f"({type(exc).__name__}: {exc}); it runs eagerly from now on "
                               f"(optimizer.params.overlap_cuda_graphs false avoids trying)")
                 self.graphs, st.stale = False, True  # this sub-group's step falls back to the ordinary path
                 self._captured.clear()
-                self._pinned.clear()
+                self._graph_out.clear()
                 return
             captured = self._captured[i, k] = _Captured(key, replay)
             self.captures += 1
         captured.graph()
         self.replays += 1
+        # the graph wrote o into the output buffer (its fixed address); the bucket's stash, new this step, takes it
+        stash.copy_(self._graph_out[stash.dtype].narrow(0, 0, stash.numel()))
+
+    def _graph_output(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The graphs' output buffer for ``dtype``: ``(n,)`` with ``n`` the largest stretch of any bucket whose work
+        runs as a graph (every sub-group whose exchange is one rank), allocated once, on the current (side)
+        stream, outside any capture, and held for the optimizer's life: a graph writes ``o`` at a fixed address,
+        and the graphs run one at a time, so one buffer serves them all."""
+        out = self._graph_out.get(dtype)
+        if out is None:
+            n = max(self._stretch(i, k)[1] for i, step in self.steps.items() if self.exchanges[i].world_size == 1
+                    for k in range(len(step.plan.buckets)))
+            out = self._graph_out[dtype] = torch.empty(n, dtype=dtype, device=device)
+        return out
 
     def _alloc_stash(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A bucket's stash for this step, ``(numel,)`` uninitialized (the exchange writes every piece of it that the
@@ -285,9 +286,8 @@ class SpeculativeMuon:
 
     @staticmethod
     def _new_stash(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A fresh tensor from the caching allocator, which in a steady training loop (the same requests in the
-        same order every step) hands a bucket the block it freed at the last commit again, so the stash's address,
-        one of the graph's, repeats; where it does not (:data:`PIN_AFTER`), the bucket's stash is pinned."""
+        """A fresh tensor from the caching allocator (its address is none of the graphs': see the module
+        docstring)."""
         return torch.empty(numel, dtype=dtype, device=device)
 
     def _bucket_update(self, i: int, k: int, grad: torch.Tensor, momentum: Optional[torch.Tensor], group: dict,

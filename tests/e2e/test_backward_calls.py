@@ -59,3 +59,20 @@ def test_paused_overlap_adds_only_wrappers_and_running_overlap_marks_buckets(cap
 def test_pause_refused_where_no_overlap_runs() -> None:
     with pytest.raises(RuntimeError, match="bench.pause needs the overlapped Muon step running"):
         backward_calls.run_arm("ds_muon_nooverlap:bench.clip=0:bench.pause=true", 2, 20000, 1)
+
+
+def test_forward_phase_the_builtin_arm_and_split_groups(monkeypatch) -> None:
+    """``--phase forward`` profiles the forward alone; the ``builtin_muon`` arm runs DeepSpeed's own Muon where ds_muon
+    is installed (its worker starts with ``DS_MUON=0`` and checks the engine's optimizer: none of ds_muon's wrappers
+    runs); ``bench.split_groups`` builds AdamW with the Muon engines' two parameter groups and the same forward."""
+    monkeypatch.setenv("DS_MUON", "1")  # as a user's shell: ds_muon's autoload on (this suite's conftest sets 0)
+    arms = "adamw:bench.clip=0,adamw:bench.clip=0:bench.split_groups=true,builtin_muon:reduce_scatter=false:bench.clip=0"
+    adamw, split, builtin = backward_calls.main(["--arms", arms, "--layers", "2", "--reduce-bucket", "20000",
+                                                 "--steps", "2", "--phase", "forward"])
+    assert [r["phase"] for r in (adamw, split, builtin)] == ["forward"] * 3
+    assert (adamw["param_groups"], split["param_groups"], builtin["param_groups"]) == (1, 2, 2)
+    for r in (adamw, split, builtin):
+        assert any(k.startswith("model.py:") for k in r["functions"]), r["arm"]  # the model's forward ran
+        assert not any(k.endswith(" backward") for k in r["functions"]), r["arm"]
+        assert not any(k.startswith(("collectives.py:", "zero3.py:")) for k in r["functions"]), r["arm"]
+    assert split["calls"] == adamw["calls"]

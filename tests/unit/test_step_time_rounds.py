@@ -581,3 +581,38 @@ def test_ns_loads_count_the_arms_form() -> None:
         for form, saved in (("sym2", 0.153), ("sym4", 0.230)):
             got = step_time.ns_loads(plans, world, 5, "standard", form)
             assert sum(got) / sum(plain) == pytest.approx(1 - saved, abs=5e-4), form
+
+
+def test_builtin_arm_runs_deepspeeds_muon_where_ds_muon_is_installed(tmp_path, monkeypatch) -> None:
+    """An installed ds_muon takes DeepSpeed's ``"Muon"`` over in every process (``ds_muon_autoload.pth``): the
+    ``builtin_muon`` arm's worker starts with ``DS_MUON=0`` and every other arm's with this process's environment,
+    and a worker whose engine runs the wrong optimizer stops (``check_engine_optimizer``)."""
+    envs = {}
+
+    class Done:
+        returncode = 0
+
+    def fake_run(cmd, env=None, **kwargs):
+        arm, path = _arm(cmd), cmd[cmd.index("--out") + 1]
+        envs[arm] = env
+        with open(path, "w") as f:
+            json.dump(_result(arm, [0.3], [0.2]), f)
+        return Done()
+
+    monkeypatch.setattr(step_time.subprocess, "run", fake_run)
+    monkeypatch.setenv("DS_MUON", "1")
+    monkeypatch.setattr(sys, "argv", ["step_time.py", "--nproc", "1", "--optimizers", "adamw,builtin_muon,ds_muon",
+                                      "--no-ns-micro", "--out", str(tmp_path / "r.json")])
+    step_time.main()
+    assert envs["builtin_muon"]["DS_MUON"] == "0"
+    assert envs["adamw"]["DS_MUON"] == envs["ds_muon"]["DS_MUON"] == "1"
+
+    ours = type("MuonZeroOptimizer", (), {"__module__": "ds_muon.integration.zero3"})()
+    theirs = type("DeepSpeedZeroOptimizer_Stage3", (), {"__module__": "deepspeed.runtime.zero.stage3"})()
+    with pytest.raises(SystemExit, match="runs ds_muon's MuonZeroOptimizer, not DeepSpeed's built-in"):
+        step_time.check_engine_optimizer("builtin_muon", ours)
+    with pytest.raises(SystemExit, match="not ds_muon's optimizer"):
+        step_time.check_engine_optimizer("ds_muon_nooverlap", theirs)
+    step_time.check_engine_optimizer("builtin_muon", theirs)
+    step_time.check_engine_optimizer("adam_mini", ours)
+    step_time.check_engine_optimizer("adamw", theirs)
