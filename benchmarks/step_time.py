@@ -609,6 +609,43 @@ class GcClock:
             self._start = None
 
 
+class WaitClock:
+    """Seconds and calls of the host's explicit waits on the GPU since construction: every call of
+    ``torch.cuda.Event.synchronize``, ``torch.cuda.Stream.synchronize`` and ``torch.cuda.synchronize`` (DeepSpeed's
+    ZeRO-3 waits for its oldest reduced gradient bucket and parameter fetch with the first two once more than 2 are
+    in flight, and for its reduce stream at backward's end), timed around the call, from any thread. Implicit waits
+    (a copy to the host, ``.item()``) are not counted. ``targets``: ``(owner, attribute name)`` pairs to time (tests
+    give stand-ins); :meth:`close` puts the originals back.
+
+    Issue 40: the overlapped step's backward takes more host time the more Newton–Schulz work the side stream does
+    (docs/benchmarks.md, "The defaults beside AdamW and the built-in"); this measures how much of it is the host
+    waiting on the GPU."""
+
+    def __init__(self, targets=None) -> None:
+        import torch
+        self.seconds, self.calls, self._originals = 0.0, 0, []
+        for owner, name in targets or ((torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "synchronize"),
+                                       (torch.cuda, "synchronize")):
+            original = getattr(owner, name)
+            self._originals.append((owner, name, original))
+            setattr(owner, name, self._timed(original))
+
+    def _timed(self, original):
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t
+                self.calls += 1
+        return timed
+
+    def close(self) -> None:
+        for owner, name, original in self._originals:
+            setattr(owner, name, original)
+        self._originals = []
+
+
 def host_counters(stat: str = "/proc/stat", cpus=None) -> dict:
     """CPU counters of the cores this process may run on (``cpus``, default its ``sched_getaffinity``: with
     ``--taskset`` the pinned ones), for the fwd+bwd diagnostics (a per-step delta of each): ``busy_s``, the
@@ -780,7 +817,7 @@ def worker(args) -> None:
     losses = []
     peak_fwd_bwd = peak_step = peak_reserved = 0
     comm = None
-    gc_clock = GcClock()
+    gc_clock, waits = GcClock(), WaitClock()
     for i in range(args.warmup + args.steps):
         if i == args.warmup and options.get("gc_freeze"):
             gc.collect()
@@ -795,15 +832,16 @@ def worker(args) -> None:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
         allocs0, gc0, cpu0, host0 = _device_allocs(device), gc_clock.seconds, time.process_time(), host_counters()
+        wait0 = waits.seconds
         t0 = time.perf_counter()
         events[0].record()
         counter = counting() if i == args.warmup else None
         records = counter.__enter__() if counter else None
         loss = engine(x[:, :-1], x[:, 1:])
         events[3].record()
-        t_fwd = time.perf_counter()
+        t_fwd, wait_fwd = time.perf_counter(), waits.seconds
         engine.backward(loss)
-        t_bwd = time.perf_counter()
+        t_bwd, wait_bwd = time.perf_counter(), waits.seconds
         events[1].record()
         torch.cuda.synchronize()
         t1 = time.perf_counter()
@@ -813,7 +851,8 @@ def worker(args) -> None:
         # device they are its launch time, else the phase's), the forward's on the main stream (CUDA events)
         diagnostics = {"fwd_bwd_cpu_s": cpu, "fwd_bwd_gc_s": gc_clock.seconds - gc0,
                        "fwd_bwd_device_allocs": _device_allocs(device) - allocs0,
-                       "fwd_host_s": t_fwd - t0, "bwd_host_s": t_bwd - t_fwd}
+                       "fwd_host_s": t_fwd - t0, "bwd_host_s": t_bwd - t_fwd,
+                       "fwd_wait_s": wait_fwd - wait0, "bwd_wait_s": wait_bwd - wait_fwd}
         if trace_complete is not None:
             diagnostics["zero3_trace_complete"] = trace_complete
         if host and host0:  # what else ran on this worker's CPUs meanwhile (its other ranks included): other
@@ -1076,9 +1115,11 @@ TIMINGS = ("step_s", "fwd_bwd_s", "opt_step_s", "step_s_events", "fwd_bwd_s_even
 #: crowded out.
 #: Then the phases apart: the host's seconds in forward (``fwd_host_s``) and in backward (``bwd_host_s``), the
 #: forward's CUDA-event seconds on the main stream (``fwd_s_events``), and whether DeepSpeed's ZeRO-3 module trace
-#: was complete through the step's fwd+bwd (``zero3_trace_complete``, 1 or 0: :func:`zero3_trace_complete`).
+#: was complete through the step's fwd+bwd (``zero3_trace_complete``, 1 or 0: :func:`zero3_trace_complete`), and
+#: of each phase's host seconds those spent waiting on the GPU (``fwd_wait_s``, ``bwd_wait_s``: :class:`WaitClock`).
 DIAGNOSTICS = ("fwd_bwd_cpu_s", "fwd_bwd_gc_s", "fwd_bwd_device_allocs", "fwd_bwd_other_cpu_s", "fwd_bwd_steal_s",
-               "fwd_bwd_nivcsw", "fwd_host_s", "bwd_host_s", "fwd_s_events", "zero3_trace_complete")
+               "fwd_bwd_nivcsw", "fwd_host_s", "bwd_host_s", "fwd_s_events", "zero3_trace_complete", "fwd_wait_s",
+               "bwd_wait_s")
 
 
 def round_order(arms, rnd: int, rotate: bool = False) -> list:
@@ -1153,7 +1194,7 @@ def aggregate_rounds(rounds: list) -> dict:
 
 #: The timings a step with the overlapped Muon step paused is compared by (``bench.alternate_overlap``).
 PAIRED_TIMINGS = ("step_s", "fwd_bwd_s", "opt_step_s", "step_s_events", "fwd_bwd_s_events", "opt_step_s_events",
-                  "fwd_bwd_cpu_s", "fwd_host_s", "bwd_host_s", "fwd_s_events")
+                  "fwd_bwd_cpu_s", "fwd_host_s", "bwd_host_s", "fwd_s_events", "bwd_wait_s")
 
 
 def paired_overlap(rounds: list) -> dict:
@@ -1396,6 +1437,9 @@ def print_table(results: dict) -> None:
                   + (f"; forward: host s {timing_cell(v, 'fwd_host_s')}, CUDA events s "
                      f"{timing_cell(v, 'fwd_s_events')}; backward: host s {timing_cell(v, 'bwd_host_s')}"
                      if "fwd_host_s" in v else "")
+                  + (f"; of the host's seconds waiting on the GPU (Event/Stream/device synchronize): forward "
+                     f"{timing_cell(v, 'fwd_wait_s')}, backward {timing_cell(v, 'bwd_wait_s')}"
+                     if "bwd_wait_s" in v else "")
                   + ("; ZeRO-3 module trace not complete through fwd+bwd (modules fetched without prefetch) in {} of "
                      "{} timed steps".format(*v["zero3_trace_incomplete_steps"])
                      if "zero3_trace_incomplete_steps" in v else "")
@@ -1412,7 +1456,8 @@ def print_table(results: dict) -> None:
                   f"{cells}" + (f", fwd+bwd CPU s {p['fwd_bwd_cpu_s']['diff']:+.3f}" if "fwd_bwd_cpu_s" in p else "")
                   + "".join(f", {name} {p[key]['diff']:+.3f} ({p[key]['on']:.3f} against {p[key]['paused']:.3f})"
                             for key, name in (("fwd_host_s", "forward host s"), ("fwd_s_events", "forward events s"),
-                                              ("bwd_host_s", "backward host s")) if key in p)
+                                              ("bwd_host_s", "backward host s"),
+                                              ("bwd_wait_s", "backward's waits on the GPU s")) if key in p)
                   + " |")
         if "peak_reserved_gib" in v:
             print(f"| {k} | memory: peak reserved by the caching allocator {v['peak_reserved_gib']:.1f} GiB, "

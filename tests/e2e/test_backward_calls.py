@@ -66,7 +66,8 @@ def test_forward_phase_the_builtin_arm_and_split_groups(monkeypatch) -> None:
     is installed (its worker starts with ``DS_MUON=0`` and checks the engine's optimizer: none of ds_muon's wrappers
     runs); ``bench.split_groups`` builds AdamW with the Muon engines' two parameter groups and the same forward."""
     monkeypatch.setenv("DS_MUON", "1")  # as a user's shell: ds_muon's autoload on (this suite's conftest sets 0)
-    arms = "adamw:bench.clip=0,adamw:bench.clip=0:bench.split_groups=true,builtin_muon:reduce_scatter=false:bench.clip=0"
+    arms = ("adamw:bench.clip=0,adamw:bench.clip=0:bench.split_groups=true,"
+            "builtin_muon:reduce_scatter=false:bench.clip=0")
     adamw, split, builtin = backward_calls.main(["--arms", arms, "--layers", "2", "--reduce-bucket", "20000",
                                                  "--steps", "2", "--phase", "forward"])
     assert [r["phase"] for r in (adamw, split, builtin)] == ["forward"] * 3

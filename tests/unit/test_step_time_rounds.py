@@ -616,3 +616,37 @@ def test_builtin_arm_runs_deepspeeds_muon_where_ds_muon_is_installed(tmp_path, m
     step_time.check_engine_optimizer("builtin_muon", theirs)
     step_time.check_engine_optimizer("adam_mini", ours)
     step_time.check_engine_optimizer("adamw", theirs)
+
+
+def test_wait_clock_times_the_hosts_waits_and_the_table_prints_them(capsys) -> None:
+    """``WaitClock`` times every call of the synchronize functions it wraps (a method on a class, as
+    ``torch.cuda.Event.synchronize``; a module function, as ``torch.cuda.synchronize``), and ``close`` puts them back;
+    the diagnostics line prints each phase's waits."""
+    import time as _time
+    import types
+
+    class Event:
+        def synchronize(self):
+            _time.sleep(0.01)
+            return "done"
+
+    module = types.SimpleNamespace(synchronize=lambda: _time.sleep(0.02))
+    original = Event.synchronize
+    clock = step_time.WaitClock(targets=((Event, "synchronize"), (module, "synchronize")))
+    assert Event().synchronize() == "done"
+    module.synchronize()
+    assert clock.calls == 2 and 0.03 <= clock.seconds < 0.5
+    clock.close()
+    assert Event.synchronize is original
+    Event().synchronize()
+    assert clock.calls == 2
+
+    r = _result("ds_muon", [0.3, 0.31, 0.32], [0.2, 0.21, 0.22])
+    for key, values in (("fwd_bwd_cpu_s", [0.2, 0.21, 0.22]), ("fwd_host_s", [0.05, 0.06, 0.07]),
+                        ("bwd_host_s", [0.1, 0.11, 0.12]), ("fwd_wait_s", [0.001, 0.002, 0.003]),
+                        ("bwd_wait_s", [0.02, 0.03, 0.04])):
+        r["samples"][key], r[key] = values, statistics.median(values)
+    step_time.print_table(step_time.aggregate_arms({"ds_muon": [r]}, 4, 3))
+    line = next(x for x in capsys.readouterr().out.splitlines() if "fwd+bwd diagnostics" in x)
+    assert "waiting on the GPU (Event/Stream/device synchronize): forward 0.002" in line
+    assert "backward 0.030" in line
