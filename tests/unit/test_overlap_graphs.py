@@ -2,7 +2,7 @@
 
 A CUDA graph replays the kernels it captured on the buffers it captured them with. Here a capture notes the
 addresses of every tensor the bucket's work is given and each replay runs the work again after checking them
-(``_StrictCapture``): a replay after the gradient buffer, the momentum or the stash moved fails, and one after the
+(``_StrictCapture``): a replay after the gradient buffer, the momentum or the graphs' output buffer moved fails, and one after the
 settings changed differs from the eager speculation's result. The stashes come from a stand-in of CUDA's caching
 allocator (``_CachingAllocator``: a freed block is handed back for the next request of its size). W=1, several owner-plan buckets, one sub-group; every step is compared bit for
 bit with ``graphs=False`` (which is itself the ordinary step: tests/dist/test_overlap.py). The real CUDA graphs run
@@ -178,6 +178,49 @@ def test_a_stash_at_a_new_address_costs_no_capture(event) -> None:
     (out,) = spec._graph_out.values()
     assert out.numel() == max(spec._stretch(0, k)[1] for k in range(len(buckets))) < spec.steps[0].plan.shard_numel
     assert not spec._state  # no stash held after the last commit
+
+
+def test_the_output_buffer_serves_sub_groups_of_different_sizes() -> None:
+    """Two sub-groups whose largest buckets differ in size: the graphs' output buffer is sized to the largest stretch
+    of all of them (sized from one sub-group, the other's replay would not fit), and three steps of both, the stashes
+    at new addresses every step, equal the eager speculation bit for bit."""
+    def build(graphs: bool) -> tuple[SpeculativeMuon, dict]:
+        steps, exchanges = {}, {}
+        for i, shapes in enumerate((SHAPES, [(12, 10), (10, 10), (6, 4)])):
+            infos = [ParamInfo(f"g{i}w{k}", shape, shape[0] * shape[1], None) for k, shape in enumerate(shapes)]
+            plan = build_bucketed_plan(infos, 1, 40 if i == 0 else 130, order="reverse")
+            exchanges[i] = OwnerExchange(None, torch.float32, torch.float32, torch.device("cpu"))
+            steps[i] = MuonShardStep(f"sub-group {i}", plan, build_block_map(plan.slots, 0, plan.shard_numel),
+                                     exchanges[i], GROUP, ns_compile=False, ns_autotune=False)
+        spec = SpeculativeMuon(steps, exchanges, graphs=graphs)
+        spec._capture = _StrictCapture(spec)
+        spec._new_stash = _CachingAllocator()
+        spec._new_stash.fresh = True  # every stash at a new address
+        return spec, steps
+
+    results = []
+    for graphs in (False, True):
+        spec, steps = build(graphs)
+        gen = torch.Generator().manual_seed(1)
+        state = {i: (torch.randn(s.plan.shard_numel, generator=gen), torch.zeros(s.plan.shard_numel),
+                     torch.empty(s.plan.shard_numel)) for i, s in steps.items()}
+        finals = [(i, sl.index) for i, s in steps.items() for b in reversed(s.plan.buckets) for sl in b.slots]
+        for _ in range(3):
+            for i, (p, m, g) in state.items():
+                g.copy_(torch.randn(g.numel(), generator=gen))
+            spec.mark_final(finals, lambda i: state[i][2], lambda i: state[i][1], lambda i: GROUP, 1.0)
+            spec.join()
+            for i, (p, m, g) in state.items():
+                assert spec.commit(i, p, g.clone(), m, None, False, GROUP)
+        results.append([state[i][0].clone() for i in steps])
+        if graphs:
+            stretches = {i: max(spec._stretch(i, k)[1] for k in range(len(s.plan.buckets))) for i, s in steps.items()}
+            assert stretches[0] != stretches[1]
+            (out,) = spec._graph_out.values()
+            assert out.numel() == max(stretches.values())
+            assert spec.captures == sum(len(s.plan.buckets) for s in steps.values()) and spec.replays > 0
+    for a, b in zip(*results):
+        assert torch.equal(a, b), "the replayed speculation differs from the eager one"
 
 
 def test_commit_equals_the_ordinary_step_with_runs_cut_and_a_bf16_stash(monkeypatch) -> None:
