@@ -35,14 +35,13 @@ overlapped step loses"). Each owner-plan bucket's work is therefore run eagerly 
 captured as one CUDA graph the next time and replayed from then on: one graph launch and one copy per bucket. A
 graph reads and writes fixed addresses, so it is captured again whenever the gradient buffer, the momentum or the
 loss scale it was captured with changed, and run eagerly once more when the momentum or Newton–Schulz settings
-changed. The stash,
-allocated anew every step, is not one of them: a graph writes ``o`` into the graphs' output buffer, one buffer of
-the largest bucket's stretch in the exchange dtype held for the optimizer's life, and an eager copy after the
-replay (on the side stream, 2 bytes read and 2 written per bf16 element) moves it into the bucket's stash. Before,
-the stash's own address was the graph's; the caching allocator did not hand a bucket the same block back every step
-(one H100: 6 of 7 buckets at 934M, 10-11 of 11 at MoE-1.5B), so each such bucket was captured again and, after two
-moves, kept its stash across steps, the forward's peak included (likely +1.46 GiB at 934M: docs/benchmarks.md,
-"Issue 40: the defaults beside AdamW and the built-in").
+changed. The stash, allocated anew every step, is not one of them: a graph writes ``o`` into the graphs' output
+buffer, one buffer of the largest bucket's stretch in the exchange dtype held for the optimizer's life, and an eager
+copy after the replay (on the side stream, 2 bytes read and 2 written per bf16 element) moves it into the bucket's
+stash. Before, the stash's own address was the graph's; the caching allocator did not hand a bucket the same block
+back every step (one H100: 6 of 7 buckets at 934M, 10-11 of 11 at MoE-1.5B), so each such bucket was captured again
+and, after two moves, kept its stash across steps, the forward's peak included (likely +1.46 GiB at 934M:
+docs/benchmarks.md, "Issue 40: the defaults beside AdamW and the built-in").
 Everything a graph allocates (its scratch, its exchange buffers, Newton–Schulz's temporaries) lives in one memory
 pool shared by all the graphs, which run one at a time on the side stream: about one bucket's worth, held for the
 optimizer's life. Not supported: freeing cuBLAS's workspaces while the graphs live
@@ -195,7 +194,7 @@ class SpeculativeMuon:
         writer = wait_for or torch.cuda.current_stream()
         self.stream.wait_stream(writer)
         # the stashes come from the home stream's blocks, which its queued work may still read: the side stream
-        # starts after both
+        # starts after that work too
         home = torch.cuda.default_stream(self.stream.device)
         if home != writer:
             self.stream.wait_stream(home)
