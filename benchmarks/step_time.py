@@ -169,9 +169,9 @@ def model_parameters(model, options: dict):
     """What an arm's engine is built with: ``model.parameters()``, or with ``bench.split_groups=true`` (an adamw arm)
     two parameter groups, the parameters ds_muon trains with Muon (``ds_muon.model.selection.select_muon_params``)
     and the rest, as ds_muon groups them (the built-in's split differs in MoE routers, which it gives Muon and
-    ds_muon AdamW; the same AdamW on each group here): whether the
-    grouping itself changes ZeRO-3's fwd+bwd (issue 40: at MoE-1.5B both Muon engines' forward and backward took
-    more host time than AdamW's, with the same Python calls)."""
+    ds_muon AdamW; the same AdamW on each group here): whether the grouping itself changes ZeRO-3's fwd+bwd
+    (issue 40: at MoE-1.5B both Muon engines' forward and backward took more host time than AdamW's, with the same
+    Python calls in the forward)."""
     if not options.get("split_groups"):
         return model.parameters()
     from ds_muon.model.selection import select_muon_params
