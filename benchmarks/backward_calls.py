@@ -50,8 +50,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, REPO)  # tests.support
-from step_time import (bench_options, check_engine_optimizer, ds_config, model_parameters, parse_arm,  # noqa: E402
-                       worker_env)
+from step_time import bench_options, build_engine, ds_config, parse_arm, worker_env  # noqa: E402
 
 DEFAULT_ARMS = ("adamw:bench.clip=0,ds_muon_nooverlap:bench.clip=0,ds_muon_overlap:bench.clip=0:bench.pause=true,"
                 "ds_muon_overlap:bench.clip=0")
@@ -84,12 +83,7 @@ def worker(arm: str, layers: int, bucket: int, steps: int, out: str, phase: str 
     cfg["bf16"] = {"enabled": False}
     cfg["zero_optimization"]["reduce_bucket_size"] = bucket
     options = bench_options(arm)
-    if arm.startswith("ds_muon"):
-        import ds_muon
-        engine, *_ = ds_muon.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    else:
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model_parameters(model, options), config=cfg)
-    check_engine_optimizer(parse_arm(arm)[0], engine.optimizer)
+    engine = build_engine(parse_arm(arm)[0], model, cfg, options)
     if options.get("pause") and not getattr(engine.optimizer, "overlap_running", False):
         raise SystemExit(f"{arm}: bench.pause needs the overlapped Muon step running (ds_muon_overlap)")
     g = torch.Generator().manual_seed(0)

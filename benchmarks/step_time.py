@@ -180,6 +180,21 @@ def model_parameters(model, options: dict):
     return [{"params": [p for n, p in named if muon.get(n)]}, {"params": [p for n, p in named if not muon.get(n)]}]
 
 
+def build_engine(kind: str, model, cfg: dict, options: dict):
+    """The arm's DeepSpeed engine for ``model``: ``ds_muon.initialize`` for every ``ds_muon*`` and ``adam_mini`` arm
+    (after :func:`use_quintic_form`), ``deepspeed.initialize`` with :func:`model_parameters` for the others, then
+    :func:`check_engine_optimizer` (SystemExit where the engine runs another optimizer than the arm's)."""
+    if kind.startswith("ds_muon") or kind == "adam_mini":
+        import ds_muon
+        use_quintic_form(options)
+        engine = ds_muon.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+    else:
+        import deepspeed
+        engine = deepspeed.initialize(model=model, model_parameters=model_parameters(model, options), config=cfg)[0]
+    check_engine_optimizer(kind, engine.optimizer)
+    return engine
+
+
 def use_quintic_form(options: dict) -> str:
     """Set ``ds_muon.core.newton_schulz.QUINTIC_FORM`` to the arm's ``bench.quintic_form`` where it has one (the
     engine reads it when it builds its Newton–Schulz functions: call this before ``ds_muon.initialize``); the
@@ -785,14 +800,7 @@ def worker(args) -> None:
     # no per-head max-logit recording (MuonClip): its cost is measured apart, by benchmarks/max_logit_cost.py
     model = CausalLM(ModelConfig.preset(args.model, max_seq_len=args.seq_len, record_max_logits=False))
     n_params = sum(p.numel() for p in model.parameters())
-    if kind.startswith("ds_muon") or kind == "adam_mini":
-        import ds_muon
-        form = use_quintic_form(options)
-        engine, _, _, _ = ds_muon.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    else:
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model_parameters(model, options),
-                                               config=cfg)
-    check_engine_optimizer(kind, engine.optimizer)
+    engine = build_engine(kind, model, cfg, options)
     vocab = model.cfg.vocab_size
     reduce_events = options.get("reduce_events")
     if reduce_events is not None:
@@ -936,6 +944,7 @@ def worker(args) -> None:
         result["overlap_stats"] = engine.optimizer.overlap_stats  # Muon sub-group steps: commits, fallbacks by reason
         # counted in the arm's quintic form (bench.quintic_form): the plans' load() counts the plain form's FLOPs
         group = next(g for g in engine.optimizer.optimizer.param_groups if g.get("use_muon"))
+        from ds_muon.core.newton_schulz import QUINTIC_FORM as form  # the arm's: build_engine set it
         result["quintic_form"] = form
         loads = ns_loads(plans, dist.get_world_size(), group["ns_steps"], group["ns_method"], form)
         result["ns_gflop_per_rank_max"] = max(loads) / 1e9

@@ -96,10 +96,10 @@ class _SubGroupState:
 
 class _Captured:
     """One owner-plan bucket's speculative work as a CUDA graph, with the addresses and loss scale it was captured
-    with (``key``)."""
+    with (``key``) and the view of the graphs' output buffer it writes ``o`` to (``out``)."""
 
-    def __init__(self, key: tuple, graph) -> None:
-        self.key, self.graph = key, graph
+    def __init__(self, key: tuple, graph, out: torch.Tensor) -> None:
+        self.key, self.graph, self.out = key, graph, out
 
 
 class SpeculativeMuon:
@@ -252,12 +252,12 @@ class SpeculativeMuon:
                 self._captured.clear()
                 self._graph_out.clear()
                 return
-            captured = self._captured[i, k] = _Captured(key, replay)
+            captured = self._captured[i, k] = _Captured(key, replay, out)
             self.captures += 1
         captured.graph()
         self.replays += 1
         # the graph wrote o into the output buffer (its fixed address); the bucket's stash, new this step, takes it
-        stash.copy_(self._graph_out[stash.dtype].narrow(0, 0, stash.numel()))
+        stash.copy_(captured.out)
 
     def _graph_output(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The graphs' output buffer for ``dtype``: ``(n,)`` with ``n`` the largest stretch of any bucket whose work

@@ -183,15 +183,18 @@ def test_step_medians_leave_out_timings_not_taken() -> None:
     assert medians["step_s"] == 0.2 and set(medians) == set(step_time.TIMINGS) - {"loop_step_s"}
 
 
-def _fake_workers(monkeypatch, calls: list, cut_at: int = 0):
+def _fake_workers(monkeypatch, calls: list, cut_at: int = 0, envs: dict = None):
     """``subprocess.run`` as torchrun: write a worker result to the command's --out; the ``cut_at``-th call raises
-    KeyboardInterrupt instead (a device call's time limit killing the driver mid-round)."""
+    KeyboardInterrupt instead (a device call's time limit killing the driver mid-round); ``envs``, where given, gets
+    each arm's worker environment."""
     class Done:
         returncode = 0
 
-    def fake_run(cmd, **kwargs):
+    def fake_run(cmd, env=None, **kwargs):
         arm, path = cmd[cmd.index("--optimizer") + 1], cmd[cmd.index("--out") + 1]
         calls.append(cmd)
+        if envs is not None:
+            envs[arm] = env
         if len(calls) == cut_at:
             raise KeyboardInterrupt
         with open(path, "w") as f:
@@ -561,8 +564,9 @@ def test_quintic_form_is_checked_and_set_before_the_engine(monkeypatch) -> None:
         compiled_orthogonalize.cache_clear()
         torch._dynamo.reset()
     import inspect
-    worker = inspect.getsource(step_time.worker)
-    assert 0 < worker.index("use_quintic_form(") < worker.index("ds_muon.initialize(")
+    build = inspect.getsource(step_time.build_engine)  # the worker's engine (and backward_calls.py's)
+    assert 0 < build.index("use_quintic_form(") < build.index("ds_muon.initialize(")
+    assert "build_engine(" in inspect.getsource(step_time.worker)
 
 
 def test_ns_loads_count_the_arms_form() -> None:
@@ -588,18 +592,7 @@ def test_builtin_arm_runs_deepspeeds_muon_where_ds_muon_is_installed(tmp_path, m
     ``builtin_muon`` arm's worker starts with ``DS_MUON=0`` and every other arm's with this process's environment,
     and a worker whose engine runs the wrong optimizer stops (``check_engine_optimizer``)."""
     envs = {}
-
-    class Done:
-        returncode = 0
-
-    def fake_run(cmd, env=None, **kwargs):
-        arm, path = _arm(cmd), cmd[cmd.index("--out") + 1]
-        envs[arm] = env
-        with open(path, "w") as f:
-            json.dump(_result(arm, [0.3], [0.2]), f)
-        return Done()
-
-    monkeypatch.setattr(step_time.subprocess, "run", fake_run)
+    _fake_workers(monkeypatch, [], envs=envs)
     monkeypatch.setenv("DS_MUON", "1")
     monkeypatch.setattr(sys, "argv", ["step_time.py", "--nproc", "1", "--optimizers", "adamw,builtin_muon,ds_muon",
                                       "--no-ns-micro", "--out", str(tmp_path / "r.json")])
