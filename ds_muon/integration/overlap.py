@@ -279,6 +279,20 @@ class OverlapHooks:
                 self._overlap_clip = bool(self._clip_fires(self._global_grad_norm))
         return self._overlap_clip
 
+    def _grad_scale_is_one(self) -> bool:
+        """:meth:`DsMuonZeroSteps._grad_scale_is_one`, and also, with the overlapped step built and a loss scale of
+        1, clipping that does not fire this step (:meth:`_clip_fired`, which every Muon sub-group's commit reads
+        anyway: at ZeRO-3 computed ahead and read without a wait, at ZeRO-1/2 from DeepSpeed's global norm, which
+        its step has already read on the host)."""
+        if super()._grad_scale_is_one():
+            return True
+        scale, ahead = self.loss_scale, self._overlap_clip_ahead
+        if self.speculative is None or not isinstance(scale, (int, float)) or scale != 1:
+            return False
+        if ahead is not None:
+            return ahead[0] == scale and not self._clip_fired()
+        return getattr(self, "_global_grad_norm", None) is not None and not self._clip_fired()
+
     def _commit_speculation(self, i: int, fp32: torch.Tensor, momentum: torch.Tensor, had: Optional[torch.Tensor],
                             group: dict) -> bool:
         """Commit sub-group ``i``'s speculation where exact (:meth:`~ds_muon.sharded.overlap.SpeculativeMuon.commit`);

@@ -78,7 +78,7 @@ class MuonZeroOptimizer(ZeroCheckpointing, OverlapHooks, DsMuonZeroSteps, DeepSp
         self._trained_ids = {id(p) for group in self.fp16_groups for p in group}
         self._init_steps()
         self._build_steps()
-        self._grad_offsets = self._grad_buffer_offsets()
+        self._grad_slices = self._grad_buffer_slices()
 
     # ---- what the sub-groups are -------------------------------------------------------------
     def sub_group_algorithm(self, i: int) -> str:
@@ -98,29 +98,63 @@ class MuonZeroOptimizer(ZeroCheckpointing, OverlapHooks, DsMuonZeroSteps, DeepSp
         return bool(self.offload_optimizer)
 
     def _resident_grad(self, j: int) -> Optional[torch.Tensor]:
-        """Without offload: sub-group ``j``'s slice of DeepSpeed's ``grad_partitions_flat_buffer`` (its parameters'
-        gradient partitions back to back, at the offset built once in :meth:`_grad_buffer_offsets`); under CPU
-        offload: its fp32 gradient; NVMe-swapped: None (not in memory before its turn)."""
+        """Muon sub-group ``j``'s gradient before its turn in the step. Without offload: its slice of DeepSpeed's
+        ``grad_partitions_flat_buffer`` (its parameters' gradient partitions back to back, where
+        :meth:`_grad_buffer_slices` found them once); under CPU offload: its fp32 gradient; NVMe-swapped, or not a
+        Muon sub-group: None."""
         if self._swappable_optimizer_subgroup(j):
             return None
         if self.offload_optimizer:
             return self.fp32_partitioned_groups_flat[j].grad
-        offset = self._grad_offsets.get(j)
-        return None if offset is None else self.grad_partitions_flat_buffer.narrow(0, offset, self.muon_plans[j].shard_numel)
+        where = self._grad_slices.get(j)
+        if where is None or j not in self.muon_plans or where[1] != self.muon_plans[j].shard_numel:
+            return None
+        return self.grad_partitions_flat_buffer.narrow(0, *where)
 
-    def _grad_buffer_offsets(self) -> dict[int, int]:
-        """``{Muon sub-group: offset}`` of its gradient in ``grad_partitions_flat_buffer`` (without offload, where
-        DeepSpeed keeps every sub-group's gradient partitions back to back); a sub-group whose parameters'
-        partitions do not tile its shard exactly is left out (its flags are agreed at its own turn)."""
+    def _grad_buffer_slices(self) -> dict[int, tuple[int, int]]:
+        """``{sub-group: (offset, elements)}``: where each sub-group's gradient partitions lie back to back in
+        ``grad_partitions_flat_buffer`` (DeepSpeed lays every sub-group's parameters' partitions out in order), for
+        the sub-groups whose partitions tile their fp32 partition exactly; ``{}`` under optimizer offload (there the
+        gradient is the fp32 partition's own ``.grad``)."""
         if self.offload_optimizer:
             return {}
-        offsets, offset = {}, 0
+        slices, offset = {}, 0
         for j, params in enumerate(self.fp16_groups):
             numel = sum(p.partition_numel() for p in params)
-            if j in self.muon_plans and numel == self.muon_plans[j].shard_numel:
-                offsets[j] = offset
+            if numel == self.fp32_partitioned_groups_flat[j].numel():
+                slices[j] = (offset, numel)
             offset += numel
-        return offsets
+        return slices
+
+    def _prepare_fp32_grad_for_sub_group(self, sub_group_id):
+        """Give sub-group ``sub_group_id``'s fp32 partition its final gradient as ``.grad``, without a copy where
+        that is exact.
+
+        DeepSpeed's own concatenates the sub-group's gradient partitions (``averaged_gradients``, views of
+        ``grad_partitions_flat_buffer``, in the gradient accumulation dtype) into a new tensor and converts that to
+        float32: per sub-group and step a full-size copy, two with a bfloat16 buffer (the step's peak memory holds
+        4 bytes per element more, 6 during the conversion). Where those views lie back to back in the buffer
+        (checked at each step: the first view starts and the last ends where :meth:`_grad_buffer_slices` says),
+        ``.grad`` is that slice of the buffer itself when the buffer is float32 (no allocation), else the slice
+        converted once (4 bytes per element, no concatenated copy). The values are DeepSpeed's either way. With the
+        view the step may overwrite the buffer (DeepSpeed's unscale and clip, the Muon step's ``o``):
+        :meth:`_step_scope` zeroes it after every step, applied or skipped, before the next backward writes it.
+        Elsewhere (a layout DeepSpeed changed, outside a step) DeepSpeed's copy.
+        """
+        views = self.averaged_gradients.get(sub_group_id) if isinstance(self.averaged_gradients, dict) else None
+        where = self._grad_slices.get(sub_group_id)
+        buffer = getattr(self, "grad_partitions_flat_buffer", None)
+        fp32 = self.fp32_partitioned_groups_flat[sub_group_id]
+        if not (self._stepping and views and where is not None and buffer is not None and buffer.device == fp32.device):
+            return super()._prepare_fp32_grad_for_sub_group(sub_group_id)
+        offset, numel = where
+        size = buffer.element_size()
+        start = buffer.data_ptr() + offset * size
+        if views[0].data_ptr() != start or views[-1].data_ptr() + views[-1].numel() * size != start + numel * size:
+            return super()._prepare_fp32_grad_for_sub_group(sub_group_id)
+        grad = buffer.narrow(0, offset, numel)
+        fp32.grad = grad if grad.dtype == fp32.dtype else grad.to(fp32.dtype)
+        self.averaged_gradients[sub_group_id] = None
 
     def _name(self, p) -> str:
         return self.param_names.get(p, f"ds_id={p.ds_id}")

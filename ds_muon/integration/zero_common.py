@@ -315,6 +315,24 @@ class DsMuonZeroSteps:
         agreed ahead, :meth:`_blocks_with_gradient`), else None. The same answer on every rank (layout only)."""
         return None
 
+    def _grad_scale_is_one(self) -> bool:
+        """Whether DeepSpeed's ``unscale_and_clip_grads`` multiplies the gradient by exactly 1 this step, as known on
+        the host without waiting for the device: the loss scale is 1 (a Python number: bf16, fp32) and clipping is
+        off. :class:`~ds_muon.integration.overlap.OverlapHooks` adds clipping that does not fire, where the
+        overlapped step has that decision on the host already."""
+        scale = self.loss_scale
+        return isinstance(scale, (int, float)) and scale == 1 and self.clip_grad <= 0.
+
+    def unscale_and_clip_grads(self, *args, **kwargs):
+        """DeepSpeed's (either stage's signature), skipped inside a step where its factor
+        ``1 / (clip coefficient * loss scale)`` is exactly 1 (:meth:`_grad_scale_is_one`). DeepSpeed's ZeRO-3 one
+        multiplies the sub-group's whole fp32 gradient by that factor even then: a pass reading and writing 4 bytes
+        per element each, per sub-group and step, that changes no value (``x * 1.0 == x`` bit for bit, NaN and
+        -0.0 included in IEEE arithmetic)."""
+        if self._stepping and self._grad_scale_is_one():
+            return None
+        return super().unscale_and_clip_grads(*args, **kwargs)
+
     @torch.no_grad()
     def _optimizer_step(self, i: int) -> None:
         """Sub-group ``i``'s update, where DeepSpeed's step calls it (the gradient final: accumulated, reduced,

@@ -134,16 +134,45 @@ def idle_expert_hook(engine, expert: int = 1):
     return hook
 
 
+@contextlib.contextmanager
+def deepspeed_unscale_calls():
+    """Count the calls that reach DeepSpeed's own ``unscale_and_clip_grads`` (ZeRO-3's and ZeRO-1/2's) while the
+    block runs; yields ``[count]``. ds_muon skips the call where its factor is exactly 1 and known so on the host
+    (``DsMuonZeroSteps.unscale_and_clip_grads``)."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    calls, saved = [0], {cls: cls.unscale_and_clip_grads for cls in (DeepSpeedZeroOptimizer_Stage3,
+                                                                       DeepSpeedZeroOptimizer)}
+
+    def counted(real):
+        def call(self, *args, **kwargs):
+            calls[0] += 1
+            return real(self, *args, **kwargs)
+        return call
+
+    for cls, real in saved.items():
+        cls.unscale_and_clip_grads = counted(real)
+    try:
+        yield calls
+    finally:
+        for cls, real in saved.items():
+            cls.unscale_and_clip_grads = real
+
+
 def train_on_off(rank: int, world_size: int, cases: list[dict]) -> dict:
     """Each case trained with overlap on and off: the end states equal bit for bit (else AssertionError naming the
     case); per case its ``overlap_stats`` on and off and, for an ``"oracle"`` case on rank 0, its oracle errors."""
     from tests.support.harness import assert_same_state
     out = {}
     for case in cases:
-        on, off = _train(rank, case, True), _train(rank, case, False)
+        with deepspeed_unscale_calls() as on_calls:
+            on = _train(rank, case, True)
+        with deepspeed_unscale_calls() as off_calls:
+            off = _train(rank, case, False)
         assert_same_state(on.state, off.state, f"{case['name']} W={world_size}")
         out[case["name"]] = {"stats": on.stats, "off_stats": off.stats, "momentum_dtypes": on.momentum_dtypes,
-                             "reduce_bucket_size": {"on": on.bucket, "off": off.bucket}}
+                             "reduce_bucket_size": {"on": on.bucket, "off": off.bucket},
+                             "unscale_calls": {"on": on_calls[0], "off": off_calls[0]}}
         if case.get("oracle") and rank == 0:
             out[case["name"]]["errors"] = oracle_errors(case, on.cfg, on.init, on.tags, on.got, world_size)
     return out
@@ -167,6 +196,17 @@ def check_oracle(errors: dict) -> None:
         assert err["rel"] <= PARITY_RTOL, f"{pname} rel error {err['rel']:.2e}"
         if err["moved"] > 0:
             assert err["rel_update"] <= 1e-3, f"{pname} update rel error {err['rel_update']:.2e}"
+
+
+def check_unscale_calls(r: dict) -> dict:
+    """Assert the calls of DeepSpeed's ``unscale_and_clip_grads`` that :func:`train_on_off` counted: none without
+    clipping (``plain``), every step's with clipping that fires (``clip_every_step``), none with overlap on and some
+    with it off where clipping never fires; returns ``clip_never``'s counts."""
+    assert r["plain"]["unscale_calls"] == {"on": 0, "off": 0}, r["plain"]
+    assert min(r["clip_every_step"]["unscale_calls"].values()) >= STEPS, r["clip_every_step"]
+    never = r["clip_never"]["unscale_calls"]
+    assert never["on"] == 0 and never["off"] >= STEPS, r["clip_never"]
+    return never
 
 
 def _cases(rank: int, world_size: int, ckpt_root: str) -> dict:
@@ -223,6 +263,9 @@ def test_overlap_exact(world_size, tmp_path):
     assert r["clip_never"]["stats"]["commits"] > 0 and r["clip_never"]["stats"]["fallback_clip"] == 0, r["clip_never"]
     every = r["clip_every_step"]["stats"]
     assert every["commits"] == 0 and every["fallback_clip"] > 0, every
+    # DeepSpeed's unscale_and_clip_grads (a full pass over every fp32 gradient) runs only where its factor may not
+    # be 1: skipped without clipping, and with clipping that the overlapped step knows does not fire
+    assert check_unscale_calls(r) == r["clip_never"]["unscale_calls"], r["clip_never"]
     assert r["bf16_momentum"]["momentum_dtypes"] == ["torch.bfloat16"], r["bf16_momentum"]
     assert r["plain"]["momentum_dtypes"] == ["torch.float32"], r["plain"]
     for name in ("gas2", "bf16", "bf16_momentum", "no_nesterov", "small_buckets", "small_ipg_subgroups", "resume"):

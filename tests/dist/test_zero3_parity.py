@@ -204,6 +204,41 @@ def _lrs(engine) -> list[float]:
     return sorted({g["lr"] for g in engine.optimizer.optimizer.param_groups})
 
 
+def _grad_views_start(engine) -> None:
+    """Record, at each sub-group's ``_optimizer_step``, whether its fp32 partition's ``.grad`` is a view of
+    DeepSpeed's ``grad_partitions_flat_buffer``, and count the calls of DeepSpeed's own
+    ``_prepare_fp32_grad_for_sub_group`` (its concatenated copy, which ``MuonZeroOptimizer`` replaces) and
+    ``unscale_and_clip_grads`` (a pass over the gradient, which ds_muon skips where its factor is 1)."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+    opt = engine.optimizer
+    real_step, seen, calls = opt._optimizer_step, [], {"prepare": 0, "unscale": 0}
+    saved = {"prepare": Stage3._prepare_fp32_grad_for_sub_group, "unscale": Stage3.unscale_and_clip_grads}
+
+    def recorded(i):
+        grad, buffer = opt.fp32_partitioned_groups_flat[i].grad, opt.grad_partitions_flat_buffer
+        seen.append(grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr())
+        return real_step(i)
+
+    def counted(key):
+        def call(self, *args):
+            calls[key] += 1
+            return saved[key](self, *args)
+        return call
+
+    opt._optimizer_step = recorded
+    Stage3._prepare_fp32_grad_for_sub_group, Stage3.unscale_and_clip_grads = counted("prepare"), counted("unscale")
+    opt._probe_grad_views = (seen, calls, saved)
+
+
+def _grad_views_finish(engine) -> list:
+    """``[every sub-group step read a view of the buffer, DeepSpeed's concatenated copy never made, sub-group steps
+    > sub-groups, DeepSpeed's unscale_and_clip_grads called]``."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+    seen, calls, saved = engine.optimizer._probe_grad_views
+    Stage3._prepare_fp32_grad_for_sub_group, Stage3.unscale_and_clip_grads = saved["prepare"], saved["unscale"]
+    return [all(seen), calls["prepare"] == 0, len(seen) > len(engine.optimizer.fp16_groups), calls["unscale"] > 0]
+
+
 FP16_STEPS, FP16_POISONED = 4, 2
 
 
@@ -266,7 +301,9 @@ def parity_worker(rank: int, world_size: int, cases: list[dict], nvme_dir: str =
 
 CASES = {
     1: [dict(name="w1-clip", gas=1, clip=0.5)],
-    2: [dict(name="w2-plain", gas=1),
+    # every sub-group's step reads its gradient in place, in the buffer DeepSpeed reduced it into (no copy)
+    2: [dict(name="w2-plain", gas=1, probe=(_grad_views_start, _grad_views_finish),
+             want_probe=[True, True, True, False]),  # clipping off: DeepSpeed's multiply by 1 skipped
         dict(name="w2-gas4-clip-allreduce", gas=4, clip=0.5,
              zero=dict(reduce_scatter=False, contiguous_gradients=False, overlap_comm=True)),
         dict(name="w2-zeroinit-groups-untag-small-buckets", gas=1, zero_init=True, groups=True, untag_o=True,
@@ -283,7 +320,8 @@ CASES = {
         # steps): norm1.bias (zero-initialised; measured 0.22) and v.bias (its gradient goes through
         # k(h) * silu'(v(h)); measured 0.35).
         dict(name="w2-bf16-gas2-clip", gas=2, clip=0.5, bf16=True, rtol=1e-2, rtol_update=5e-2, rtol_norm=5e-3,
-             loose_update={"norm1.bias": 0.5, "v.bias": 0.5}),
+             loose_update={"norm1.bias": 0.5, "v.bias": 0.5}, probe=(_grad_views_start, _grad_views_finish),
+             want_probe=[False, True, True, True]),  # bf16 accumulation: converted once to fp32, not concatenated
         # fp32 model, bf16 on the wire (u in, the scaled update out): each crossing rounds to 2^-9
         # relative; stated tolerance 5e-3 of the parameter, 5e-2 of its update, 1e-4 of the later
         # steps' grad norms (measured 1.4e-3 and 1.8e-2, down.weight; 2.2e-5)
@@ -299,9 +337,11 @@ CASES = {
         # 2e-2 of its update (measured 1.0e-3, norm2.bias, and 5.3e-3, extra.weight)
         dict(name="w2-fp16-loss-scale-overflow", fp16_overflow=True, clip=0.5, rtol=3e-3, rtol_update=2e-2)],
     3: [dict(name="w3-gas4-clip-overlap-no-nesterov", gas=4, clip=0.5, params=dict(nesterov=False),
-             zero=dict(reduce_scatter=True, overlap_comm=True)),
+             zero=dict(reduce_scatter=True, overlap_comm=True), probe=(_grad_views_start, _grad_views_finish),
+             want_probe=[True, True, True, True]),
         dict(name="w3-subgroups-small-buckets", gas=1, params=dict(exchange_bucket_mb=0.004),
-             zero=dict(sub_group_size=300)),
+             zero=dict(sub_group_size=300), probe=(_grad_views_start, _grad_views_finish),
+             want_probe=[True, True, True, False]),
         # the other Newton-Schulz settings through the ZeRO-3 path; ``alt_params``: the oracle with one
         # setting changed back must be far away (Gram NS equals the quintic up to rounding, so a probe
         # counts its kernel's calls instead)
