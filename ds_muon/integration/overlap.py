@@ -282,8 +282,9 @@ class OverlapHooks:
     def _grad_scale_is_one(self) -> bool:
         """:meth:`DsMuonZeroSteps._grad_scale_is_one`, and also, with the overlapped step built and a loss scale of
         1, clipping that does not fire this step (:meth:`_clip_fired`, which every Muon sub-group's commit reads
-        anyway: at ZeRO-3 computed ahead and read without a wait, at ZeRO-1/2 from DeepSpeed's global norm, which
-        its step has already read on the host)."""
+        anyway): at ZeRO-3 computed ahead and read without a wait; at ZeRO-1/2 from DeepSpeed's global norm where
+        its step has read that norm on the host already (its overflow check: a dtype other than bfloat16, or
+        ``check_grad_overflow``), else not decided here (reading it would wait for the device)."""
         if super()._grad_scale_is_one():
             return True
         scale, ahead = self.loss_scale, self._overlap_clip_ahead
@@ -291,7 +292,8 @@ class OverlapHooks:
             return False
         if ahead is not None:
             return ahead[0] == scale and not self._clip_fired()
-        return getattr(self, "_global_grad_norm", None) is not None and not self._clip_fired()
+        norm_read = getattr(self, "dtype", None) != torch.bfloat16 or bool(getattr(self, "check_grad_overflow", False))
+        return norm_read and getattr(self, "_global_grad_norm", None) is not None and not self._clip_fired()
 
     def _commit_speculation(self, i: int, fp32: torch.Tensor, momentum: torch.Tensor, had: Optional[torch.Tensor],
                             group: dict) -> bool:

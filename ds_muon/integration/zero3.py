@@ -132,11 +132,12 @@ class MuonZeroOptimizer(ZeroCheckpointing, OverlapHooks, DsMuonZeroSteps, DeepSp
 
         DeepSpeed's own concatenates the sub-group's gradient partitions (``averaged_gradients``, views of
         ``grad_partitions_flat_buffer``, in the gradient accumulation dtype) into a new tensor and converts that to
-        float32: per sub-group and step a full-size copy, two with a bfloat16 buffer (the step's peak memory holds
-        4 bytes per element more, 6 during the conversion). Where those views lie back to back in the buffer
-        (checked at each step: the first view starts and the last ends where :meth:`_grad_buffer_slices` says),
-        ``.grad`` is that slice of the buffer itself when the buffer is float32 (no allocation), else the slice
-        converted once (4 bytes per element, no concatenated copy). The values are DeepSpeed's either way. With the
+        float32: per sub-group and step one full-size copy with a float32 buffer (4 bytes per element at the step's
+        peak), two with a bfloat16 one (6 during the conversion, then 4). Where those views lie back to back in the
+        buffer (checked at each step: the first view starts and the last ends where :meth:`_grad_buffer_slices`
+        says), ``.grad`` is that slice of the buffer itself when the buffer is float32 (0 bytes per element, 4
+        saved), else the slice converted once (4 bytes per element, 2 saved). The values are DeepSpeed's either
+        way (``tests/dist/test_step_overrides.py``, bit for bit). With the
         view the step may overwrite the buffer (DeepSpeed's unscale and clip, the Muon step's ``o``):
         :meth:`_step_scope` zeroes it after every step, applied or skipped, before the next backward writes it.
         Elsewhere (a layout DeepSpeed changed, outside a step) DeepSpeed's copy.

@@ -327,8 +327,9 @@ class DsMuonZeroSteps:
         """DeepSpeed's (either stage's signature), skipped inside a step where its factor
         ``1 / (clip coefficient * loss scale)`` is exactly 1 (:meth:`_grad_scale_is_one`). DeepSpeed's ZeRO-3 one
         multiplies the sub-group's whole fp32 gradient by that factor even then: a pass reading and writing 4 bytes
-        per element each, per sub-group and step, that changes no value (``x * 1.0 == x`` bit for bit, NaN and
-        -0.0 included in IEEE arithmetic)."""
+        per element each, per sub-group and step, that changes no value (``x * 1.0 == x`` bit for bit for finite
+        values, +-0 and +-inf; a step whose gradient norm is not finite is skipped before this call at ZeRO-3, and
+        clips at ZeRO-1/2, where the factor is then not 1). Bit for bit: ``tests/dist/test_step_overrides.py``."""
         if self._stepping and self._grad_scale_is_one():
             return None
         return super().unscale_and_clip_grads(*args, **kwargs)
