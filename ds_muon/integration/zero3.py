@@ -137,10 +137,10 @@ class MuonZeroOptimizer(ZeroCheckpointing, OverlapHooks, DsMuonZeroSteps, DeepSp
         buffer (checked at each step: the first view starts and the last ends where :meth:`_grad_buffer_slices`
         says), ``.grad`` is that slice of the buffer itself when the buffer is float32 (0 bytes per element, 4
         saved), else the slice converted once (4 bytes per element, 2 saved). The values are DeepSpeed's either
-        way (``tests/dist/test_step_overrides.py``, bit for bit). With the
-        view the step may overwrite the buffer (DeepSpeed's unscale and clip, the Muon step's ``o``):
-        :meth:`_step_scope` zeroes it after every step, applied or skipped, before the next backward writes it.
-        Elsewhere (a layout DeepSpeed changed, outside a step) DeepSpeed's copy.
+        way (``tests/dist/test_step_overrides.py``, bit for bit). With the view the step may overwrite the buffer
+        (DeepSpeed's unscale and clip, the Muon step's ``o``): :meth:`_step_scope` zeroes it after every step,
+        applied or skipped, before the next backward writes it. Elsewhere (a layout DeepSpeed changed, outside a
+        step) DeepSpeed's copy.
         """
         views = self.averaged_gradients.get(sub_group_id) if isinstance(self.averaged_gradients, dict) else None
         where = self._grad_slices.get(sub_group_id)
