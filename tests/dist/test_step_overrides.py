@@ -1,9 +1,11 @@
 """DeepSpeed's step paths that ds_muon replaces for speed give the same bits.
 
 ``MuonZeroOptimizer._prepare_fp32_grad_for_sub_group`` (ZeRO-3: the gradient read in place in DeepSpeed's flat
-buffer, or converted once, instead of DeepSpeed's concatenated copy) and ``DsMuonZeroSteps.unscale_and_clip_grads``
-(both stages: DeepSpeed's multiply by exactly 1 skipped) must change no value. Each case trains the parity model
-with them and again with both deleted from their classes (DeepSpeed's own methods then run), in one process group,
+buffer, or converted once, instead of DeepSpeed's concatenated copy),
+``MuonZero12Optimizer._get_preflattened_grad_partition`` (ZeRO-1/2: the partition assembled straight into fp32) and
+``DsMuonZeroSteps.unscale_and_clip_grads`` (both stages: DeepSpeed's multiply by exactly 1 skipped) must change no
+value. Each case trains the parity model
+with them and again with all three deleted from their classes (DeepSpeed's own methods then run), in one process group,
 and requires the end states equal bit for bit: weights, momentum, AdamW state, step counts. The oracle tests'
 tolerances (1e-5 relative) could not see a small difference; this can. CPU, gloo, W=2.
 """
@@ -29,16 +31,24 @@ CASES = [
     # the overlapped step with clipping that never fires: the skip decided by its clip decision on the host
     {"name": "overlap_clip_never", "clip": 1e6, "params": {"overlap_backward": True}},
     {"name": "zero2_overlap_clip_never", "clip": 1e6, "zero": {"stage": 2}, "params": {"overlap_backward": True}},
+    # ZeRO-1/2: the gradient partition assembled straight into fp32 (bf16 accumulation; W=2 pads the last rank's
+    # partition), with clipping that fires and without
+    {"name": "zero2_bf16_gas2_clip", "gas": 2, "clip": 0.5, "bf16": True, "zero": {"stage": 2}, "assembled": True},
+    {"name": "zero1_bf16", "bf16": True, "zero": {"stage": 1}, "assembled": True},
+    {"name": "zero2_fp32_no_contiguous", "gas": 2, "zero": {"stage": 2, "contiguous_gradients": False},
+     "assembled": True},
 ]
 
 
 @contextlib.contextmanager
 def deepspeeds_own_step_paths():
     """Delete ds_muon's two overrides from their classes for the block (DeepSpeed's methods run instead)."""
+    from ds_muon.integration.zero12 import MuonZero12Optimizer
     from ds_muon.integration.zero3 import MuonZeroOptimizer
     from ds_muon.integration.zero_common import DsMuonZeroSteps
-    saved = [(cls, name, cls.__dict__[name]) for cls, name in ((MuonZeroOptimizer, "_prepare_fp32_grad_for_sub_group"),
-                                                               (DsMuonZeroSteps, "unscale_and_clip_grads"))]
+    methods = ((MuonZeroOptimizer, "_prepare_fp32_grad_for_sub_group"), (DsMuonZeroSteps, "unscale_and_clip_grads"),
+               (MuonZero12Optimizer, "_get_preflattened_grad_partition"))
+    saved = [(cls, name, cls.__dict__[name]) for cls, name in methods]
     for cls, name, _ in saved:
         delattr(cls, name)
     try:
@@ -48,26 +58,39 @@ def deepspeeds_own_step_paths():
             setattr(cls, name, method)
 
 
-def _train(rank: int, case: dict) -> dict:
+def _train(rank: int, case: dict) -> tuple[dict, list[bool]]:
+    """The case's end state, and per ZeRO-1/2 param group step whether ds_muon assembled its gradient partition."""
     cfg = ds_config(gas=case.get("gas", 1), clip=case.get("clip", 0.0), **case.get("zero", {}))
     cfg["optimizer"]["params"].update(case.get("params", {}))
     if case.get("bf16"):
         cfg["bf16"] = {"enabled": True}
     torch.manual_seed(0)
     engine, _ = build_engine(cfg)
+    opt, assembled = engine.optimizer, []
+    if hasattr(opt, "single_partition_of_fp32_groups"):  # ZeRO-1/2: record what the hook returns
+        real = opt._get_preflattened_grad_partition
+
+        def recorded(i):
+            flat = real(i)
+            assembled.append(flat is not None and flat.dtype == torch.float32)
+            return flat
+
+        opt._get_preflattened_grad_partition = recorded
     train_engine(engine, STEPS, rank, case.get("gas", 1))
     state = state_snapshot(engine)
     engine.destroy()
-    return state
+    return state, assembled
 
 
 def _cases(rank: int, world_size: int) -> list[str]:
     done = []
     for case in CASES:
-        ours = _train(rank, case)
+        ours, assembled = _train(rank, case)
         with deepspeeds_own_step_paths():
-            theirs = _train(rank, case)
+            theirs, _ = _train(rank, case)
         assert_same_state(ours, theirs, f"{case['name']} W={world_size} rank {rank}")
+        if case.get("assembled"):
+            assert assembled and all(assembled), (case["name"], assembled)
         done.append(case["name"])
     return done
 
