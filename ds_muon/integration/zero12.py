@@ -219,27 +219,28 @@ class MuonZero12Optimizer(FlatCheckpointing, FlatOverlapHooks, DsMuonZeroSteps, 
         pieces, for DeepSpeed's step to use as the fp32 partition's ``.grad``.
 
         DeepSpeed's own hook returns its fp32 compact buffer where it keeps one (returned here unchanged);
-        otherwise its step concatenates the pieces (``averaged_gradients``, in the gradient accumulation dtype)
-        and converts the result to float32: with bfloat16 accumulation 6 bytes per element at the step's peak and
-        a pass more. Here, inside a step without CPU offload, the pieces are copied once into a new
-        ``(partition_size,)`` float32 tensor (4 bytes per element; DeepSpeed's conversion is then a no-op) with
-        zeros past the last piece, as DeepSpeed pads the last rank's partition: the same values in the same places
-        (``tests/dist/test_step_overrides.py``, bit for bit). None (DeepSpeed's path) where the pieces are not a
-        list of tensors or would not fit the partition."""
+        otherwise its step concatenates the pieces (``averaged_gradients``: this rank's part of each parameter's
+        gradient and a zeros piece for the partition's padding, in the gradient accumulation dtype) and converts
+        the result to float32. With bfloat16 (or float16) pieces and more than one of them that is two copies,
+        6 bytes per element at the step's peak; here, inside a step, they are copied once into a new
+        ``(partition_size,)`` float32 tensor (4 bytes per element, one pass less; DeepSpeed's conversion is then a
+        no-op): the same values in the same places (``tests/dist/test_step_overrides.py``, bit for bit). None
+        (DeepSpeed's path) where that gains nothing or might differ: float32 pieces (DeepSpeed's concatenation is
+        already the only copy, or a view of a single piece), a single piece, CPU offload, ZenFlow, or pieces that
+        are not tensors summing to the partition's size."""
         flat = super()._get_preflattened_grad_partition(group_idx)
-        if flat is not None or not self._stepping or self.cpu_offload:
+        if flat is not None or not self._stepping or self.cpu_offload or getattr(self, "zenflow", False):
             return flat
         pieces = (self.averaged_gradients or {}).get(group_idx)
-        numel = int(self.partition_size[group_idx])
-        if not isinstance(pieces, list) or not pieces or not all(torch.is_tensor(t) for t in pieces):
+        target = self.single_partition_of_fp32_groups[group_idx].dtype
+        if (not isinstance(pieces, list) or len(pieces) < 2 or not all(torch.is_tensor(t) for t in pieces)
+                or all(t.dtype == target for t in pieces)):
             return None
         sizes = [t.numel() for t in pieces]
-        if sum(sizes) > numel:
+        if sum(sizes) != int(self.partition_size[group_idx]):
             return None
-        out = torch.empty(numel, dtype=self.single_partition_of_fp32_groups[group_idx].dtype, device=pieces[0].device)
-        parts = out.split(sizes + [numel - sum(sizes)])
-        torch._foreach_copy_(list(parts[:len(pieces)]), [t.reshape(-1) for t in pieces])
-        parts[-1].zero_()
+        out = torch.empty(sum(sizes), dtype=target, device=pieces[0].device)
+        torch._foreach_copy_(list(out.split(sizes)), [t.reshape(-1) for t in pieces])
         return out
 
     def _clean_after_step(self) -> None:
