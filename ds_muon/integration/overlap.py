@@ -279,19 +279,17 @@ class OverlapHooks:
                 self._overlap_clip = bool(self._clip_fires(self._global_grad_norm))
         return self._overlap_clip
 
-    def _grad_scale_is_one(self) -> bool:
-        """:meth:`DsMuonZeroSteps._grad_scale_is_one`, and also, with the overlapped step built and a loss scale of
-        1, clipping that does not fire this step (:meth:`_clip_fired`, which every Muon sub-group's commit reads
-        anyway): at ZeRO-3 computed ahead and read without a wait; at ZeRO-1/2 from DeepSpeed's global norm where
-        its step has read that norm on the host already (its overflow check: a dtype other than bfloat16, or
+    def _clip_known_not_to_fire(self) -> bool:
+        """:meth:`DsMuonZeroSteps._clip_known_not_to_fire` (asked with clipping on and a loss scale of 1): with the
+        overlapped step built, :meth:`_clip_fired`, which every Muon sub-group's commit reads anyway: at ZeRO-3
+        computed ahead and read without a wait; at ZeRO-1/2 from DeepSpeed's global norm where its step has read
+        that norm on the host already (its overflow check: a dtype other than bfloat16, or
         ``check_grad_overflow``), else not decided here (reading it would wait for the device)."""
-        if super()._grad_scale_is_one():
-            return True
-        scale, ahead = self.loss_scale, self._overlap_clip_ahead
-        if self.speculative is None or not isinstance(scale, (int, float)) or scale != 1:
+        if self.speculative is None:
             return False
+        ahead = self._overlap_clip_ahead
         if ahead is not None:
-            return ahead[0] == scale and not self._clip_fired()
+            return ahead[0] == self.loss_scale and not self._clip_fired()
         norm_read = getattr(self, "dtype", None) != torch.bfloat16 or bool(getattr(self, "check_grad_overflow", False))
         return norm_read and getattr(self, "_global_grad_norm", None) is not None and not self._clip_fired()
 

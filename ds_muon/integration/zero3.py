@@ -142,7 +142,7 @@ class MuonZeroOptimizer(ZeroCheckpointing, OverlapHooks, DsMuonZeroSteps, DeepSp
         applied or skipped, before the next backward writes it. Elsewhere (a layout DeepSpeed changed, outside a
         step) DeepSpeed's copy.
         """
-        views = self.averaged_gradients.get(sub_group_id) if isinstance(self.averaged_gradients, dict) else None
+        views = self.averaged_gradients.get(sub_group_id)  # DeepSpeed's ZeRO-3 keeps a dict
         where = self._grad_slices.get(sub_group_id)
         buffer = getattr(self, "grad_partitions_flat_buffer", None)
         fp32 = self.fp32_partitioned_groups_flat[sub_group_id]

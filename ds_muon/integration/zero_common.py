@@ -318,10 +318,15 @@ class DsMuonZeroSteps:
     def _grad_scale_is_one(self) -> bool:
         """Whether DeepSpeed's ``unscale_and_clip_grads`` multiplies the gradient by exactly 1 this step, as known on
         the host without waiting for the device: the loss scale is 1 (a Python number: bf16, fp32) and clipping is
-        off. :class:`~ds_muon.integration.overlap.OverlapHooks` adds clipping that does not fire, where the
-        overlapped step has that decision on the host already."""
+        off or known not to fire (:meth:`_clip_known_not_to_fire`)."""
         scale = self.loss_scale
-        return isinstance(scale, (int, float)) and scale == 1 and self.clip_grad <= 0.
+        return (isinstance(scale, (int, float)) and scale == 1
+                and (self.clip_grad <= 0. or self._clip_known_not_to_fire()))
+
+    def _clip_known_not_to_fire(self) -> bool:
+        """Whether clipping, which is on, is known on the host without a wait not to fire this step: here never;
+        :class:`~ds_muon.integration.overlap.OverlapHooks` knows it where the overlapped step has that decision."""
+        return False
 
     def unscale_and_clip_grads(self, *args, **kwargs):
         """DeepSpeed's (either stage's signature), skipped inside a step where its factor
