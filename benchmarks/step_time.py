@@ -125,7 +125,19 @@ def bench_options(spec: str) -> dict:
     above makes backward's host wait for, then take the SMs ahead of the speculative Newton–Schulz's pending
     blocks on the side stream (and of backward's own kernels) instead of after them;
     ``bench.split_groups=true`` (an adamw arm) builds the engine with two parameter groups, the Muon engines'
-    split (:func:`model_parameters`);
+    split (:func:`model_parameters`); ``bench.compile_probe=true`` (an adamw arm) runs ds_muon's compiled
+    Newton–Schulz once on the device before the engine is built (:func:`compile_probe`), so that torch.compile,
+    inductor and a Triton kernel have run in AdamW's process as in the Muon engines' (issue 40: the forward's
+    host surcharge that both Muon engines pay at MoE-1.5B and AdamW with their parameter groups does not);
+    ``bench.matmul_burst_s=S`` (any arm) keeps the device busy with bf16 matmuls for about S seconds before every
+    step of the warm-up and the timed steps, outside the timed window (:func:`matmul_burst`): an AdamW arm then
+    starts each forward on a GPU that has just run dense matmuls, as the Muon engines' forward follows their
+    Newton–Schulz (a test of whether that state, such as a lowered clock, makes MoE-1.5B's forward, which waits on
+    the GPU at its ``torch.where`` syncs, slower); the loop column runs without it;
+    ``bench.memory_peak=P`` (P ``"fwd_bwd"`` or ``"step"``; any arm) runs one more step after the timed ones and
+    the loop with the CUDA caching allocator's history recorded over phase P, and reports what was allocated in
+    that phase and still held at its peak, by the line of ds_muon or DeepSpeed that asked for it
+    (:func:`peak_allocations`; the recorded step is not timed);
     ``bench.quintic_form=F`` (a ds_muon arm; F in ``QUINTIC_FORMS``, e.g. ``sym4``) runs Newton–Schulz in that
     form (``ds_muon.core.newton_schulz.QUINTIC_FORM`` set in the worker before the engine is built), so that a
     form the microbenchmark favours is timed end to end against the default in the same run. Keys ``opt.*`` set
@@ -133,8 +145,10 @@ def bench_options(spec: str) -> dict:
 
     Raises:
         ValueError: ``bench.alternate_overlap`` or ``bench.quintic_form`` on an arm that is not ds_muon's,
-            ``bench.split_groups`` on one that is not adamw;
-            ``bench.reduce_events`` not an integer >= 1; ``bench.reduce_stream_priority`` not a negative integer;
+            ``bench.split_groups`` or ``bench.compile_probe`` on one that is not adamw;
+            ``bench.matmul_burst_s`` not a number > 0; ``bench.memory_peak`` not in ``MEMORY_PHASES``;
+            ``bench.reduce_events`` not an integer >= 1;
+            ``bench.reduce_stream_priority`` not a negative integer;
             ``bench.quintic_form`` not in ``QUINTIC_FORMS``.
     """
     kind, overrides = parse_arm(spec)
@@ -153,6 +167,14 @@ def bench_options(spec: str) -> dict:
     if options.get("split_groups") and kind != "adamw":
         raise ValueError(f"arm {spec!r}: bench.split_groups gives AdamW the Muon engines' two parameter groups; use "
                          "it on an adamw arm")
+    if options.get("compile_probe") and kind != "adamw":
+        raise ValueError(f"arm {spec!r}: bench.compile_probe runs ds_muon's compiled Newton-Schulz in AdamW's process; "
+                         "use it on an adamw arm (the Muon engines compile their own)")
+    if options.get("memory_peak") is not None and options["memory_peak"] not in MEMORY_PHASES:
+        raise ValueError(f"arm {spec!r}: bench.memory_peak={options['memory_peak']!r} is not one of {MEMORY_PHASES}")
+    burst = options.get("matmul_burst_s")
+    if burst is not None and (isinstance(burst, bool) or not isinstance(burst, (int, float)) or not burst > 0):
+        raise ValueError(f"arm {spec!r}: bench.matmul_burst_s={burst!r} is not a number of seconds > 0")
     form = options.get("quintic_form")
     if form is not None:
         sys.path.insert(0, REPO)  # this checkout's ds_muon, as the worker imports it
@@ -178,6 +200,141 @@ def model_parameters(model, options: dict):
     muon = select_muon_params(model).use_muon
     named = list(model.named_parameters())
     return [{"params": [p for n, p in named if muon.get(n)]}, {"params": [p for n, p in named if not muon.get(n)]}]
+
+
+#: The phases ``bench.memory_peak`` records: the forward and backward, or the optimizer step (``engine.step()``).
+MEMORY_PHASES = ("fwd_bwd", "step")
+#: Frames ``peak_allocations`` names an allocation by: the innermost one in a file under one of these folders.
+MEMORY_OWNERS = ("/ds_muon/", "/deepspeed/", "/examples/", "/benchmarks/")
+
+
+def _allocation_site(frames) -> str:
+    """``path:line function`` of the innermost frame of ``frames`` (the allocator's trace, innermost first) in a file
+    under one of :data:`MEMORY_OWNERS`, its path from that folder on; else the innermost frame's; ``"?"`` if none."""
+    frames = list(frames or ())
+    for f in frames:
+        name = f.get("filename", "")
+        for owner in MEMORY_OWNERS:
+            if owner in name:
+                return f"{owner.strip('/')}/{name.split(owner, 1)[1]}:{f.get('line')} {f.get('name')}"
+    if frames:
+        f = frames[0]
+        return f"{os.path.basename(f.get('filename', ''))}:{f.get('line')} {f.get('name')}"
+    return "?"
+
+
+def peak_allocations(trace: list, baseline: int, top: int = 12) -> dict:
+    """What one phase allocated and still held at its peak, from the CUDA caching allocator's history.
+
+    ``trace``: one device's ``torch.cuda.memory._snapshot()["device_traces"]`` entries over the phase (dicts with
+    ``action``, ``addr``, ``size`` in bytes, ``frames``, innermost first); ``baseline``: bytes allocated when the
+    recording started. Replays ``alloc`` and the program's frees (``free_requested``; ``free_completed`` where the
+    trace has no ``free_requested``), including frees of blocks allocated before the recording, finds the event at
+    which the allocated bytes peak, and groups the blocks allocated in the phase and live there by
+    :func:`_allocation_site`.
+
+    Returns:
+        ``{"baseline_gib", "peak_gib"`` (baseline + the phase's peak net allocation), ``"phase_gib"`` (that net
+        allocation; frees of older blocks count against it), ``"live_gib"`` (the phase's blocks live at the peak),
+        ``"groups"``: ``[[site, GiB, blocks], ...]`` largest first, at most ``top``, ``"other_gib"``: the rest,
+        ``"events"``: entries replayed}.
+    """
+    free_action = "free_requested" if any(e.get("action") == "free_requested" for e in trace) else "free_completed"
+    total = best = 0
+    best_at = -1
+    for i, e in enumerate(trace):
+        if e.get("action") == "alloc":
+            total += e["size"]
+            if total > best:
+                best, best_at = total, i
+        elif e.get("action") == free_action:
+            total -= e["size"]
+    live: dict = {}
+    for e in trace[:best_at + 1]:
+        if e.get("action") == "alloc":
+            live[e["addr"]] = e
+        elif e.get("action") == free_action:
+            live.pop(e["addr"], None)
+    groups: dict = {}
+    for e in live.values():
+        site = _allocation_site(e.get("frames"))
+        size, count = groups.get(site, (0, 0))
+        groups[site] = (size + e["size"], count + 1)
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])
+    return {"baseline_gib": baseline / 2**30, "peak_gib": (baseline + best) / 2**30, "phase_gib": best / 2**30,
+            "live_gib": sum(e["size"] for e in live.values()) / 2**30,
+            "groups": [[site, size / 2**30, count] for site, (size, count) in ranked[:top]],
+            "other_gib": sum(size for _, (size, _) in ranked[top:]) / 2**30, "events": best_at + 1}
+
+
+def recorded_peak(engine, x, device, phase: str) -> dict:
+    """``bench.memory_peak``: one step of ``engine`` on the batch ``x`` (token ids ``[micro_batch, seq + 1]``) with
+    the caching allocator's history (Python frames) recorded over ``phase`` (:data:`MEMORY_PHASES`), the other
+    phase run as usual; :func:`peak_allocations` of it, with ``max_allocated_gib``: the allocator's own peak over
+    the phase (a check of the replay). CUDA only."""
+    import torch
+    record = torch.cuda.memory._record_memory_history
+
+    def recorded(fn):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        baseline = torch.cuda.memory_allocated(device)
+        record(enabled="all", context="alloc", stacks="python", max_entries=2_000_000, clear_history=True)
+        try:
+            fn()
+            torch.cuda.synchronize()
+            traces = torch.cuda.memory._snapshot(device)["device_traces"]
+        finally:
+            record(enabled=None)
+        trace = traces[device.index] if device.index is not None and len(traces) > device.index else traces[0]
+        return dict(peak_allocations(trace, baseline), phase=phase,
+                    max_allocated_gib=torch.cuda.max_memory_allocated(device) / 2**30)
+
+    def fwd_bwd():
+        engine.backward(engine(x[:, :-1], x[:, 1:]))
+
+    if phase == "fwd_bwd":
+        out = recorded(fwd_bwd)
+        engine.step()
+    else:
+        fwd_bwd()
+        out = recorded(engine.step)
+    torch.cuda.synchronize()
+    return out
+
+
+def matmul_burst(device, seconds: float, size: int = 4096) -> int:
+    """``bench.matmul_burst_s``: bf16 matmuls of ``size`` x ``size`` on ``device``, one after another, until about
+    ``seconds`` of wall time have passed, then wait for the device; the inputs are freed on return (the caching
+    allocator keeps their blocks). Returns the number of matmuls run (> 0)."""
+    import torch
+    device = torch.device(device)
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    n, t0 = 0, time.perf_counter()
+    while True:
+        for _ in range(8):
+            a @ b
+        n += 8
+        _sync(device)
+        if time.perf_counter() - t0 >= seconds:
+            return n
+
+
+def compile_probe(device, backend: str = "inductor") -> None:
+    """``bench.compile_probe``: run ds_muon's compiled Newton–Schulz
+    (``ds_muon.core.ns_compile.compiled_orthogonalize``, 5 steps, bf16) once on a (2, 256, 512) bf16 batch on
+    ``device`` and wait for it (the finiteness check reads the result on the host): torch.compile, inductor and
+    (on CUDA) a Triton kernel have then run in the process, as in every Muon engine's, with no other change to an
+    AdamW arm. Raises RuntimeError where the result has another shape or a non-finite value. ``backend``
+    ``"eager"`` for the CPU tests (inductor needs a C++ compiler there)."""
+    import torch
+    from ds_muon.core.ns_compile import compiled_orthogonalize
+    fn = compiled_orthogonalize(steps=5, dtype=torch.bfloat16, backend=backend, mode=None)
+    out = fn(torch.randn(2, 256, 512, device=device, dtype=torch.bfloat16))
+    if out.shape != (2, 256, 512) or not torch.isfinite(out.float()).all():
+        raise RuntimeError(f"bench.compile_probe: the compiled Newton-Schulz returned {tuple(out.shape)}, "
+                           "or a non-finite value")
 
 
 def build_engine(kind: str, model, cfg: dict, options: dict):
@@ -800,6 +957,8 @@ def worker(args) -> None:
     # no per-head max-logit recording (MuonClip): its cost is measured apart, by benchmarks/max_logit_cost.py
     model = CausalLM(ModelConfig.preset(args.model, max_seq_len=args.seq_len, record_max_logits=False))
     n_params = sum(p.numel() for p in model.parameters())
+    if options.get("compile_probe"):
+        compile_probe(device)
     engine = build_engine(kind, model, cfg, options)
     vocab = model.cfg.vocab_size
     reduce_events = options.get("reduce_events")
@@ -837,6 +996,8 @@ def worker(args) -> None:
         if paused:
             pause.enter_context(engine.optimizer.overlap_paused())
         stats0 = dict(engine.optimizer.overlap_stats) if alternate else None
+        if options.get("matmul_burst_s"):
+            matmul_burst(device, options["matmul_burst_s"])
         events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]  # start, backward's end, step, forward
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
@@ -914,6 +1075,10 @@ def worker(args) -> None:
     profile = None
     if args.profile:  # every arm: AdamW's profile is the fwd+bwd baseline
         profile = profile_steps(engine, vocab, args, g, device)
+    memory_peak = None
+    if options.get("memory_peak"):
+        x = torch.randint(0, vocab, (args.micro_batch, args.seq_len + 1), generator=g).to(device)
+        memory_peak = recorded_peak(engine, x, device, options["memory_peak"])
     samples, medians = step_medians(samples)
     result = dict(optimizer=args.optimizer, samples=samples, **medians,
                   peak_gib=max(peak_fwd_bwd, peak_step) / 2**30, peak_fwd_bwd_gib=peak_fwd_bwd / 2**30,
@@ -924,12 +1089,20 @@ def worker(args) -> None:
                   # it had to free its cache and retry a cudaMalloc (memory pressure: a device sync each time)
                   peak_reserved_gib=peak_reserved / 2**30,
                   alloc_retries=torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+    if memory_peak is not None:
+        result["memory_peak"] = memory_peak
     result["cpu_affinity"] = sorted(os.sched_getaffinity(0))  # the cores this worker may run on (--taskset)
     if alternate:
         result["paused_samples"], result["overlapped_flags"] = paused_samples, overlapped_flags
     result["reduce_bucket_size"] = int(engine.zero_reduce_bucket_size())  # elements: as set, or ds_muon's choice
+    from torch._dynamo.utils import counters
+    # every arm's torch.compile activity (the built-in compiles its Newton-Schulz too: its optimizer step moved
+    # between sessions, 0.130 to 0.233 s at 934M, with its state and peak unchanged): graphs built, frames seen
+    # (total) and compiled (ok), graph breaks
+    result["dynamo_counters"] = {k: dict(counters[k]) for k in ("stats", "frames") if k in counters}
+    breaks = counters["graph_break"] if "graph_break" in counters else {}
+    result["dynamo_counters"]["graph_breaks"] = sum(breaks.values())
     if kind.startswith("ds_muon"):
-        from torch._dynamo.utils import counters
         result["compiled_graphs"] = int(counters["stats"].get("unique_graphs", 0))
         plans = engine.optimizer.muon_plans.values()
         result["imbalance"] = max(p.imbalance() for p in plans)
@@ -1422,6 +1595,15 @@ def place_table(results: dict) -> list[str]:
             "|---|---|---|---|---|---|---|"] + rows
 
 
+def memory_peak_text(m: dict) -> str:
+    """One table cell of :func:`recorded_peak`'s result (the first round's)."""
+    sites = "; ".join(f"{site} {gib:.2f} ({count})" for site, gib, count in m["groups"])
+    return (f"memory at the {m['phase']} peak (one recorded step): {m['peak_gib']:.2f} GiB = "
+            f"{m['baseline_gib']:.2f} held at the phase's start + {m['phase_gib']:.2f} net in it "
+            f"(allocator's peak {m['max_allocated_gib']:.2f}); the phase's blocks live there, {m['live_gib']:.2f} "
+            f"GiB, by site (GiB, blocks): {sites}" + (f"; other {m['other_gib']:.2f}" if m["other_gib"] else ""))
+
+
 def print_table(results: dict) -> None:
     ok = {k: v for k, v in results.items() if "error" not in v}
     rounds = max([v.get("rounds", 1) for v in results.values()] or [1])
@@ -1472,6 +1654,8 @@ def print_table(results: dict) -> None:
         if "peak_reserved_gib" in v:
             print(f"| {k} | memory: peak reserved by the caching allocator {v['peak_reserved_gib']:.1f} GiB, "
                   f"cudaMalloc retries after freeing its cache {v.get('alloc_retries', 0)} |")
+        if v.get("memory_peak"):
+            print(f"| {k} | {memory_peak_text(v['memory_peak'])} |")
         if v.get("round_errors"):
             print(f"| {k} | {len(v['round_errors'])} of {v['rounds']} rounds failed: {'; '.join(v['round_errors'])} |")
     for k, v in results.items():

@@ -643,3 +643,132 @@ def test_wait_clock_times_the_hosts_waits_and_the_table_prints_them(capsys) -> N
     line = next(x for x in capsys.readouterr().out.splitlines() if "fwd+bwd diagnostics" in x)
     assert "waiting on the GPU (Event/Stream/device synchronize): forward 0.002" in line
     assert "backward 0.030" in line
+
+
+def test_compile_probe_is_an_adamw_option_and_runs_ds_muons_compiled_newton_schulz(monkeypatch) -> None:
+    """``bench.compile_probe=true`` is refused on any arm but adamw, and :func:`step_time.compile_probe` runs ds_muon's
+    compiled Newton–Schulz (``compiled_orthogonalize``) once: the call is counted through the same function the
+    Muon engines compile, with the backend the probe passes."""
+    import torch
+    from ds_muon.core import ns_compile
+    assert step_time.bench_options("adamw:bench.compile_probe=true") == {"compile_probe": True}
+    for arm in ("ds_muon:bench.compile_probe=true", "builtin_muon:bench.compile_probe=true"):
+        with pytest.raises(ValueError, match="use it on an adamw arm"):
+            step_time.bench_options(arm)
+    seen = []
+    real = ns_compile.compiled_orthogonalize
+
+    def spy(*args, **kwargs):
+        fn = real(*args, **kwargs)
+        seen.append(kwargs.get("backend"))
+        return lambda x: seen.append(tuple(x.shape)) or fn(x)
+
+    monkeypatch.setattr(ns_compile, "compiled_orthogonalize", spy)
+    step_time.compile_probe(torch.device("cpu"), backend="eager")
+    assert seen == ["eager", (2, 256, 512)]
+
+
+def test_matmul_burst_is_checked_and_keeps_the_device_busy_for_its_seconds() -> None:
+    """``bench.matmul_burst_s=S`` takes a number of seconds > 0 on any arm (anything else is refused before a worker
+    starts), and :func:`step_time.matmul_burst` runs matmuls, in groups of 8, until S seconds have passed."""
+    import time
+
+    import torch
+    assert step_time.bench_options("adamw:bench.matmul_burst_s=0.25") == {"matmul_burst_s": 0.25}
+    assert "bench.matmul_burst_s=0.25" in step_time.arm_settings("adamw:bench.matmul_burst_s=0.25", 4)
+    for value in ("0", "-1", "true", "\"x\""):
+        with pytest.raises(ValueError, match="not a number of seconds > 0"):
+            step_time.bench_options(f"adamw:bench.matmul_burst_s={value}")
+    t0 = time.perf_counter()
+    n = step_time.matmul_burst(torch.device("cpu"), 0.05, size=64)
+    took = time.perf_counter() - t0
+    assert n >= 8 and n % 8 == 0
+    assert took >= 0.05
+
+
+def _alloc(addr, size, filename="/x/ds_muon/sharded/overlap.py", line=1, name="f", action="alloc"):
+    return {"action": action, "addr": addr, "size": size,
+            "frames": [{"filename": "/t/torch/nn/functional.py", "line": 9, "name": "linear"},
+                       {"filename": filename, "line": line, "name": name}]}
+
+
+def test_peak_allocations_replays_the_phase_and_names_what_is_live_at_its_peak() -> None:
+    """``bench.memory_peak``: :func:`step_time.peak_allocations` replays allocations and the program's frees, counts
+    frees of blocks allocated before the recording against the phase, stops at the first event of the peak, and
+    groups the phase's blocks live there by the innermost ds_muon/DeepSpeed frame; the option takes only a phase of
+    ``MEMORY_PHASES``."""
+    gib = 2**30
+    trace = [
+        _alloc(1, 2 * gib, "/s/deepspeed/runtime/zero/stage_1_and_2.py", 10, "step"),
+        _alloc(2, 1 * gib, "/r/ds_muon/integration/zero12.py", 20, "grad"),
+        _alloc(1, 2 * gib, action="free_requested"),
+        _alloc(1, 2 * gib, action="free_completed"),   # ignored: free_requested is in the trace
+        _alloc(3, 3 * gib, "/r/ds_muon/integration/zero12.py", 20, "grad"),   # peak: 1 + 3 = 4 GiB net
+        _alloc(99, 5 * gib, action="free_requested"),  # a block from before the recording
+        _alloc(4, 4 * gib, "/r/ds_muon/sharded/overlap.py", 30, "commit"),   # net 3 GiB: not a new peak
+    ]
+    out = step_time.peak_allocations(trace, baseline=10 * gib)
+    assert out["baseline_gib"] == 10 and out["phase_gib"] == 4 and out["peak_gib"] == 14 and out["live_gib"] == 4
+    assert out["events"] == 5
+    assert out["groups"] == [["ds_muon/integration/zero12.py:20 grad", 4.0, 2]]
+    assert out["other_gib"] == 0
+    # a trace without free_requested frees on free_completed; the peak is the first event reaching it
+    completed = [dict(e, action="free_completed") if e["action"] == "free_requested" else e
+                 for e in trace if e["action"] != "free_completed"]
+    assert step_time.peak_allocations(completed, baseline=0)["phase_gib"] == 4
+    # no frame of an owner folder: the innermost frame; no frames at all: "?"
+    bare = [{"action": "alloc", "addr": 5, "size": gib, "frames": [{"filename": "/t/torch/a.py", "line": 3,
+                                                                     "name": "g"}]},
+            {"action": "alloc", "addr": 6, "size": gib, "frames": []}]
+    assert [g[0] for g in step_time.peak_allocations(bare, 0)["groups"]] == ["a.py:3 g", "?"]
+    text = step_time.memory_peak_text(dict(out, phase="step", max_allocated_gib=14.0))
+    assert "memory at the step peak" in text and "ds_muon/integration/zero12.py:20 grad 4.00 (2)" in text
+    assert step_time.bench_options("adamw:bench.memory_peak=step") == {"memory_peak": "step"}
+    with pytest.raises(ValueError, match="is not one of"):
+        step_time.bench_options("adamw:bench.memory_peak=optimizer")
+
+
+def test_recorded_peak_records_only_the_chosen_phase_and_runs_the_whole_step(monkeypatch) -> None:
+    """:func:`step_time.recorded_peak` (CUDA's allocator history, stood in for here): the history is on exactly over
+    the chosen phase, the other phase still runs (one whole training step either way), the device's trace is the
+    one replayed, and the recording is switched off even where the phase raises."""
+    import torch
+    calls = []
+    gib = 2**30
+    trace = [_alloc(1, gib, "/r/ds_muon/integration/zero12.py", 7, "grad")]
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 3 * gib)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 4 * gib)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
+                        lambda enabled="all", **kw: calls.append(("record", enabled)))
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda *a: {"device_traces": [[], trace]})
+
+    class Engine:
+        def __call__(self, x, y):
+            calls.append("forward")
+            return x
+
+        def backward(self, loss):
+            calls.append("backward")
+
+        def step(self):
+            calls.append("step")
+
+    x = torch.zeros(2, 5, dtype=torch.long)
+    out = step_time.recorded_peak(Engine(), x, torch.device("cuda", 1), "step")
+    assert calls == ["forward", "backward", ("record", "all"), "step", ("record", None)]
+    assert out["phase"] == "step" and out["peak_gib"] == 4 and out["max_allocated_gib"] == 4
+    assert out["groups"] == [["ds_muon/integration/zero12.py:7 grad", 1.0, 1]]
+    calls.clear()
+    step_time.recorded_peak(Engine(), x, torch.device("cuda", 1), "fwd_bwd")
+    assert calls == [("record", "all"), "forward", "backward", ("record", None), "step"]
+
+    class Failing(Engine):
+        def step(self):
+            raise RuntimeError("boom")
+
+    calls.clear()
+    with pytest.raises(RuntimeError, match="boom"):
+        step_time.recorded_peak(Failing(), x, torch.device("cuda", 1), "step")
+    assert calls[-1] == ("record", None)
