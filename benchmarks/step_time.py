@@ -134,6 +134,12 @@ def bench_options(spec: str) -> dict:
     starts each forward on a GPU that has just run dense matmuls, as the Muon engines' forward follows their
     Newton–Schulz (a test of whether that state, such as a lowered clock, makes MoE-1.5B's forward, which waits on
     the GPU at its ``torch.where`` syncs, slower); the loop column runs without it;
+    ``bench.stream_priority=P`` (a negative integer; any arm) makes a CUDA stream of priority P the worker's current
+    stream before the engine is built (:func:`use_priority_stream`), so forward, backward and the step launch at a
+    higher priority than the default of DeepSpeed's own streams and of ds_muon's side stream (0, CUDA's lowest):
+    the block scheduler then takes backward's blocks ahead of the speculated Newton–Schulz's pending ones, which
+    fill the SMs backward leaves (a test of how much of backward's waiting on the GPU that removes, and how much
+    spill it adds);
     ``bench.memory_peak=P`` (P ``"fwd_bwd"`` or ``"step"``; any arm) runs one more step after the timed ones and
     the loop with the CUDA caching allocator's history recorded over phase P, and reports what was allocated in
     that phase and still held at its peak, by the line of ds_muon or DeepSpeed that asked for it
@@ -148,7 +154,7 @@ def bench_options(spec: str) -> dict:
             ``bench.split_groups`` or ``bench.compile_probe`` on one that is not adamw;
             ``bench.matmul_burst_s`` not a number > 0; ``bench.memory_peak`` not in ``MEMORY_PHASES``;
             ``bench.reduce_events`` not an integer >= 1;
-            ``bench.reduce_stream_priority`` not a negative integer;
+            ``bench.reduce_stream_priority`` or ``bench.stream_priority`` not a negative integer;
             ``bench.quintic_form`` not in ``QUINTIC_FORMS``.
     """
     kind, overrides = parse_arm(spec)
@@ -170,6 +176,11 @@ def bench_options(spec: str) -> dict:
     if options.get("compile_probe") and kind != "adamw":
         raise ValueError(f"arm {spec!r}: bench.compile_probe runs ds_muon's compiled Newton-Schulz in AdamW's process; "
                          "use it on an adamw arm (the Muon engines compile their own)")
+    main_priority = options.get("stream_priority")
+    if main_priority is not None and (isinstance(main_priority, bool) or not isinstance(main_priority, int)
+                                      or main_priority >= 0):
+        raise ValueError(f"arm {spec!r}: bench.stream_priority={main_priority!r} is not a negative integer (a CUDA "
+                         "stream priority above the default stream's 0)")
     if options.get("memory_peak") is not None and options["memory_peak"] not in MEMORY_PHASES:
         raise ValueError(f"arm {spec!r}: bench.memory_peak={options['memory_peak']!r} is not one of {MEMORY_PHASES}")
     burst = options.get("matmul_burst_s")
@@ -200,6 +211,18 @@ def model_parameters(model, options: dict):
     muon = select_muon_params(model).use_muon
     named = list(model.named_parameters())
     return [{"params": [p for n, p in named if muon.get(n)]}, {"params": [p for n, p in named if not muon.get(n)]}]
+
+
+def use_priority_stream(device, priority: int):
+    """``bench.stream_priority``: a new stream on ``device`` at CUDA priority ``priority`` (clamped by CUDA to the
+    device's range, ``torch.cuda.Stream.priority_range()``), made the current stream; returned. Everything the
+    worker launches after this, the engine's build included, goes to it unless code picks another stream: ds_muon
+    still allocates its stashes on the default stream (their blocks then serve no activation on this one, so the
+    peak may read higher) and its commit waits on the side stream from the current one, as in any run."""
+    import torch
+    stream = torch.cuda.Stream(device=device, priority=priority)
+    torch.cuda.set_stream(stream)
+    return stream
 
 
 #: The phases ``bench.memory_peak`` records: the forward and backward, or the optimizer step (``engine.step()``).
@@ -959,6 +982,8 @@ def worker(args) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     if options.get("compile_probe"):
         compile_probe(device)
+    if options.get("stream_priority") is not None:
+        use_priority_stream(device, options["stream_priority"])
     engine = build_engine(kind, model, cfg, options)
     vocab = model.cfg.vocab_size
     reduce_events = options.get("reduce_events")

@@ -772,3 +772,23 @@ def test_recorded_peak_records_only_the_chosen_phase_and_runs_the_whole_step(mon
     with pytest.raises(RuntimeError, match="boom"):
         step_time.recorded_peak(Failing(), x, torch.device("cuda", 1), "step")
     assert calls[-1] == ("record", None)
+
+
+def test_stream_priority_is_checked_and_makes_a_priority_stream_current(monkeypatch) -> None:
+    """``bench.stream_priority=P`` takes a negative integer (anything else is refused before a worker starts), and
+    :func:`step_time.use_priority_stream` makes a new stream of that priority on the worker's device current."""
+    import torch
+    assert step_time.bench_options("ds_muon:bench.stream_priority=-1") == {"stream_priority": -1}
+    for value in ("0", "1", "-1.5", "true", "high"):
+        with pytest.raises(ValueError, match="bench.stream_priority=.* is not a negative integer"):
+            step_time.bench_options(f"adamw:bench.stream_priority={value}")
+    made, current = [], []
+
+    class Stream:
+        def __init__(self, device=None, priority=0):
+            made.append((device, priority))
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "set_stream", current.append)
+    stream = step_time.use_priority_stream(torch.device("cuda", 0), -2)
+    assert made == [(torch.device("cuda", 0), -2)] and current == [stream]
