@@ -214,11 +214,15 @@ def model_parameters(model, options: dict):
 
 
 def use_priority_stream(device, priority: int):
-    """``bench.stream_priority``: a new stream on ``device`` at CUDA priority ``priority`` (clamped by CUDA to the
-    device's range, ``torch.cuda.Stream.priority_range()``), made the current stream; returned. Everything the
-    worker launches after this, the engine's build included, goes to it unless code picks another stream: ds_muon
-    still allocates its stashes on the default stream (their blocks then serve no activation on this one, so the
-    peak may read higher) and its commit waits on the side stream from the current one, as in any run."""
+    """``bench.stream_priority``: a new stream on ``device`` at priority ``priority`` (lower is higher; PyTorch
+    clamps it to the few levels it keeps, e.g. −3 at most on an H100 whose CUDA range is [−5, 0]: the worker
+    records the stream's effective ``priority``), made the current stream; returned. Everything the worker
+    launches after this, the engine's build included, goes to it unless code picks another stream: DeepSpeed's
+    overlap streams and ds_muon's side stream wait on the current stream; ds_muon still allocates its stashes on
+    the default stream (their blocks then serve no activation on this one, so ``peak_reserved_gib`` may read
+    higher; the allocated peaks do not change) and its commit waits on the side stream from the current one, as
+    in any run. With ``overlap_comm`` false DeepSpeed's reduce and gather streams are the default stream, not
+    this one."""
     import torch
     stream = torch.cuda.Stream(device=device, priority=priority)
     torch.cuda.set_stream(stream)
@@ -232,17 +236,22 @@ MEMORY_OWNERS = ("/ds_muon/", "/deepspeed/", "/examples/", "/benchmarks/")
 
 
 def _allocation_site(frames) -> str:
-    """``path:line function`` of the innermost frame of ``frames`` (the allocator's trace, innermost first) in a file
-    under one of :data:`MEMORY_OWNERS`, its path from that folder on; else the innermost frame's; ``"?"`` if none."""
+    """Where a block was allocated, from its frames (the allocator's trace, innermost first): the innermost frame in a
+    file under one of :data:`MEMORY_OWNERS` (``path:line function``, the path from that folder on); else, for a
+    block that backward's autograd thread allocated (no Python frame there), the innermost autograd node among the
+    C++ frames (``autograd <node>``); else the innermost Python frame; ``"?"`` if none of these."""
     frames = list(frames or ())
     for f in frames:
         name = f.get("filename", "")
         for owner in MEMORY_OWNERS:
             if owner in name:
                 return f"{owner.strip('/')}/{name.split(owner, 1)[1]}:{f.get('line')} {f.get('name')}"
-    if frames:
-        f = frames[0]
-        return f"{os.path.basename(f.get('filename', ''))}:{f.get('line')} {f.get('name')}"
+    for f in frames:
+        if "Backward" in f.get("name", ""):
+            return f"autograd {f['name']}"
+    for f in frames:
+        if f.get("filename", "").endswith(".py"):
+            return f"{os.path.basename(f['filename'])}:{f.get('line')} {f.get('name')}"
     return "?"
 
 
@@ -250,19 +259,23 @@ def peak_allocations(trace: list, baseline: int, top: int = 12) -> dict:
     """What one phase allocated and still held at its peak, from the CUDA caching allocator's history.
 
     ``trace``: one device's ``torch.cuda.memory._snapshot()["device_traces"]`` entries over the phase (dicts with
-    ``action``, ``addr``, ``size`` in bytes, ``frames``, innermost first); ``baseline``: bytes allocated when the
-    recording started. Replays ``alloc`` and the program's frees (``free_requested``; ``free_completed`` where the
-    trace has no ``free_requested``), including frees of blocks allocated before the recording, finds the event at
-    which the allocated bytes peak, and groups the blocks allocated in the phase and live there by
-    :func:`_allocation_site`.
+    ``action``, ``addr``, ``size``, ``frames``, innermost first); the allocator records ``alloc`` and the frees
+    with the requested size in bytes (not the rounded block size that ``memory_allocated`` counts), and its
+    ``requested_bytes`` statistic drops at ``free_completed`` (the block is reusable; ``free_requested`` comes
+    earlier where other streams still use it). ``baseline``: requested bytes held when the recording started
+    (``memory_stats()["requested_bytes.all.current"]``). Replays ``alloc`` and ``free_completed``
+    (``free_requested`` where the trace has no ``free_completed``), including frees of blocks allocated before
+    the recording, finds the first event at which the held bytes peak, and groups the blocks allocated in the
+    phase and live there by :func:`_allocation_site`.
 
     Returns:
-        ``{"baseline_gib", "peak_gib"`` (baseline + the phase's peak net allocation), ``"phase_gib"`` (that net
+        ``{"baseline_gib", "peak_gib"`` (baseline + the phase's peak net allocation; equal to the allocator's
+        ``requested_bytes.all.peak`` over the phase where the whole phase was recorded), ``"phase_gib"`` (that net
         allocation; frees of older blocks count against it), ``"live_gib"`` (the phase's blocks live at the peak),
         ``"groups"``: ``[[site, GiB, blocks], ...]`` largest first, at most ``top``, ``"other_gib"``: the rest,
-        ``"events"``: entries replayed}.
+        ``"events"``: entries replayed up to the peak}.
     """
-    free_action = "free_requested" if any(e.get("action") == "free_requested" for e in trace) else "free_completed"
+    free_action = "free_completed" if any(e.get("action") == "free_completed" for e in trace) else "free_requested"
     total = best = 0
     best_at = -1
     for i, e in enumerate(trace):
@@ -290,38 +303,50 @@ def peak_allocations(trace: list, baseline: int, top: int = 12) -> dict:
             "other_gib": sum(size for _, (size, _) in ranked[top:]) / 2**30, "events": best_at + 1}
 
 
+#: Entries the allocator's history keeps (a ring: past it the oldest are overwritten, which ``recorded_peak`` flags).
+MEMORY_HISTORY_ENTRIES = 2_000_000
+
+
 def recorded_peak(engine, x, device, phase: str) -> dict:
     """``bench.memory_peak``: one step of ``engine`` on the batch ``x`` (token ids ``[micro_batch, seq + 1]``) with
-    the caching allocator's history (Python frames) recorded over ``phase`` (:data:`MEMORY_PHASES`), the other
-    phase run as usual; :func:`peak_allocations` of it, with ``max_allocated_gib``: the allocator's own peak over
-    the phase (a check of the replay). CUDA only."""
+    the caching allocator's history recorded over ``phase`` (:data:`MEMORY_PHASES`), the other phase run as usual;
+    :func:`peak_allocations` of it, with ``requested_peak_gib`` (the allocator's own ``requested_bytes`` peak over
+    the phase: the replay's ``peak_gib`` should equal it), ``max_allocated_gib`` (its peak in rounded blocks, as the
+    table's peak columns count) and ``wrapped`` (the history overflowed :data:`MEMORY_HISTORY_ENTRIES`: its oldest
+    entries are lost and the replay is incomplete). The forward and backward are recorded with C++ frames too
+    (``stacks="all"``): backward's blocks are allocated on autograd's thread, which has no Python frame, and its
+    C++ frames name the autograd node; the step with Python frames only. CUDA only."""
     import torch
     record = torch.cuda.memory._record_memory_history
 
-    def recorded(fn):
+    def requested(key: str) -> int:
+        return int(torch.cuda.memory_stats(device).get(f"requested_bytes.all.{key}", 0))
+
+    def recorded(fn, stacks: str):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
-        baseline = torch.cuda.memory_allocated(device)
-        record(enabled="all", context="alloc", stacks="python", max_entries=2_000_000, clear_history=True)
+        baseline = requested("current")
+        record(enabled="all", context="alloc", stacks=stacks, max_entries=MEMORY_HISTORY_ENTRIES, clear_history=True)
         try:
             fn()
             torch.cuda.synchronize()
             traces = torch.cuda.memory._snapshot(device)["device_traces"]
         finally:
             record(enabled=None)
-        trace = traces[device.index] if device.index is not None and len(traces) > device.index else traces[0]
-        return dict(peak_allocations(trace, baseline), phase=phase,
-                    max_allocated_gib=torch.cuda.max_memory_allocated(device) / 2**30)
+        trace = traces[device.index if device.index is not None else torch.cuda.current_device()]
+        return dict(peak_allocations(trace, baseline), phase=phase, requested_peak_gib=requested("peak") / 2**30,
+                    max_allocated_gib=torch.cuda.max_memory_allocated(device) / 2**30,
+                    wrapped=len(trace) >= MEMORY_HISTORY_ENTRIES)
 
     def fwd_bwd():
         engine.backward(engine(x[:, :-1], x[:, 1:]))
 
     if phase == "fwd_bwd":
-        out = recorded(fwd_bwd)
+        out = recorded(fwd_bwd, "all")
         engine.step()
     else:
         fwd_bwd()
-        out = recorded(engine.step)
+        out = recorded(engine.step, "python")
     torch.cuda.synchronize()
     return out
 
@@ -982,8 +1007,9 @@ def worker(args) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     if options.get("compile_probe"):
         compile_probe(device)
+    stream_priority = None
     if options.get("stream_priority") is not None:
-        use_priority_stream(device, options["stream_priority"])
+        stream_priority = use_priority_stream(device, options["stream_priority"]).priority
     engine = build_engine(kind, model, cfg, options)
     vocab = model.cfg.vocab_size
     reduce_events = options.get("reduce_events")
@@ -1116,6 +1142,8 @@ def worker(args) -> None:
                   alloc_retries=torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
     if memory_peak is not None:
         result["memory_peak"] = memory_peak
+    if stream_priority is not None:
+        result["stream_priority"] = stream_priority  # the effective one (PyTorch clamps the requested priority)
     result["cpu_affinity"] = sorted(os.sched_getaffinity(0))  # the cores this worker may run on (--taskset)
     if alternate:
         result["paused_samples"], result["overlapped_flags"] = paused_samples, overlapped_flags
@@ -1623,10 +1651,12 @@ def place_table(results: dict) -> list[str]:
 def memory_peak_text(m: dict) -> str:
     """One table cell of :func:`recorded_peak`'s result (the first round's)."""
     sites = "; ".join(f"{site} {gib:.2f} ({count})" for site, gib, count in m["groups"])
-    return (f"memory at the {m['phase']} peak (one recorded step): {m['peak_gib']:.2f} GiB = "
-            f"{m['baseline_gib']:.2f} held at the phase's start + {m['phase_gib']:.2f} net in it "
-            f"(allocator's peak {m['max_allocated_gib']:.2f}); the phase's blocks live there, {m['live_gib']:.2f} "
-            f"GiB, by site (GiB, blocks): {sites}" + (f"; other {m['other_gib']:.2f}" if m["other_gib"] else ""))
+    return (f"memory at the {m['phase']} peak (one recorded step, requested bytes): {m['peak_gib']:.2f} GiB = "
+            f"{m['baseline_gib']:.2f} held at the phase's start + {m['phase_gib']:.2f} net in it (the allocator's "
+            f"requested peak {m['requested_peak_gib']:.2f}, in rounded blocks {m['max_allocated_gib']:.2f})"
+            + ("; HISTORY OVERFLOWED, the replay misses its oldest entries" if m.get("wrapped") else "")
+            + f"; the phase's blocks live there, {m['live_gib']:.2f} GiB, by site (GiB, blocks): {sites}"
+            + (f"; other {m['other_gib']:.2f}" if m["other_gib"] else ""))
 
 
 def print_table(results: dict) -> None:

@@ -647,8 +647,8 @@ def test_wait_clock_times_the_hosts_waits_and_the_table_prints_them(capsys) -> N
 
 def test_compile_probe_is_an_adamw_option_and_runs_ds_muons_compiled_newton_schulz(monkeypatch) -> None:
     """``bench.compile_probe=true`` is refused on any arm but adamw, and :func:`step_time.compile_probe` runs ds_muon's
-    compiled Newton–Schulz (``compiled_orthogonalize``) once: the call is counted through the same function the
-    Muon engines compile, with the backend the probe passes."""
+    compiled Newton–Schulz (``compiled_orthogonalize``, 5 steps in bf16, the backend the probe passes) once on a bf16
+    batch, and raises where the result is not finite."""
     import torch
     from ds_muon.core import ns_compile
     assert step_time.bench_options("adamw:bench.compile_probe=true") == {"compile_probe": True}
@@ -657,15 +657,25 @@ def test_compile_probe_is_an_adamw_option_and_runs_ds_muons_compiled_newton_schu
             step_time.bench_options(arm)
     seen = []
     real = ns_compile.compiled_orthogonalize
+    poison = []
 
     def spy(*args, **kwargs):
         fn = real(*args, **kwargs)
-        seen.append(kwargs.get("backend"))
-        return lambda x: seen.append(tuple(x.shape)) or fn(x)
+        seen.append((args, kwargs))
+
+        def call(x):
+            seen.append((tuple(x.shape), x.dtype))
+            out = fn(x)
+            return out * float("nan") if poison else out
+        return call
 
     monkeypatch.setattr(ns_compile, "compiled_orthogonalize", spy)
     step_time.compile_probe(torch.device("cpu"), backend="eager")
-    assert seen == ["eager", (2, 256, 512)]
+    assert seen == [((), {"steps": 5, "dtype": torch.bfloat16, "backend": "eager", "mode": None}),
+                    ((2, 256, 512), torch.bfloat16)]
+    poison.append(True)
+    with pytest.raises(RuntimeError, match="non-finite"):
+        step_time.compile_probe(torch.device("cpu"), backend="eager")
 
 
 def test_matmul_burst_is_checked_and_keeps_the_device_busy_for_its_seconds() -> None:
@@ -689,40 +699,53 @@ def test_matmul_burst_is_checked_and_keeps_the_device_busy_for_its_seconds() -> 
 def _alloc(addr, size, filename="/x/ds_muon/sharded/overlap.py", line=1, name="f", action="alloc"):
     return {"action": action, "addr": addr, "size": size,
             "frames": [{"filename": "/t/torch/nn/functional.py", "line": 9, "name": "linear"},
-                       {"filename": filename, "line": line, "name": name}]}
+                       {"filename": filename, "line": line, "name": name},
+                       {"filename": "/r/benchmarks/step_time.py", "line": 99, "name": "worker"}]}
 
 
 def test_peak_allocations_replays_the_phase_and_names_what_is_live_at_its_peak() -> None:
-    """``bench.memory_peak``: :func:`step_time.peak_allocations` replays allocations and the program's frees, counts
-    frees of blocks allocated before the recording against the phase, stops at the first event of the peak, and
-    groups the phase's blocks live there by the innermost ds_muon/DeepSpeed frame; the option takes only a phase of
-    ``MEMORY_PHASES``."""
+    """``bench.memory_peak``: :func:`step_time.peak_allocations` replays allocations and completed frees (the
+    allocator's requested bytes drop there), counts frees of blocks allocated before the recording against the
+    phase, stops at the first event of the peak, and groups the phase's blocks live there by the innermost
+    ds_muon/DeepSpeed/benchmark frame (autograd's node where no Python frame is there); the option takes only a
+    phase of ``MEMORY_PHASES``."""
     gib = 2**30
     trace = [
         _alloc(1, 2 * gib, "/s/deepspeed/runtime/zero/stage_1_and_2.py", 10, "step"),
         _alloc(2, 1 * gib, "/r/ds_muon/integration/zero12.py", 20, "grad"),
-        _alloc(1, 2 * gib, action="free_requested"),
-        _alloc(1, 2 * gib, action="free_completed"),   # ignored: free_requested is in the trace
-        _alloc(3, 3 * gib, "/r/ds_muon/integration/zero12.py", 20, "grad"),   # peak: 1 + 3 = 4 GiB net
-        _alloc(99, 5 * gib, action="free_requested"),  # a block from before the recording
-        _alloc(4, 4 * gib, "/r/ds_muon/sharded/overlap.py", 30, "commit"),   # net 3 GiB: not a new peak
+        _alloc(1, 2 * gib, action="free_requested"),   # not yet reusable: only free_completed counts
+        _alloc(3, 1 * gib, "/r/ds_muon/integration/zero12.py", 20, "grad"),   # 4 GiB: the first peak
+        _alloc(1, 2 * gib, action="free_completed"),
+        _alloc(5, 2 * gib, "/r/ds_muon/sharded/overlap.py", 30, "commit"),   # 4 GiB again: a tie, not a new peak
+        _alloc(99, 5 * gib, action="free_completed"),  # a block from before the recording
+        _alloc(4, 4 * gib, "/r/ds_muon/sharded/overlap.py", 30, "commit"),   # net 3 GiB
     ]
     out = step_time.peak_allocations(trace, baseline=10 * gib)
     assert out["baseline_gib"] == 10 and out["phase_gib"] == 4 and out["peak_gib"] == 14 and out["live_gib"] == 4
-    assert out["events"] == 5
-    assert out["groups"] == [["ds_muon/integration/zero12.py:20 grad", 4.0, 2]]
+    assert out["events"] == 4
+    assert out["groups"] == [["deepspeed/runtime/zero/stage_1_and_2.py:10 step", 2.0, 1],
+                             ["ds_muon/integration/zero12.py:20 grad", 2.0, 2]]
     assert out["other_gib"] == 0
-    # a trace without free_requested frees on free_completed; the peak is the first event reaching it
-    completed = [dict(e, action="free_completed") if e["action"] == "free_requested" else e
-                 for e in trace if e["action"] != "free_completed"]
-    assert step_time.peak_allocations(completed, baseline=0)["phase_gib"] == 4
-    # no frame of an owner folder: the innermost frame; no frames at all: "?"
-    bare = [{"action": "alloc", "addr": 5, "size": gib, "frames": [{"filename": "/t/torch/a.py", "line": 3,
-                                                                     "name": "g"}]},
-            {"action": "alloc", "addr": 6, "size": gib, "frames": []}]
-    assert [g[0] for g in step_time.peak_allocations(bare, 0)["groups"]] == ["a.py:3 g", "?"]
-    text = step_time.memory_peak_text(dict(out, phase="step", max_allocated_gib=14.0))
-    assert "memory at the step peak" in text and "ds_muon/integration/zero12.py:20 grad 4.00 (2)" in text
+    # a trace without free_completed frees on free_requested (held: 2, 3, 1, 2, 4, 8 GiB)
+    requested = [e for e in trace if e["action"] != "free_completed"]
+    assert (step_time.peak_allocations(requested, baseline=0)["phase_gib"],
+            step_time.peak_allocations(requested, baseline=0)["events"]) == (8, 6)
+    # no owner frame: autograd's node among C++ frames, else the innermost Python frame, else "?"
+    cpp = [{"filename": "", "line": 0, "name": "c10::cuda::CUDACachingAllocator::malloc"},
+           {"filename": "", "line": 0, "name": "torch::autograd::generated::MmBackward0::apply"},
+           {"filename": "/t/torch/autograd/graph.py", "line": 5, "name": "_engine_run_backward"}]
+    bare = [{"action": "alloc", "addr": 5, "size": 3 * gib, "frames": cpp},
+            {"action": "alloc", "addr": 6, "size": 2 * gib, "frames": [{"filename": "/t/torch/a.py", "line": 3,
+                                                                         "name": "g"}]},
+            {"action": "alloc", "addr": 7, "size": gib, "frames": []}]
+    assert [g[0] for g in step_time.peak_allocations(bare, 0)["groups"]] == [
+        "autograd torch::autograd::generated::MmBackward0::apply", "a.py:3 g", "?"]
+    text = step_time.memory_peak_text(dict(out, phase="step", requested_peak_gib=14.0, max_allocated_gib=14.1,
+                                           wrapped=False))
+    assert "memory at the step peak" in text and "ds_muon/integration/zero12.py:20 grad 2.00 (2)" in text
+    assert "OVERFLOWED" not in text
+    assert "OVERFLOWED" in step_time.memory_peak_text(dict(out, phase="step", requested_peak_gib=14.0,
+                                                            max_allocated_gib=14.1, wrapped=True))
     assert step_time.bench_options("adamw:bench.memory_peak=step") == {"memory_peak": "step"}
     with pytest.raises(ValueError, match="is not one of"):
         step_time.bench_options("adamw:bench.memory_peak=optimizer")
@@ -730,18 +753,28 @@ def test_peak_allocations_replays_the_phase_and_names_what_is_live_at_its_peak()
 
 def test_recorded_peak_records_only_the_chosen_phase_and_runs_the_whole_step(monkeypatch) -> None:
     """:func:`step_time.recorded_peak` (CUDA's allocator history, stood in for here): the history is on exactly over
-    the chosen phase, the other phase still runs (one whole training step either way), the device's trace is the
-    one replayed, and the recording is switched off even where the phase raises."""
+    the chosen phase with arguments the real ``_record_memory_history`` takes (C++ frames for the fwd+bwd, Python
+    ones for the step), the other phase still runs (one whole training step either way), the device's trace is the
+    one replayed against the requested bytes held at the start, a full history is flagged, and the recording is
+    switched off even where the phase raises."""
+    import inspect
+
     import torch
     calls = []
     gib = 2**30
     trace = [_alloc(1, gib, "/r/ds_muon/integration/zero12.py", 7, "grad")]
+    real = inspect.signature(torch.cuda.memory._record_memory_history)
+    stats = {"requested_bytes.all.current": 3 * gib, "requested_bytes.all.peak": 4 * gib}
+
+    def record(*args, **kwargs):
+        real.bind(*args, **kwargs)   # a misspelled keyword fails here
+        calls.append(("record", kwargs.get("enabled", args[0] if args else "all"), kwargs.get("stacks")))
+
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 3 * gib)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 4 * gib)
-    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
-                        lambda enabled="all", **kw: calls.append(("record", enabled)))
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda *a: stats)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 4.5 * gib)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", record)
     monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda *a: {"device_traces": [[], trace]})
 
     class Engine:
@@ -757,12 +790,15 @@ def test_recorded_peak_records_only_the_chosen_phase_and_runs_the_whole_step(mon
 
     x = torch.zeros(2, 5, dtype=torch.long)
     out = step_time.recorded_peak(Engine(), x, torch.device("cuda", 1), "step")
-    assert calls == ["forward", "backward", ("record", "all"), "step", ("record", None)]
-    assert out["phase"] == "step" and out["peak_gib"] == 4 and out["max_allocated_gib"] == 4
+    assert calls == ["forward", "backward", ("record", "all", "python"), "step", ("record", None, None)]
+    assert out["phase"] == "step" and out["peak_gib"] == 4 and out["requested_peak_gib"] == 4
+    assert out["max_allocated_gib"] == 4.5 and out["wrapped"] is False
     assert out["groups"] == [["ds_muon/integration/zero12.py:7 grad", 1.0, 1]]
     calls.clear()
     step_time.recorded_peak(Engine(), x, torch.device("cuda", 1), "fwd_bwd")
-    assert calls == [("record", "all"), "forward", "backward", ("record", None), "step"]
+    assert calls == [("record", "all", "all"), "forward", "backward", ("record", None, None), "step"]
+    monkeypatch.setattr(step_time, "MEMORY_HISTORY_ENTRIES", 1)
+    assert step_time.recorded_peak(Engine(), x, torch.device("cuda", 1), "step")["wrapped"] is True
 
     class Failing(Engine):
         def step(self):
@@ -771,7 +807,7 @@ def test_recorded_peak_records_only_the_chosen_phase_and_runs_the_whole_step(mon
     calls.clear()
     with pytest.raises(RuntimeError, match="boom"):
         step_time.recorded_peak(Failing(), x, torch.device("cuda", 1), "step")
-    assert calls[-1] == ("record", None)
+    assert calls[-1] == ("record", None, None)
 
 
 def test_stream_priority_is_checked_and_makes_a_priority_stream_current(monkeypatch) -> None:
