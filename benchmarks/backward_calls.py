@@ -26,7 +26,9 @@ a ds_muon arm inside ``OverlapHooks.overlap_paused`` (as ``bench.alternate_overl
 GPU).
 
 Prints a table (arm, reduce bucket, calls per backward, calls over the first arm, backward seconds) and, for
-every other arm, the functions whose call count differs from the first arm's. Measured on this repository's
+every other arm, the functions whose call count differs from the first arm's and the engine settings the forward
+reads that differ from its (:func:`engine_settings`: the resolved ZeRO config, the parameter coordinator's limits,
+the persistent parameters, hook counts, the parameters' attributes). Measured on this repository's
 2-core CPU machine: docs/benchmarks.md, "Issue 40: the reduce bucket in three rounds" (the paused ds_muon
 backward makes 1.5% more Python calls than AdamW's: one error-naming wrapper per gradient hook and one
 ``partition_grads`` override per reduce bucket); section "The defaults beside AdamW and the built-in" (the forward
@@ -108,8 +110,44 @@ def worker(arm: str, layers: int, bucket: int, steps: int, out: str, phase: str 
                 functions[key] = functions.get(key, 0) + v[1]
     with open(out, "w") as f:
         json.dump({"arm": arm, "phase": phase, "reduce_bucket_size": int(engine.zero_reduce_bucket_size()),
-                   "param_groups": len(engine.optimizer.param_groups),
+                   "param_groups": len(engine.optimizer.param_groups), "settings": engine_settings(engine, model),
                    "calls": calls, "seconds": seconds, "functions": functions}, f)
+
+
+def engine_settings(engine, model) -> dict:
+    """What the forward of a ZeRO-3 engine reads besides the model, as text, for comparing arms: the resolved
+    ``zero_optimization`` config (``zero.<key>``), the ZeRO-3 parameter coordinator's prefetch and fetch limits
+    (``coordinator.<name>``), which parameters are persistent (``persistent``: not gathered per forward), the
+    modules' forward and backward hook counts (``module_hooks``), and the attribute names the parameters carry
+    (``param_attrs``: the engines' tags)."""
+    out = {f"zero.{k}": str(v) for k, v in engine._config.zero_config.model_dump().items()}
+    offload = getattr(engine.optimizer, "parameter_offload", None)
+    if offload is not None:
+        coord = offload.get_param_coordinator()
+        for name in sorted(vars(coord)):
+            short = name.rsplit("__", 1)[-1]
+            if short.startswith(("prefetch", "max_", "reuse")):
+                out[f"coordinator.{short}"] = str(getattr(coord, name))
+    out["persistent"] = ",".join(sorted(n for n, p in model.named_parameters() if getattr(p, "ds_persist", False)))
+    out["module_hooks"] = str(sum(len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._backward_hooks)
+                                  + len(m._backward_pre_hooks) for m in model.modules()))
+    out["param_attrs"] = ",".join(sorted({a for p in model.parameters() for a in vars(p)}))
+    return out
+
+
+def settings_differences(base: dict, other: dict) -> list[tuple[str, str, str]]:
+    """``[(setting, base value, other value)]`` of :func:`engine_settings` where two arms differ, by name
+    (``param_attrs``: the attribute names one arm's parameters carry and the other's do not)."""
+    a, b = base.get("settings", {}), other.get("settings", {})
+    rows = []
+    for key in sorted(set(a) | set(b)):
+        if key == "param_attrs":
+            left, right = set(a.get(key, "").split(",")), set(b.get(key, "").split(","))
+            if left != right:
+                rows.append((key, ",".join(sorted(left - right - {""})), ",".join(sorted(right - left - {""}))))
+        elif a.get(key) != b.get(key):
+            rows.append((key, a.get(key, "-"), b.get(key, "-")))
+    return rows
 
 
 @contextlib.contextmanager
@@ -181,6 +219,10 @@ def print_report(results: list[dict], top: int = 15) -> None:
         print(f"\n{r['arm']}: functions called a different number of times than in {base['arm']} (per {phase})")
         for name, a, b in call_differences(base, r)[:top]:
             print(f"  {b - a:+6d}  {name}  ({a} -> {b})")
+        print(f"{r['arm']}: engine settings that differ from {base['arm']}'s (param_attrs: only in the first, only "
+              "in this arm)")
+        for name, a, b in settings_differences(base, r):
+            print(f"  {name}: {a} -> {b}")
 
 
 def main(argv=None) -> list[dict]:

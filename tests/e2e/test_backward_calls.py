@@ -61,10 +61,12 @@ def test_pause_refused_where_no_overlap_runs() -> None:
         backward_calls.run_arm("ds_muon_nooverlap:bench.clip=0:bench.pause=true", 2, 20000, 1)
 
 
-def test_forward_phase_the_builtin_arm_and_split_groups(monkeypatch) -> None:
+def test_forward_phase_the_builtin_arm_and_split_groups(monkeypatch, capsys) -> None:
     """``--phase forward`` profiles the forward alone; the ``builtin_muon`` arm runs DeepSpeed's own Muon where ds_muon
     is installed (its worker starts with ``DS_MUON=0`` and checks the engine's optimizer: none of ds_muon's wrappers
-    runs); ``bench.split_groups`` builds AdamW with the Muon engines' two parameter groups and the same forward."""
+    runs); ``bench.split_groups`` builds AdamW with the Muon engines' two parameter groups and the same forward; the
+    engine settings the forward reads differ between AdamW and the built-in only in ``reduce_scatter`` and the
+    parameters' tags."""
     monkeypatch.setenv("DS_MUON", "1")  # as a user's shell: ds_muon's autoload on (this suite's conftest sets 0)
     arms = ("adamw:bench.clip=0,adamw:bench.clip=0:bench.split_groups=true,"
             "builtin_muon:reduce_scatter=false:bench.clip=0")
@@ -77,3 +79,14 @@ def test_forward_phase_the_builtin_arm_and_split_groups(monkeypatch) -> None:
         assert not any(k.endswith(" backward") for k in r["functions"]), r["arm"]
         assert not any(k.startswith(("collectives.py:", "zero3.py:")) for k in r["functions"]), r["arm"]
     assert split["calls"] == adamw["calls"]
+    # the engine settings the forward reads: the split changes none; the built-in only its reduce_scatter and the
+    # parameters' tags (the coordinator's limits, persistence and hook counts are AdamW's)
+    assert {"coordinator.prefetch_bucket_sz", "coordinator.max_n_available_params", "zero.stage", "persistent",
+            "module_hooks"} <= set(adamw["settings"])
+    assert backward_calls.settings_differences(adamw, split) == []
+    diff = {name: (a, b) for name, a, b in backward_calls.settings_differences(adamw, builtin)}
+    assert set(diff) == {"zero.reduce_scatter", "param_attrs"}, diff
+    assert diff["zero.reduce_scatter"] == ("True", "False")
+    assert "use_muon" in diff["param_attrs"][1].split(",") and diff["param_attrs"][0] == ""
+    out = capsys.readouterr().out
+    assert "engine settings that differ" in out and "zero.reduce_scatter: True -> False" in out
