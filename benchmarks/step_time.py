@@ -140,10 +140,12 @@ def bench_options(spec: str) -> dict:
     the block scheduler then takes backward's blocks ahead of the speculated Newton–Schulz's pending ones, which
     fill the SMs backward leaves (a test of how much of backward's waiting on the GPU that removes, and how much
     spill it adds);
-    ``bench.memory_peak=P`` (P ``"fwd_bwd"`` or ``"step"``; any arm) runs one more step after the timed ones and
-    the loop with the CUDA caching allocator's history recorded over phase P, and reports what was allocated in
-    that phase and still held at its peak, by the line of ds_muon or DeepSpeed that asked for it
-    (:func:`peak_allocations`; the recorded step is not timed);
+    ``bench.memory_peak=P`` (P ``"fwd_bwd"`` or ``"step"``; any arm) records the CUDA caching allocator's history
+    from before the engine is built (:func:`start_memory_history`), runs one more step after the timed ones and the
+    loop, and reports every block held at phase P's peak in that step, the engine's own buffers included, by the
+    line of ds_muon, DeepSpeed, the model or the benchmark that allocated it (:func:`recorded_peak`,
+    :func:`peak_allocations`; the history costs host time on every allocation, so read this arm's memory, not its
+    timings);
     ``bench.quintic_form=F`` (a ds_muon arm; F in ``QUINTIC_FORMS``, e.g. ``sym4``) runs Newton–Schulz in that
     form (``ds_muon.core.newton_schulz.QUINTIC_FORM`` set in the worker before the engine is built), so that a
     form the microbenchmark favours is timed end to end against the default in the same run. Keys ``opt.*`` set
@@ -233,122 +235,147 @@ def use_priority_stream(device, priority: int):
 MEMORY_PHASES = ("fwd_bwd", "step")
 #: Frames ``peak_allocations`` names an allocation by: the innermost one in a file under one of these folders.
 MEMORY_OWNERS = ("/ds_muon/", "/deepspeed/", "/examples/", "/benchmarks/")
+#: Entries the allocator's history keeps (a ring: past it the oldest are overwritten, which ``recorded_peak`` flags).
+MEMORY_HISTORY_ENTRIES = 5_000_000
+#: Bytes of the one-byte-element block ``recorded_peak`` allocates and frees right before the recorded phase, an odd
+#: size no tensor of the run requests, to find where the phase starts in the history.
+MEMORY_MARKER_BYTES = 7 * 2**20 + 1
+#: The site of a block allocated where no Python frame was running: backward's autograd thread (activation and
+#: weight gradients; DeepSpeed's and ds_muon's hooks there do have frames).
+NO_PYTHON_FRAME = "no Python frame (autograd's backward thread)"
 
 
 def _allocation_site(frames) -> str:
-    """Where a block was allocated, from its frames (the allocator's trace, innermost first): the innermost frame in a
-    file under one of :data:`MEMORY_OWNERS` (``path:line function``, the path from that folder on); else, for a
-    block that backward's autograd thread allocated (no Python frame there), the innermost autograd node among the
-    C++ frames (``autograd <node>``); else the innermost Python frame; ``"?"`` if none of these."""
+    """Where a block was allocated, from its Python frames (the allocator's trace, innermost first): the innermost
+    frame in a file under one of :data:`MEMORY_OWNERS` (``path:line function``, the path from that folder on); else
+    the innermost frame's file (basename), line and function; :data:`NO_PYTHON_FRAME` where there is none."""
     frames = list(frames or ())
     for f in frames:
         name = f.get("filename", "")
         for owner in MEMORY_OWNERS:
             if owner in name:
                 return f"{owner.strip('/')}/{name.split(owner, 1)[1]}:{f.get('line')} {f.get('name')}"
-    for f in frames:
-        if "Backward" in f.get("name", ""):
-            return f"autograd {f['name']}"
-    for f in frames:
-        if f.get("filename", "").endswith(".py"):
-            return f"{os.path.basename(f['filename'])}:{f.get('line')} {f.get('name')}"
-    return "?"
+    if frames:
+        f = frames[0]
+        return f"{os.path.basename(f.get('filename', ''))}:{f.get('line')} {f.get('name')}"
+    return NO_PYTHON_FRAME
 
 
-def peak_allocations(trace: list, baseline: int, top: int = 12) -> dict:
-    """What one phase allocated and still held at its peak, from the CUDA caching allocator's history.
+def peak_allocations(trace: list, baseline: int = 0, start: int = 0, top: int = 15) -> dict:
+    """Every block held at one phase's peak, from the CUDA caching allocator's history.
 
-    ``trace``: one device's ``torch.cuda.memory._snapshot()["device_traces"]`` entries over the phase (dicts with
-    ``action``, ``addr``, ``size``, ``frames``, innermost first); the allocator records ``alloc`` and the frees
-    with the requested size in bytes (not the rounded block size that ``memory_allocated`` counts), and its
-    ``requested_bytes`` statistic drops at ``free_completed`` (the block is reusable; ``free_requested`` comes
-    earlier where other streams still use it). ``baseline``: requested bytes held when the recording started
-    (``memory_stats()["requested_bytes.all.current"]``). Replays ``alloc`` and ``free_completed``
-    (``free_requested`` where the trace has no ``free_completed``), including frees of blocks allocated before
-    the recording, finds the first event at which the held bytes peak, and groups the blocks allocated in the
-    phase and live there by :func:`_allocation_site`.
+    ``trace``: one device's ``torch.cuda.memory._snapshot()["device_traces"]`` entries (dicts with ``action``,
+    ``addr``, ``size``, ``frames``, innermost first), recorded from before the engine existed; the allocator records
+    ``alloc`` and the frees with the requested size in bytes (not the rounded block size that ``memory_allocated``
+    counts), and its ``requested_bytes`` statistic drops at ``free_completed`` (the block is reusable;
+    ``free_requested`` comes earlier where other streams still use it). ``baseline``: requested bytes held when the
+    recording started (0 where it started before any allocation). ``start``: the entry at which the phase begins.
+    Replays ``alloc`` and ``free_completed`` (``free_requested`` where the trace has no ``free_completed``) over the
+    whole trace, finds the first entry at or after ``start`` at which the held bytes peak, and groups the blocks
+    live there by :func:`_allocation_site`.
 
     Returns:
-        ``{"baseline_gib", "peak_gib"`` (baseline + the phase's peak net allocation; equal to the allocator's
-        ``requested_bytes.all.peak`` over the phase where the whole phase was recorded), ``"phase_gib"`` (that net
-        allocation; frees of older blocks count against it), ``"live_gib"`` (the phase's blocks live at the peak),
-        ``"groups"``: ``[[site, GiB, blocks], ...]`` largest first, at most ``top``, ``"other_gib"``: the rest,
-        ``"events"``: entries replayed up to the peak}.
+        ``{"baseline_gib", "peak_gib"`` (baseline + the replay's held bytes at the peak; equal to the allocator's
+        ``requested_bytes.all.peak`` over the phase where the history is whole), ``"at_start_gib"`` (held when the
+        phase began), ``"phase_live_gib"`` (of the peak's blocks, those allocated in the phase), ``"groups"``:
+        ``[[site, GiB, blocks, GiB of them allocated in the phase], ...]`` largest first, at most ``top``,
+        ``"other_gib"``: the rest, ``"entry"``: the peak's index in the trace}.
     """
     free_action = "free_completed" if any(e.get("action") == "free_completed" for e in trace) else "free_requested"
-    total = best = 0
-    best_at = -1
+    total = at_start = 0
+    best, best_at = -1, -1
     for i, e in enumerate(trace):
+        if i == start:
+            at_start = total
         if e.get("action") == "alloc":
             total += e["size"]
-            if total > best:
-                best, best_at = total, i
         elif e.get("action") == free_action:
             total -= e["size"]
+        if i >= start and total > best:
+            best, best_at = total, i
     live: dict = {}
-    for e in trace[:best_at + 1]:
+    for i, e in enumerate(trace[:best_at + 1]):
         if e.get("action") == "alloc":
-            live[e["addr"]] = e
+            live[e["addr"]] = (i, e)
         elif e.get("action") == free_action:
             live.pop(e["addr"], None)
     groups: dict = {}
-    for e in live.values():
+    for i, e in live.values():
         site = _allocation_site(e.get("frames"))
-        size, count = groups.get(site, (0, 0))
-        groups[site] = (size + e["size"], count + 1)
+        size, count, new = groups.get(site, (0, 0, 0))
+        groups[site] = (size + e["size"], count + 1, new + (e["size"] if i >= start else 0))
     ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])
-    return {"baseline_gib": baseline / 2**30, "peak_gib": (baseline + best) / 2**30, "phase_gib": best / 2**30,
-            "live_gib": sum(e["size"] for e in live.values()) / 2**30,
-            "groups": [[site, size / 2**30, count] for site, (size, count) in ranked[:top]],
-            "other_gib": sum(size for _, (size, _) in ranked[top:]) / 2**30, "events": best_at + 1}
+    return {"baseline_gib": baseline / 2**30, "peak_gib": (baseline + max(best, 0)) / 2**30,
+            "at_start_gib": (baseline + at_start) / 2**30,
+            "phase_live_gib": sum(e["size"] for i, e in live.values() if i >= start) / 2**30,
+            "groups": [[site, size / 2**30, count, new / 2**30] for site, (size, count, new) in ranked[:top]],
+            "other_gib": sum(size for _, (size, _, _) in ranked[top:]) / 2**30, "entry": best_at}
 
 
-#: Entries the allocator's history keeps (a ring: past it the oldest are overwritten, which ``recorded_peak`` flags).
-MEMORY_HISTORY_ENTRIES = 2_000_000
-
-
-def recorded_peak(engine, x, device, phase: str) -> dict:
-    """``bench.memory_peak``: one step of ``engine`` on the batch ``x`` (token ids ``[micro_batch, seq + 1]``) with
-    the caching allocator's history recorded over ``phase`` (:data:`MEMORY_PHASES`), the other phase run as usual;
-    :func:`peak_allocations` of it, with ``requested_peak_gib`` (the allocator's own ``requested_bytes`` peak over
-    the phase: the replay's ``peak_gib`` should equal it), ``max_allocated_gib`` (its peak in rounded blocks, as the
-    table's peak columns count) and ``wrapped`` (the history overflowed :data:`MEMORY_HISTORY_ENTRIES`: its oldest
-    entries are lost and the replay is incomplete). The forward and backward are recorded with C++ frames too
-    (``stacks="all"``): backward's blocks are allocated on autograd's thread, which has no Python frame, and its
-    C++ frames name the autograd node; the step with Python frames only. CUDA only."""
+def start_memory_history(device) -> int:
+    """``bench.memory_peak``: start recording the caching allocator's history on ``device`` (Python frames, up to
+    :data:`MEMORY_HISTORY_ENTRIES` entries), before the engine is built, so that its buffers are named too; returns
+    the requested bytes already held (the replay's baseline). CUDA only."""
     import torch
-    record = torch.cuda.memory._record_memory_history
+    held = int(torch.cuda.memory_stats(device).get("requested_bytes.all.current", 0))
+    torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
+                                             max_entries=MEMORY_HISTORY_ENTRIES, clear_history=True)
+    return held
 
-    def requested(key: str) -> int:
-        return int(torch.cuda.memory_stats(device).get(f"requested_bytes.all.{key}", 0))
 
-    def recorded(fn, stacks: str):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(device)
-        baseline = requested("current")
-        record(enabled="all", context="alloc", stacks=stacks, max_entries=MEMORY_HISTORY_ENTRIES, clear_history=True)
-        try:
-            fn()
-            torch.cuda.synchronize()
-            traces = torch.cuda.memory._snapshot(device)["device_traces"]
-        finally:
-            record(enabled=None)
-        trace = traces[device.index if device.index is not None else torch.cuda.current_device()]
-        return dict(peak_allocations(trace, baseline), phase=phase, requested_peak_gib=requested("peak") / 2**30,
-                    max_allocated_gib=torch.cuda.max_memory_allocated(device) / 2**30,
-                    wrapped=len(trace) >= MEMORY_HISTORY_ENTRIES)
+def recorded_peak(engine, x, device, phase: str, baseline: int) -> dict:
+    """``bench.memory_peak``: one step of ``engine`` on the batch ``x`` (token ids ``[micro_batch, seq + 1]``), with
+    the history :func:`start_memory_history` started (``baseline``: what it returned) marked at the start of
+    ``phase`` (:data:`MEMORY_PHASES`; a :data:`MEMORY_MARKER_BYTES` block allocated and freed), then the history
+    taken and the recording stopped; :func:`peak_allocations` of it over the phase, with ``requested_peak_gib`` (the
+    allocator's own ``requested_bytes`` peak over the phase: the replay's ``peak_gib`` should equal it),
+    ``max_allocated_gib`` (its peak in rounded blocks, as the table's peak columns count) and ``wrapped`` (the
+    history reached :data:`MEMORY_HISTORY_ENTRIES`: its oldest entries may be lost and the replay incomplete).
+    CUDA only.
+
+    Raises:
+        RuntimeError: the phase's marker is not in the history (it overflowed before the phase).
+    """
+    import torch
 
     def fwd_bwd():
         engine.backward(engine(x[:, :-1], x[:, 1:]))
 
+    def mark():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        marker = torch.empty(MEMORY_MARKER_BYTES, dtype=torch.uint8, device=device)
+        del marker
+
+    try:
+        if phase == "fwd_bwd":
+            mark()
+            fwd_bwd()
+        else:
+            fwd_bwd()
+            mark()
+        torch.cuda.synchronize()
+        requested_peak = int(torch.cuda.memory_stats(device).get("requested_bytes.all.peak", 0))
+        max_allocated = torch.cuda.max_memory_allocated(device)
+        if phase == "step":
+            engine.step()
+            torch.cuda.synchronize()
+            requested_peak = int(torch.cuda.memory_stats(device).get("requested_bytes.all.peak", 0))
+            max_allocated = torch.cuda.max_memory_allocated(device)
+        traces = torch.cuda.memory._snapshot(device)["device_traces"]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
     if phase == "fwd_bwd":
-        out = recorded(fwd_bwd, "all")
         engine.step()
-    else:
-        fwd_bwd()
-        out = recorded(engine.step, "python")
-    torch.cuda.synchronize()
-    return out
+        torch.cuda.synchronize()
+    trace = traces[device.index if device.index is not None else torch.cuda.current_device()]
+    marks = [i for i, e in enumerate(trace) if e.get("action") == "alloc" and e.get("size") == MEMORY_MARKER_BYTES]
+    if not marks:
+        raise RuntimeError(f"bench.memory_peak: the {phase} phase's marker is not in the allocator's history "
+                           f"({len(trace)} entries; MEMORY_HISTORY_ENTRIES {MEMORY_HISTORY_ENTRIES}): it overflowed")
+    return dict(peak_allocations(trace, baseline, start=marks[-1]), phase=phase,
+                requested_peak_gib=requested_peak / 2**30, max_allocated_gib=max_allocated / 2**30,
+                wrapped=len(trace) >= MEMORY_HISTORY_ENTRIES)
 
 
 def matmul_burst(device, seconds: float, size: int = 4096) -> int:
@@ -1007,6 +1034,7 @@ def worker(args) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     if options.get("compile_probe"):
         compile_probe(device)
+    memory_baseline = start_memory_history(device) if options.get("memory_peak") else None
     stream_priority = None
     if options.get("stream_priority") is not None:
         stream_priority = use_priority_stream(device, options["stream_priority"]).priority
@@ -1129,7 +1157,7 @@ def worker(args) -> None:
     memory_peak = None
     if options.get("memory_peak"):
         x = torch.randint(0, vocab, (args.micro_batch, args.seq_len + 1), generator=g).to(device)
-        memory_peak = recorded_peak(engine, x, device, options["memory_peak"])
+        memory_peak = recorded_peak(engine, x, device, options["memory_peak"], memory_baseline)
     samples, medians = step_medians(samples)
     result = dict(optimizer=args.optimizer, samples=samples, **medians,
                   peak_gib=max(peak_fwd_bwd, peak_step) / 2**30, peak_fwd_bwd_gib=peak_fwd_bwd / 2**30,
@@ -1650,12 +1678,14 @@ def place_table(results: dict) -> list[str]:
 
 def memory_peak_text(m: dict) -> str:
     """One table cell of :func:`recorded_peak`'s result (the first round's)."""
-    sites = "; ".join(f"{site} {gib:.2f} ({count})" for site, gib, count in m["groups"])
-    return (f"memory at the {m['phase']} peak (one recorded step, requested bytes): {m['peak_gib']:.2f} GiB = "
-            f"{m['baseline_gib']:.2f} held at the phase's start + {m['phase_gib']:.2f} net in it (the allocator's "
-            f"requested peak {m['requested_peak_gib']:.2f}, in rounded blocks {m['max_allocated_gib']:.2f})"
-            + ("; HISTORY OVERFLOWED, the replay misses its oldest entries" if m.get("wrapped") else "")
-            + f"; the phase's blocks live there, {m['live_gib']:.2f} GiB, by site (GiB, blocks): {sites}"
+    sites = "; ".join(f"{site} {gib:.2f}" + (f" ({new:.2f} new)" if new else "") + f" [{count}]"
+                      for site, gib, count, new in m["groups"])
+    return (f"memory at the {m['phase']} peak (one recorded step, requested bytes): {m['peak_gib']:.2f} GiB, "
+            f"{m['at_start_gib']:.2f} held when the phase began, {m['phase_live_gib']:.2f} of it allocated in the "
+            f"phase (the allocator's requested peak {m['requested_peak_gib']:.2f}, in rounded blocks "
+            f"{m['max_allocated_gib']:.2f})"
+            + ("; HISTORY FULL, the replay may miss its oldest entries" if m.get("wrapped") else "")
+            + f"; every block held there by site, GiB (allocated in the phase) [blocks]: {sites}"
             + (f"; other {m['other_gib']:.2f}" if m["other_gib"] else ""))
 
 

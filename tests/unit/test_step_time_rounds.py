@@ -703,83 +703,95 @@ def _alloc(addr, size, filename="/x/ds_muon/sharded/overlap.py", line=1, name="f
                        {"filename": "/r/benchmarks/step_time.py", "line": 99, "name": "worker"}]}
 
 
-def test_peak_allocations_replays_the_phase_and_names_what_is_live_at_its_peak() -> None:
+def test_peak_allocations_replays_the_history_and_names_every_block_at_the_phases_peak() -> None:
     """``bench.memory_peak``: :func:`step_time.peak_allocations` replays allocations and completed frees (the
-    allocator's requested bytes drop there), counts frees of blocks allocated before the recording against the
-    phase, stops at the first event of the peak, and groups the phase's blocks live there by the innermost
-    ds_muon/DeepSpeed/benchmark frame (autograd's node where no Python frame is there); the option takes only a
+    allocator's requested bytes drop there) over the whole history, looks for the peak from the phase's first entry
+    on (the first entry reaching it), and groups every block live there, older ones included, by the innermost
+    ds_muon/DeepSpeed/benchmark frame, saying how much of each group the phase allocated; the option takes only a
     phase of ``MEMORY_PHASES``."""
     gib = 2**30
     trace = [
+        _alloc(9, 6 * gib, "/s/deepspeed/runtime/zero/stage_1_and_2.py", 5, "init"),   # before the phase: 6 GiB
+        _alloc(8, 8 * gib, "/r/ds_muon/integration/overlap12.py", 6, "collect"),       # 14 GiB before the phase
+        _alloc(8, 8 * gib, action="free_completed"),                                    # 6 GiB: the phase starts next
         _alloc(1, 2 * gib, "/s/deepspeed/runtime/zero/stage_1_and_2.py", 10, "step"),
         _alloc(2, 1 * gib, "/r/ds_muon/integration/zero12.py", 20, "grad"),
         _alloc(1, 2 * gib, action="free_requested"),   # not yet reusable: only free_completed counts
-        _alloc(3, 1 * gib, "/r/ds_muon/integration/zero12.py", 20, "grad"),   # 4 GiB: the first peak
+        _alloc(3, 1 * gib, "/r/ds_muon/integration/zero12.py", 20, "grad"),            # 10 GiB: the first peak
         _alloc(1, 2 * gib, action="free_completed"),
-        _alloc(5, 2 * gib, "/r/ds_muon/sharded/overlap.py", 30, "commit"),   # 4 GiB again: a tie, not a new peak
-        _alloc(99, 5 * gib, action="free_completed"),  # a block from before the recording
-        _alloc(4, 4 * gib, "/r/ds_muon/sharded/overlap.py", 30, "commit"),   # net 3 GiB
+        _alloc(5, 2 * gib, "/r/ds_muon/sharded/overlap.py", 30, "commit"),             # 10 GiB again: a tie
+        _alloc(9, 6 * gib, action="free_completed"),                                    # an older block freed
+        _alloc(4, 5 * gib, "/r/ds_muon/sharded/overlap.py", 30, "commit"),             # 9 GiB
     ]
-    out = step_time.peak_allocations(trace, baseline=10 * gib)
-    assert out["baseline_gib"] == 10 and out["phase_gib"] == 4 and out["peak_gib"] == 14 and out["live_gib"] == 4
-    assert out["events"] == 4
-    assert out["groups"] == [["deepspeed/runtime/zero/stage_1_and_2.py:10 step", 2.0, 1],
-                             ["ds_muon/integration/zero12.py:20 grad", 2.0, 2]]
+    out = step_time.peak_allocations(trace, baseline=gib // 2, start=3)
+    assert (out["baseline_gib"], out["at_start_gib"], out["peak_gib"], out["phase_live_gib"]) == (0.5, 6.5, 10.5, 4)
+    assert out["entry"] == 6
+    assert out["groups"] == [["deepspeed/runtime/zero/stage_1_and_2.py:5 init", 6.0, 1, 0.0],
+                             ["deepspeed/runtime/zero/stage_1_and_2.py:10 step", 2.0, 1, 2.0],
+                             ["ds_muon/integration/zero12.py:20 grad", 2.0, 2, 2.0]]
     assert out["other_gib"] == 0
-    # a trace without free_completed frees on free_requested (held: 2, 3, 1, 2, 4, 8 GiB)
+    # the peak is looked for from the phase on: the whole history's (14 GiB at entry 1) is not the phase's
+    whole = step_time.peak_allocations(trace, start=0)
+    assert (whole["entry"], whole["peak_gib"]) == (1, 14)
+    # a trace without free_completed frees on free_requested (held: 6, 14, | 16, 17, 15, 16, 18, 23 from entry 2 on)
     requested = [e for e in trace if e["action"] != "free_completed"]
-    assert (step_time.peak_allocations(requested, baseline=0)["phase_gib"],
-            step_time.peak_allocations(requested, baseline=0)["events"]) == (8, 6)
-    # no owner frame: autograd's node among C++ frames, else the innermost Python frame, else "?"
-    cpp = [{"filename": "", "line": 0, "name": "c10::cuda::CUDACachingAllocator::malloc"},
-           {"filename": "", "line": 0, "name": "torch::autograd::generated::MmBackward0::apply"},
-           {"filename": "/t/torch/autograd/graph.py", "line": 5, "name": "_engine_run_backward"}]
-    bare = [{"action": "alloc", "addr": 5, "size": 3 * gib, "frames": cpp},
-            {"action": "alloc", "addr": 6, "size": 2 * gib, "frames": [{"filename": "/t/torch/a.py", "line": 3,
+    got = step_time.peak_allocations(requested, start=2)
+    assert (got["peak_gib"], got["entry"]) == (23, 7)
+    # no owner frame: the innermost frame; no frame at all: backward's autograd thread
+    bare = [{"action": "alloc", "addr": 6, "size": 2 * gib, "frames": [{"filename": "/t/torch/a.py", "line": 3,
                                                                          "name": "g"}]},
             {"action": "alloc", "addr": 7, "size": gib, "frames": []}]
-    assert [g[0] for g in step_time.peak_allocations(bare, 0)["groups"]] == [
-        "autograd torch::autograd::generated::MmBackward0::apply", "a.py:3 g", "?"]
-    text = step_time.memory_peak_text(dict(out, phase="step", requested_peak_gib=14.0, max_allocated_gib=14.1,
-                                           wrapped=False))
-    assert "memory at the step peak" in text and "ds_muon/integration/zero12.py:20 grad 2.00 (2)" in text
-    assert "OVERFLOWED" not in text
-    assert "OVERFLOWED" in step_time.memory_peak_text(dict(out, phase="step", requested_peak_gib=14.0,
-                                                            max_allocated_gib=14.1, wrapped=True))
+    assert [g[0] for g in step_time.peak_allocations(bare)["groups"]] == ["a.py:3 g", step_time.NO_PYTHON_FRAME]
+    cell = dict(out, phase="step", requested_peak_gib=10.5, max_allocated_gib=10.6, wrapped=False)
+    text = step_time.memory_peak_text(cell)
+    assert "memory at the step peak" in text and "ds_muon/integration/zero12.py:20 grad 2.00 (2.00 new) [2]" in text
+    assert "deepspeed/runtime/zero/stage_1_and_2.py:5 init 6.00 [1]" in text and "FULL" not in text
+    assert "FULL" in step_time.memory_peak_text(dict(cell, wrapped=True))
     assert step_time.bench_options("adamw:bench.memory_peak=step") == {"memory_peak": "step"}
     with pytest.raises(ValueError, match="is not one of"):
         step_time.bench_options("adamw:bench.memory_peak=optimizer")
 
 
-def test_recorded_peak_records_only_the_chosen_phase_and_runs_the_whole_step(monkeypatch) -> None:
-    """:func:`step_time.recorded_peak` (CUDA's allocator history, stood in for here): the history is on exactly over
-    the chosen phase with arguments the real ``_record_memory_history`` takes (C++ frames for the fwd+bwd, Python
-    ones for the step), the other phase still runs (one whole training step either way), the device's trace is the
-    one replayed against the requested bytes held at the start, a full history is flagged, and the recording is
-    switched off even where the phase raises."""
+def test_recorded_peak_marks_the_phase_and_runs_the_whole_step(monkeypatch) -> None:
+    """:func:`step_time.start_memory_history` and :func:`step_time.recorded_peak` (CUDA's allocator history, stood in
+    for here): the recording starts with arguments the real ``_record_memory_history`` binds; the phase's start is
+    the marker block allocated right before it; the other phase still runs (one whole training step either way);
+    the device's trace is replayed from the marker on; a full history is flagged, one without the marker refused;
+    the recording stops even where the phase raises."""
     import inspect
 
     import torch
     calls = []
     gib = 2**30
-    trace = [_alloc(1, gib, "/r/ds_muon/integration/zero12.py", 7, "grad")]
     real = inspect.signature(torch.cuda.memory._record_memory_history)
-    stats = {"requested_bytes.all.current": 3 * gib, "requested_bytes.all.peak": 4 * gib}
+    stats = {"requested_bytes.all.current": 0, "requested_bytes.all.peak": 4 * gib}
+    trace = []
 
     def record(*args, **kwargs):
         real.bind(*args, **kwargs)   # a misspelled keyword fails here
-        calls.append(("record", kwargs.get("enabled", args[0] if args else "all"), kwargs.get("stacks")))
+        calls.append(("record", kwargs.get("enabled", args[0] if args else "all")))
+
+    lost = []   # the marker's entry overwritten (a history that overflowed before the phase)
+
+    def empty(n, dtype=None, device=None):
+        if not lost:   # the marker is freed at once (``del``): its alloc and free, as the allocator records them
+            trace.extend([{"action": "alloc", "addr": 77, "size": n, "frames": []},
+                          {"action": "free_completed", "addr": 77, "size": n}])
+        calls.append("marker")
+        return torch.zeros(1)
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda *a: stats)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 4.5 * gib)
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", record)
-    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda *a: {"device_traces": [[], trace]})
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda *a: {"device_traces": [[], list(trace)]})
+    monkeypatch.setattr(torch, "empty", empty)
 
     class Engine:
         def __call__(self, x, y):
             calls.append("forward")
+            trace.append(_alloc(len(trace) + 100, gib, "/r/examples/model.py", 3, "forward"))
             return x
 
         def backward(self, loss):
@@ -787,18 +799,30 @@ def test_recorded_peak_records_only_the_chosen_phase_and_runs_the_whole_step(mon
 
         def step(self):
             calls.append("step")
+            trace.append(_alloc(len(trace) + 100, 2 * gib, "/r/ds_muon/integration/zero12.py", 7, "grad"))
 
+    device = torch.device("cuda", 1)
+    assert step_time.start_memory_history(device) == 0
+    assert calls == [("record", "all")]
     x = torch.zeros(2, 5, dtype=torch.long)
-    out = step_time.recorded_peak(Engine(), x, torch.device("cuda", 1), "step")
-    assert calls == ["forward", "backward", ("record", "all", "python"), "step", ("record", None, None)]
-    assert out["phase"] == "step" and out["peak_gib"] == 4 and out["requested_peak_gib"] == 4
-    assert out["max_allocated_gib"] == 4.5 and out["wrapped"] is False
-    assert out["groups"] == [["ds_muon/integration/zero12.py:7 grad", 1.0, 1]]
     calls.clear()
-    step_time.recorded_peak(Engine(), x, torch.device("cuda", 1), "fwd_bwd")
-    assert calls == [("record", "all", "all"), "forward", "backward", ("record", None, None), "step"]
-    monkeypatch.setattr(step_time, "MEMORY_HISTORY_ENTRIES", 1)
-    assert step_time.recorded_peak(Engine(), x, torch.device("cuda", 1), "step")["wrapped"] is True
+    out = step_time.recorded_peak(Engine(), x, device, "step", 0)
+    assert calls == ["forward", "backward", "marker", "step", ("record", None)]
+    assert out["phase"] == "step" and out["at_start_gib"] == 1 and out["phase_live_gib"] == 2
+    assert out["requested_peak_gib"] == 4 and out["max_allocated_gib"] == 4.5 and out["wrapped"] is False
+    assert [g[0] for g in out["groups"]] == ["ds_muon/integration/zero12.py:7 grad", "examples/model.py:3 forward"]
+    trace.clear()
+    calls.clear()
+    out = step_time.recorded_peak(Engine(), x, device, "fwd_bwd", 0)
+    assert calls == ["marker", "forward", "backward", ("record", None), "step"]
+    assert out["phase_live_gib"] == 1 and [g[0] for g in out["groups"]] == ["examples/model.py:3 forward"]
+    monkeypatch.setattr(step_time, "MEMORY_HISTORY_ENTRIES", 2)
+    trace.clear()
+    assert step_time.recorded_peak(Engine(), x, device, "step", 0)["wrapped"] is True
+    lost.append(True)
+    trace.clear()
+    with pytest.raises(RuntimeError, match="marker is not in the allocator's history"):
+        step_time.recorded_peak(Engine(), x, device, "step", 0)
 
     class Failing(Engine):
         def step(self):
@@ -806,8 +830,8 @@ def test_recorded_peak_records_only_the_chosen_phase_and_runs_the_whole_step(mon
 
     calls.clear()
     with pytest.raises(RuntimeError, match="boom"):
-        step_time.recorded_peak(Failing(), x, torch.device("cuda", 1), "step")
-    assert calls[-1] == ("record", None, None)
+        step_time.recorded_peak(Failing(), x, device, "step", 0)
+    assert calls[-1] == ("record", None)
 
 
 def test_stream_priority_is_checked_and_makes_a_priority_stream_current(monkeypatch) -> None:
