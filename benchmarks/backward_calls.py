@@ -3,6 +3,7 @@ AdamW's its own work (issue 40)? A CPU diagnostic.
 
     python benchmarks/backward_calls.py [--arms "adamw:bench.clip=0,ds_muon_overlap:bench.clip=0:bench.pause=true"]
                                         [--layers 16] [--reduce-bucket 100000] [--steps 3] [--phase forward]
+                                        [--persistence-threshold 1000]
                                         [--out calls.json]
 
 On one H100, MoE-1.5B's backward took 0.038 s more host time in ds_muon's steps with the overlapped Muon step
@@ -69,7 +70,8 @@ def _model(layers: int):
                                 max_seq_len=SEQ, n_experts=8, top_k=2, expert_hidden=48))
 
 
-def worker(arm: str, layers: int, bucket: int, steps: int, out: str, phase: str = "backward") -> None:
+def worker(arm: str, layers: int, bucket: int, steps: int, out: str, phase: str = "backward",
+           persistence: int | None = None) -> None:
     """One arm in this process (rank 0 of 1): writes ``{"arm", "phase", "reduce_bucket_size", "calls": [per step],
     "seconds": [per step], "functions": {"file:line name": calls of the last profiled phase}}`` to ``out``; the
     profiled phase is ``phase``, ``"backward"`` (``engine.backward``) or ``"forward"`` (``engine(...)``)."""
@@ -84,6 +86,8 @@ def worker(arm: str, layers: int, bucket: int, steps: int, out: str, phase: str 
     cfg = ds_config(arm, 2, 3)
     cfg["bf16"] = {"enabled": False}
     cfg["zero_optimization"]["reduce_bucket_size"] = bucket
+    if persistence is not None:
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = persistence
     options = bench_options(arm)
     engine = build_engine(parse_arm(arm)[0], model, cfg, options)
     if options.get("pause") and not getattr(engine.optimizer, "overlap_running", False):
@@ -117,9 +121,11 @@ def worker(arm: str, layers: int, bucket: int, steps: int, out: str, phase: str 
 def engine_settings(engine, model) -> dict:
     """What the forward of a ZeRO-3 engine reads besides the model, as text, for comparing arms: the resolved
     ``zero_optimization`` config (``zero.<key>``), the ZeRO-3 parameter coordinator's prefetch and fetch limits
-    (``coordinator.<name>``), which parameters are persistent (``persistent``: not gathered per forward), the
-    modules' forward and backward hook counts (``module_hooks``), and the attribute names the parameters carry
-    (``param_attrs``: the engines' tags)."""
+    (``coordinator.<name>``: elements, or a count of fetch events), which parameters are persistent
+    (``persistent``: not gathered per forward; with DeepSpeed's default threshold every parameter of this script's
+    d=64 model is, see ``--persistence-threshold``), the modules' forward and backward hook counts
+    (``module_hooks``), and the attribute names that any parameter carries (``param_attrs``: the union over the
+    parameters, names only: the engines' tags)."""
     out = {f"zero.{k}": str(v) for k, v in engine._config.zero_config.model_dump().items()}
     offload = getattr(engine.optimizer, "parameter_offload", None)
     if offload is not None:
@@ -167,7 +173,8 @@ def _profiled(prof):
         took[0] = time.perf_counter() - t0
 
 
-def run_arm(arm: str, layers: int, bucket: int, steps: int, timeout: float = 600, phase: str = "backward") -> dict:
+def run_arm(arm: str, layers: int, bucket: int, steps: int, timeout: float = 600, phase: str = "backward",
+            persistence: int | None = None) -> dict:
     """:func:`worker` for ``arm`` in a fresh process; its result. Afterwards the DeepSpeed shared-memory segment
     of the worker's rendezvous port is removed (DeepSpeed 0.19.8's CPU all-reduce never unlinks it: 66 MiB of RAM).
     Raises RuntimeError (with the worker's output's tail) if it fails, ``subprocess.TimeoutExpired`` after
@@ -181,6 +188,8 @@ def run_arm(arm: str, layers: int, bucket: int, steps: int, timeout: float = 600
                    WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1")
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--arm", arm, "--layers", str(layers),
                "--reduce-bucket", str(bucket), "--steps", str(steps), "--phase", phase, "--worker-out", out]
+        if persistence is not None:
+            cmd += ["--persistence-threshold", str(persistence)]
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         finally:
@@ -219,9 +228,10 @@ def print_report(results: list[dict], top: int = 15) -> None:
         print(f"\n{r['arm']}: functions called a different number of times than in {base['arm']} (per {phase})")
         for name, a, b in call_differences(base, r)[:top]:
             print(f"  {b - a:+6d}  {name}  ({a} -> {b})")
+        differ = settings_differences(base, r)
         print(f"{r['arm']}: engine settings that differ from {base['arm']}'s (param_attrs: only in the first, only "
-              "in this arm)")
-        for name, a, b in settings_differences(base, r):
+              "in this arm)" if differ else f"{r['arm']}: engine settings as {base['arm']}'s")
+        for name, a, b in differ:
             print(f"  {name}: {a} -> {b}")
 
 
@@ -230,6 +240,10 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--arms", default=DEFAULT_ARMS, help="step_time.py arms, comma-separated; the first is the base")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--reduce-bucket", type=int, default=100_000, help="ZeRO reduce bucket, elements, every arm")
+    ap.add_argument("--persistence-threshold", type=int, default=None,
+                    help="ZeRO-3 stage3_param_persistence_threshold, elements, every arm (default DeepSpeed's 1e5, "
+                         "which at d=64 keeps every parameter persistent: no gather in the forward; 1000 gathers "
+                         "the matrices, experts and embedding as at full size and keeps the norms and routers)")
     ap.add_argument("--steps", type=int, default=3, help="profiled steps per arm (after 2 warm-up steps)")
     ap.add_argument("--phase", choices=("backward", "forward"), default="backward",
                     help="the phase of each step that cProfile records")
@@ -239,9 +253,11 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        worker(args.arm, args.layers, args.reduce_bucket, args.steps, args.worker_out, args.phase)
+        worker(args.arm, args.layers, args.reduce_bucket, args.steps, args.worker_out, args.phase,
+               args.persistence_threshold)
         return []
-    results = [run_arm(a.strip(), args.layers, args.reduce_bucket, args.steps, phase=args.phase)
+    results = [run_arm(a.strip(), args.layers, args.reduce_bucket, args.steps, phase=args.phase,
+                       persistence=args.persistence_threshold)
                for a in args.arms.split(",") if a.strip()]
     for r in results:
         if len(set(r["calls"])) != 1:

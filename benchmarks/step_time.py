@@ -240,24 +240,29 @@ MEMORY_HISTORY_ENTRIES = 5_000_000
 #: Bytes of the one-byte-element block ``recorded_peak`` allocates and frees right before the recorded phase, an odd
 #: size no tensor of the run requests, to find where the phase starts in the history.
 MEMORY_MARKER_BYTES = 7 * 2**20 + 1
-#: The site of a block allocated where no Python frame was running: backward's autograd thread (activation and
-#: weight gradients; DeepSpeed's and ds_muon's hooks there do have frames).
+#: The site of a block allocated with neither a Python frame nor an autograd node in its frames (the fwd+bwd phase
+#: records C++ frames too, so backward's autograd thread's blocks are named by their node instead).
 NO_PYTHON_FRAME = "no Python frame (autograd's backward thread)"
 
 
 def _allocation_site(frames) -> str:
-    """Where a block was allocated, from its Python frames (the allocator's trace, innermost first): the innermost
-    frame in a file under one of :data:`MEMORY_OWNERS` (``path:line function``, the path from that folder on); else
-    the innermost frame's file (basename), line and function; :data:`NO_PYTHON_FRAME` where there is none."""
+    """Where a block was allocated, from its frames (the allocator's trace, innermost first): the innermost frame in a
+    file under one of :data:`MEMORY_OWNERS` (``path:line function``, the path from that folder on); else, for a
+    block that backward's autograd thread allocated (no Python frame runs there), the innermost autograd node among
+    its C++ frames (``autograd <node>``); else the innermost Python frame's file (basename), line and function;
+    else :data:`NO_PYTHON_FRAME`."""
     frames = list(frames or ())
     for f in frames:
         name = f.get("filename", "")
         for owner in MEMORY_OWNERS:
             if owner in name:
                 return f"{owner.strip('/')}/{name.split(owner, 1)[1]}:{f.get('line')} {f.get('name')}"
-    if frames:
-        f = frames[0]
-        return f"{os.path.basename(f.get('filename', ''))}:{f.get('line')} {f.get('name')}"
+    for f in frames:
+        if "Backward" in f.get("name", ""):
+            return f"autograd {f['name']}"
+    for f in frames:
+        if f.get("filename", "").endswith(".py"):
+            return f"{os.path.basename(f['filename'])}:{f.get('line')} {f.get('name')}"
     return NO_PYTHON_FRAME
 
 
@@ -279,20 +284,24 @@ def peak_allocations(trace: list, baseline: int = 0, start: int = 0, top: int = 
         ``requested_bytes.all.peak`` over the phase where the history is whole), ``"at_start_gib"`` (held when the
         phase began), ``"phase_live_gib"`` (of the peak's blocks, those allocated in the phase), ``"groups"``:
         ``[[site, GiB, blocks, GiB of them allocated in the phase], ...]`` largest first, at most ``top``,
-        ``"other_gib"``: the rest, ``"entry"``: the peak's index in the trace}.
+        ``"other_gib"``: the rest, ``"entry"``: the index of the entry after which the peak is held (``start - 1``
+        where nothing in the phase rises above its start, the last entry where ``start`` is past the trace)}.
     """
     free_action = "free_completed" if any(e.get("action") == "free_completed" for e in trace) else "free_requested"
-    total = at_start = 0
-    best, best_at = -1, -1
+    total = 0
+    at_start = best = None
+    best_at = -1
     for i, e in enumerate(trace):
-        if i == start:
-            at_start = total
+        if i == start:  # the phase's peak is at least what it starts with
+            at_start, best, best_at = total, total, i - 1
         if e.get("action") == "alloc":
             total += e["size"]
         elif e.get("action") == free_action:
             total -= e["size"]
-        if i >= start and total > best:
+        if best is not None and total > best:
             best, best_at = total, i
+    if at_start is None:  # the phase has no entry (start at the trace's end): its peak is what the trace ends with
+        at_start, best, best_at = total, total, len(trace) - 1
     live: dict = {}
     for i, e in enumerate(trace[:best_at + 1]):
         if e.get("action") == "alloc":
@@ -305,7 +314,7 @@ def peak_allocations(trace: list, baseline: int = 0, start: int = 0, top: int = 
         size, count, new = groups.get(site, (0, 0, 0))
         groups[site] = (size + e["size"], count + 1, new + (e["size"] if i >= start else 0))
     ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])
-    return {"baseline_gib": baseline / 2**30, "peak_gib": (baseline + max(best, 0)) / 2**30,
+    return {"baseline_gib": baseline / 2**30, "peak_gib": (baseline + best) / 2**30,
             "at_start_gib": (baseline + at_start) / 2**30,
             "phase_live_gib": sum(e["size"] for i, e in live.values() if i >= start) / 2**30,
             "groups": [[site, size / 2**30, count, new / 2**30] for site, (size, count, new) in ranked[:top]],
@@ -325,57 +334,68 @@ def start_memory_history(device) -> int:
 
 def recorded_peak(engine, x, device, phase: str, baseline: int) -> dict:
     """``bench.memory_peak``: one step of ``engine`` on the batch ``x`` (token ids ``[micro_batch, seq + 1]``), with
-    the history :func:`start_memory_history` started (``baseline``: what it returned) marked at the start of
-    ``phase`` (:data:`MEMORY_PHASES`; a :data:`MEMORY_MARKER_BYTES` block allocated and freed), then the history
-    taken and the recording stopped; :func:`peak_allocations` of it over the phase, with ``requested_peak_gib`` (the
-    allocator's own ``requested_bytes`` peak over the phase: the replay's ``peak_gib`` should equal it),
-    ``max_allocated_gib`` (its peak in rounded blocks, as the table's peak columns count) and ``wrapped`` (the
-    history reached :data:`MEMORY_HISTORY_ENTRIES`: its oldest entries may be lost and the replay incomplete).
-    CUDA only.
+    the history :func:`start_memory_history` started (``baseline``: what it returned, bytes), marked at the start
+    of ``phase`` (:data:`MEMORY_PHASES`): a :data:`MEMORY_MARKER_BYTES` block allocated and freed, the phase
+    starting at the history's entry after its ``free_completed`` (found by its address and size), the peak
+    statistics reset after it; for the fwd+bwd the recording takes C++ frames from there on too (``stacks="all"``,
+    the history kept), so that backward's autograd-thread blocks are named by their node. Then the history is taken
+    and the recording stopped (also where the phase raises). Returns :func:`peak_allocations` of the phase with
+    ``requested_peak_gib`` (the allocator's own ``requested_bytes`` peak over the phase: the replay's ``peak_gib``
+    should equal it), ``max_allocated_gib`` (its peak in rounded blocks, as the table's peak columns count),
+    ``held_at_start_gib`` (the allocator's requested bytes after the marker: the replay's ``at_start_gib`` should
+    equal it, else the history is incomplete or the baseline wrong) and ``wrapped`` (the history reached
+    :data:`MEMORY_HISTORY_ENTRIES`: its oldest entries may be lost). CUDA only.
 
     Raises:
-        RuntimeError: the phase's marker is not in the history (it overflowed before the phase).
+        RuntimeError: the marker's free is not in the history (recording was stopped or cleared, or the phase alone
+            wrote more than :data:`MEMORY_HISTORY_ENTRIES` entries).
     """
     import torch
+    record = torch.cuda.memory._record_memory_history
+
+    def requested(key: str) -> int:
+        return int(torch.cuda.memory_stats(device).get(f"requested_bytes.all.{key}", 0))
 
     def fwd_bwd():
         engine.backward(engine(x[:, :-1], x[:, 1:]))
 
-    def mark():
+    def mark() -> tuple[int, int]:
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(device)
+        if phase == "fwd_bwd":
+            record(enabled="all", context="alloc", stacks="all", max_entries=MEMORY_HISTORY_ENTRIES,
+                   clear_history=False)
         marker = torch.empty(MEMORY_MARKER_BYTES, dtype=torch.uint8, device=device)
+        addr = marker.data_ptr()
         del marker
+        torch.cuda.reset_peak_memory_stats(device)
+        return addr, requested("current")
 
     try:
         if phase == "fwd_bwd":
-            mark()
+            addr, held = mark()
             fwd_bwd()
         else:
             fwd_bwd()
-            mark()
-        torch.cuda.synchronize()
-        requested_peak = int(torch.cuda.memory_stats(device).get("requested_bytes.all.peak", 0))
-        max_allocated = torch.cuda.max_memory_allocated(device)
-        if phase == "step":
+            addr, held = mark()
             engine.step()
-            torch.cuda.synchronize()
-            requested_peak = int(torch.cuda.memory_stats(device).get("requested_bytes.all.peak", 0))
-            max_allocated = torch.cuda.max_memory_allocated(device)
+        torch.cuda.synchronize()
+        requested_peak, max_allocated = requested("peak"), torch.cuda.max_memory_allocated(device)
         traces = torch.cuda.memory._snapshot(device)["device_traces"]
     finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
+        record(enabled=None)
     if phase == "fwd_bwd":
         engine.step()
         torch.cuda.synchronize()
     trace = traces[device.index if device.index is not None else torch.cuda.current_device()]
-    marks = [i for i, e in enumerate(trace) if e.get("action") == "alloc" and e.get("size") == MEMORY_MARKER_BYTES]
-    if not marks:
+    freed = [i for i, e in enumerate(trace) if e.get("action") == "free_completed" and e.get("addr") == addr
+             and e.get("size") == MEMORY_MARKER_BYTES]
+    if not freed:
         raise RuntimeError(f"bench.memory_peak: the {phase} phase's marker is not in the allocator's history "
-                           f"({len(trace)} entries; MEMORY_HISTORY_ENTRIES {MEMORY_HISTORY_ENTRIES}): it overflowed")
-    return dict(peak_allocations(trace, baseline, start=marks[-1]), phase=phase,
+                           f"({len(trace)} entries): recording was stopped or cleared, or the phase alone wrote more "
+                           f"than MEMORY_HISTORY_ENTRIES ({MEMORY_HISTORY_ENTRIES})")
+    return dict(peak_allocations(trace, baseline, start=freed[-1] + 1), phase=phase,
                 requested_peak_gib=requested_peak / 2**30, max_allocated_gib=max_allocated / 2**30,
-                wrapped=len(trace) >= MEMORY_HISTORY_ENTRIES)
+                held_at_start_gib=held / 2**30, wrapped=len(trace) >= MEMORY_HISTORY_ENTRIES)
 
 
 def matmul_burst(device, seconds: float, size: int = 4096) -> int:
@@ -1680,11 +1700,14 @@ def memory_peak_text(m: dict) -> str:
     """One table cell of :func:`recorded_peak`'s result (the first round's)."""
     sites = "; ".join(f"{site} {gib:.2f}" + (f" ({new:.2f} new)" if new else "") + f" [{count}]"
                       for site, gib, count, new in m["groups"])
+    held = m.get("held_at_start_gib", m["at_start_gib"])
     return (f"memory at the {m['phase']} peak (one recorded step, requested bytes): {m['peak_gib']:.2f} GiB, "
             f"{m['at_start_gib']:.2f} held when the phase began, {m['phase_live_gib']:.2f} of it allocated in the "
-            f"phase (the allocator's requested peak {m['requested_peak_gib']:.2f}, in rounded blocks "
-            f"{m['max_allocated_gib']:.2f})"
+            f"phase, {m['baseline_gib']:.2f} held before the recording began (not named below; the allocator's "
+            f"requested peak {m['requested_peak_gib']:.2f}, in rounded blocks {m['max_allocated_gib']:.2f})"
             + ("; HISTORY FULL, the replay may miss its oldest entries" if m.get("wrapped") else "")
+            + (f"; REPLAY INCOMPLETE: {held:.3f} GiB held at the phase's start by the allocator's count"
+               if abs(held - m["at_start_gib"]) > 2**-10 else "")
             + f"; every block held there by site, GiB (allocated in the phase) [blocks]: {sites}"
             + (f"; other {m['other_gib']:.2f}" if m["other_gib"] else ""))
 

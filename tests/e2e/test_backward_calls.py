@@ -65,13 +65,14 @@ def test_forward_phase_the_builtin_arm_and_split_groups(monkeypatch, capsys) -> 
     """``--phase forward`` profiles the forward alone; the ``builtin_muon`` arm runs DeepSpeed's own Muon where ds_muon
     is installed (its worker starts with ``DS_MUON=0`` and checks the engine's optimizer: none of ds_muon's wrappers
     runs); ``bench.split_groups`` builds AdamW with the Muon engines' two parameter groups and the same forward; the
-    engine settings the forward reads differ between AdamW and the built-in only in ``reduce_scatter`` and the
-    parameters' tags."""
+    engine settings the forward reads (with a persistence threshold that gathers the matrices, as at full size)
+    differ between AdamW and the built-in only in ``reduce_scatter`` and the parameters' tags."""
     monkeypatch.setenv("DS_MUON", "1")  # as a user's shell: ds_muon's autoload on (this suite's conftest sets 0)
     arms = ("adamw:bench.clip=0,adamw:bench.clip=0:bench.split_groups=true,"
             "builtin_muon:reduce_scatter=false:bench.clip=0")
     adamw, split, builtin = backward_calls.main(["--arms", arms, "--layers", "2", "--reduce-bucket", "20000",
-                                                 "--steps", "2", "--phase", "forward"])
+                                                 "--steps", "2", "--phase", "forward", "--persistence-threshold",
+                                                 "1000"])
     assert [r["phase"] for r in (adamw, split, builtin)] == ["forward"] * 3
     assert (adamw["param_groups"], split["param_groups"], builtin["param_groups"]) == (1, 2, 2)
     for r in (adamw, split, builtin):
@@ -83,6 +84,9 @@ def test_forward_phase_the_builtin_arm_and_split_groups(monkeypatch, capsys) -> 
     # parameters' tags (the coordinator's limits, persistence and hook counts are AdamW's)
     assert {"coordinator.prefetch_bucket_sz", "coordinator.max_n_available_params", "zero.stage", "persistent",
             "module_hooks"} <= set(adamw["settings"])
+    persistent = adamw["settings"]["persistent"].split(",")   # the threshold of 1000: matrices gathered, norms kept
+    assert "layers.0.attn_norm.weight" in persistent and "layers.0.attn.q_proj.weight" not in persistent
+    assert adamw["settings"]["zero.param_persistence_threshold"] == "1000"
     assert backward_calls.settings_differences(adamw, split) == []
     diff = {name: (a, b) for name, a, b in backward_calls.settings_differences(adamw, builtin)}
     assert set(diff) == {"zero.reduce_scatter", "param_attrs"}, diff

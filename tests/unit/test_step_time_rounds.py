@@ -737,11 +737,19 @@ def test_peak_allocations_replays_the_history_and_names_every_block_at_the_phase
     requested = [e for e in trace if e["action"] != "free_completed"]
     got = step_time.peak_allocations(requested, start=2)
     assert (got["peak_gib"], got["entry"]) == (23, 7)
-    # no owner frame: the innermost frame; no frame at all: backward's autograd thread
-    bare = [{"action": "alloc", "addr": 6, "size": 2 * gib, "frames": [{"filename": "/t/torch/a.py", "line": 3,
+    # no owner frame: autograd's node among C++ frames, else the innermost Python frame, else no frame to name
+    cpp = [{"filename": "", "line": 0, "name": "c10::cuda::CUDACachingAllocator::malloc"},
+           {"filename": "", "line": 0, "name": "torch::autograd::generated::MmBackward0::apply"},
+           {"filename": "/t/torch/autograd/graph.py", "line": 5, "name": "_engine_run_backward"}]
+    bare = [{"action": "alloc", "addr": 5, "size": 3 * gib, "frames": cpp},
+            {"action": "alloc", "addr": 6, "size": 2 * gib, "frames": [{"filename": "/t/torch/a.py", "line": 3,
                                                                          "name": "g"}]},
-            {"action": "alloc", "addr": 7, "size": gib, "frames": []}]
-    assert [g[0] for g in step_time.peak_allocations(bare)["groups"]] == ["a.py:3 g", step_time.NO_PYTHON_FRAME]
+            {"action": "alloc", "addr": 7, "size": gib, "frames": cpp[:1]}]
+    assert [g[0] for g in step_time.peak_allocations(bare)["groups"]] == [
+        "autograd torch::autograd::generated::MmBackward0::apply", "a.py:3 g", step_time.NO_PYTHON_FRAME]
+    # a phase with no entry of its own (start at the trace's end): its peak is what the trace ends with
+    empty_phase = step_time.peak_allocations(bare, start=3)
+    assert (empty_phase["peak_gib"], empty_phase["at_start_gib"], empty_phase["phase_live_gib"]) == (6, 6, 0)
     cell = dict(out, phase="step", requested_peak_gib=10.5, max_allocated_gib=10.6, wrapped=False)
     text = step_time.memory_peak_text(cell)
     assert "memory at the step peak" in text and "ds_muon/integration/zero12.py:20 grad 2.00 (2.00 new) [2]" in text
@@ -754,44 +762,70 @@ def test_peak_allocations_replays_the_history_and_names_every_block_at_the_phase
 
 def test_recorded_peak_marks_the_phase_and_runs_the_whole_step(monkeypatch) -> None:
     """:func:`step_time.start_memory_history` and :func:`step_time.recorded_peak` (CUDA's allocator history, stood in
-    for here): the recording starts with arguments the real ``_record_memory_history`` binds; the phase's start is
-    the marker block allocated right before it; the other phase still runs (one whole training step either way);
-    the device's trace is replayed from the marker on; a full history is flagged, one without the marker refused;
-    the recording stops even where the phase raises."""
+    for here: the history is emptied when recording stops, as torch's is): the recording starts with Python frames,
+    the bounded history and a clean slate, and the fwd+bwd phase switches to C++ frames keeping it; the phase
+    starts after the marker's free (a uint8 block of ``MEMORY_MARKER_BYTES``, matched by its address), with the
+    peak statistics reset after it; the peaks are read after the phase, the step's included; the history is taken
+    before the recording stops; the other phase still runs; a full history is flagged, one without the marker
+    refused; the recording stops even where the phase raises."""
     import inspect
 
     import torch
     calls = []
     gib = 2**30
     real = inspect.signature(torch.cuda.memory._record_memory_history)
-    stats = {"requested_bytes.all.current": 0, "requested_bytes.all.peak": 4 * gib}
-    trace = []
+    # an earlier step's peak (10 GiB) is what the statistics hold until the marker resets them
+    stats = {"requested_bytes.all.current": gib // 2, "requested_bytes.all.peak": 10 * gib,
+             "allocated_bytes.all.current": 9}
+    trace, lost, recording = [], [], [True]
 
     def record(*args, **kwargs):
-        real.bind(*args, **kwargs)   # a misspelled keyword fails here
-        calls.append(("record", kwargs.get("enabled", args[0] if args else "all")))
-
-    lost = []   # the marker's entry overwritten (a history that overflowed before the phase)
+        bound = real.bind(*args, **kwargs)   # a misspelled keyword fails here
+        bound.apply_defaults()
+        calls.append(("record",) + tuple(bound.arguments[k] for k in ("enabled", "context", "stacks", "max_entries",
+                                                                          "clear_history")))
+        if bound.arguments["enabled"] is None or bound.arguments["clear_history"]:
+            trace.clear()
+        recording[0] = bound.arguments["enabled"] is not None
 
     def empty(n, dtype=None, device=None):
-        if not lost:   # the marker is freed at once (``del``): its alloc and free, as the allocator records them
-            trace.extend([{"action": "alloc", "addr": 77, "size": n, "frames": []},
-                          {"action": "free_completed", "addr": 77, "size": n}])
+        size = n * torch.empty_like(torch.zeros(0, dtype=dtype)).element_size() if dtype is not None else 4 * n
+        if not lost:   # freed at once (``del``): its alloc and free, as the allocator records them
+            trace.extend([{"action": "alloc", "addr": 77, "size": size, "frames": []},
+                          {"action": "free_requested", "addr": 77, "size": size},
+                          {"action": "free_completed", "addr": 77, "size": size}])
         calls.append("marker")
-        return torch.zeros(1)
+        return types.SimpleNamespace(data_ptr=lambda: 77)
+
+    def reset(*a):
+        calls.append("reset")
+        stats["requested_bytes.all.peak"] = stats["requested_bytes.all.current"]
+
+    def snapshot(*a):
+        calls.append("snapshot")
+        return {"device_traces": [[], list(trace)]}
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
-    monkeypatch.setattr(torch.cuda, "memory_stats", lambda *a: stats)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 4.5 * gib)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda *a: dict(stats))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: stats["requested_bytes.all.peak"] + 7)
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", record)
-    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda *a: {"device_traces": [[], list(trace)]})
-    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", snapshot)
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k) if a == (step_time.MEMORY_MARKER_BYTES,)
+                        else real_empty(*a, **k))
+
+    def grow(n_gib, where):   # an allocation: the history (while recording) and the allocator's counts
+        if recording[0]:
+            trace.append(_alloc(len(trace) + 100, n_gib * gib, f"/r/{where}", 3, "f"))
+        stats["requested_bytes.all.current"] += n_gib * gib
+        stats["requested_bytes.all.peak"] = max(stats["requested_bytes.all.peak"],
+                                                stats["requested_bytes.all.current"])
 
     class Engine:
         def __call__(self, x, y):
             calls.append("forward")
-            trace.append(_alloc(len(trace) + 100, gib, "/r/examples/model.py", 3, "forward"))
+            grow(1, "examples/model.py")
             return x
 
         def backward(self, loss):
@@ -799,28 +833,33 @@ def test_recorded_peak_marks_the_phase_and_runs_the_whole_step(monkeypatch) -> N
 
         def step(self):
             calls.append("step")
-            trace.append(_alloc(len(trace) + 100, 2 * gib, "/r/ds_muon/integration/zero12.py", 7, "grad"))
+            grow(2, "ds_muon/integration/zero12.py")
 
     device = torch.device("cuda", 1)
-    assert step_time.start_memory_history(device) == 0
-    assert calls == [("record", "all")]
+    assert step_time.start_memory_history(device) == gib // 2
+    assert calls == [("record", "all", "alloc", "python", step_time.MEMORY_HISTORY_ENTRIES, True)]
     x = torch.zeros(2, 5, dtype=torch.long)
     calls.clear()
-    out = step_time.recorded_peak(Engine(), x, device, "step", 0)
-    assert calls == ["forward", "backward", "marker", "step", ("record", None)]
-    assert out["phase"] == "step" and out["at_start_gib"] == 1 and out["phase_live_gib"] == 2
-    assert out["requested_peak_gib"] == 4 and out["max_allocated_gib"] == 4.5 and out["wrapped"] is False
-    assert [g[0] for g in out["groups"]] == ["ds_muon/integration/zero12.py:7 grad", "examples/model.py:3 forward"]
-    trace.clear()
+    out = step_time.recorded_peak(Engine(), x, device, "step", gib // 2)
+    assert calls == ["forward", "backward", "marker", "reset", "step", "snapshot",
+                     ("record", None, "all", "all", sys.maxsize, False)]
+    assert (out["phase"], out["baseline_gib"], out["at_start_gib"], out["held_at_start_gib"]) == ("step", .5, 1.5, 1.5)
+    assert (out["peak_gib"], out["requested_peak_gib"], out["phase_live_gib"]) == (3.5, 3.5, 2)
+    assert out["max_allocated_gib"] == 3.5 + 7 / gib and out["wrapped"] is False
+    assert [g[0] for g in out["groups"]] == ["ds_muon/integration/zero12.py:3 f", "examples/model.py:3 f"]
+    assert "REPLAY INCOMPLETE" not in step_time.memory_peak_text(out)
+    assert "REPLAY INCOMPLETE" in step_time.memory_peak_text(dict(out, held_at_start_gib=2.5))
+    record(enabled="all")   # the worker records again (a fresh history: stopping cleared it)
     calls.clear()
-    out = step_time.recorded_peak(Engine(), x, device, "fwd_bwd", 0)
-    assert calls == ["marker", "forward", "backward", ("record", None), "step"]
-    assert out["phase_live_gib"] == 1 and [g[0] for g in out["groups"]] == ["examples/model.py:3 forward"]
-    monkeypatch.setattr(step_time, "MEMORY_HISTORY_ENTRIES", 2)
-    trace.clear()
+    out = step_time.recorded_peak(Engine(), x, device, "fwd_bwd", gib // 2)
+    assert calls == [("record", "all", "alloc", "all", step_time.MEMORY_HISTORY_ENTRIES, False), "marker", "reset",
+                     "forward", "backward", "snapshot", ("record", None, "all", "all", sys.maxsize, False), "step"]
+    assert out["phase_live_gib"] == 1 and [g[0] for g in out["groups"]] == ["examples/model.py:3 f"]
+    monkeypatch.setattr(step_time, "MEMORY_HISTORY_ENTRIES", 5)   # the step's history: 5 entries, exactly full
+    record(enabled="all")
     assert step_time.recorded_peak(Engine(), x, device, "step", 0)["wrapped"] is True
     lost.append(True)
-    trace.clear()
+    record(enabled="all")
     with pytest.raises(RuntimeError, match="marker is not in the allocator's history"):
         step_time.recorded_peak(Engine(), x, device, "step", 0)
 
@@ -828,10 +867,12 @@ def test_recorded_peak_marks_the_phase_and_runs_the_whole_step(monkeypatch) -> N
         def step(self):
             raise RuntimeError("boom")
 
+    lost.clear()
+    record(enabled="all")
     calls.clear()
     with pytest.raises(RuntimeError, match="boom"):
         step_time.recorded_peak(Failing(), x, device, "step", 0)
-    assert calls[-1] == ("record", None)
+    assert calls[-1][:2] == ("record", None)
 
 
 def test_stream_priority_is_checked_and_makes_a_priority_stream_current(monkeypatch) -> None:
