@@ -114,6 +114,12 @@ def _apply_update_graph_(param: torch.Tensor, update: torch.Tensor, decay: float
     param.mul_(decay).add_(update * step)
 
 
+def _apply_update_upcast_graph_(param: torch.Tensor, update: torch.Tensor, decay: float, step: float) -> None:
+    # an update narrower than the parameter (the bf16 stash): upcast exactly before the multiply, as the fp32 update
+    # the ordinary step applies holds the same values, so that ``update * step`` is not rounded to the narrow dtype
+    param.mul_(decay).add_(update.to(param.dtype) * step)
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(fn, backend: str):
     # dynamic=True: one graph for every shard length; the functions compiled take their floats as multiplicands
@@ -173,17 +179,49 @@ def fused_apply_update_(param: torch.Tensor, update: torch.Tensor, lr: float, we
 
     Args:
         param: ``(n,)`` float32 shard, updated in place.
-        update: ``(n,)`` float32 scaled orthogonalized update ``o``.
+        update: ``(n,)`` scaled orthogonalized update ``o``: float32, or bfloat16 (the overlapped step's stash,
+            read directly): upcast exactly inside the pass, so the result is the float32 update's bit for bit.
         lr: learning rate. weight_decay: decoupled weight decay coefficient. New values (a schedule) do not
             recompile: both enter the graph as symbolic inputs.
         backend: ``torch.compile``'s backend.
     """
-    _compiled(_apply_update_graph_, backend)(param, update, float(1 - lr * weight_decay), float(-lr))
+    graph = _apply_update_graph_ if update.dtype == param.dtype else _apply_update_upcast_graph_
+    _compiled(graph, backend)(param, update, float(1 - lr * weight_decay), float(-lr))
 
 
 def apply_update_(param: torch.Tensor, update: torch.Tensor, lr: float, weight_decay: float) -> None:
-    """:func:`fused_apply_update_` in eager mode (two passes; CPU and CPU offload): the same math, not compiled."""
+    """:func:`fused_apply_update_` in eager mode (two passes; CPU and CPU offload): the same math, not compiled
+    (a bfloat16 ``update`` is upcast inside ``add_``, which computes in float32: the float32 update's result)."""
     _apply_update_(param, update, 1 - lr * weight_decay, -lr)
+
+
+def momentum_step_(momentum: torch.Tensor, grad: torch.Tensor, beta: float, compiled: bool,
+                   backend: str = "inductor") -> None:
+    r"""The momentum step alone, ``m <- beta m + (1 - beta) g`` (``m.lerp_(g, 1 - beta)``, as
+    :func:`momentum_update_` and :func:`fused_momentum_update_` compute it), with ``g`` read and left as it is: for
+    a step whose update ``u`` was already orthogonalized (the overlapped step's commit). ``g`` may be narrower than
+    ``m`` (the bfloat16 gradient buffer, read directly): upcast exactly (in fp32 chunks of ``CHUNK_ELEMENTS`` eagerly,
+    inside the compiled pass otherwise), so the momentum is the float32 gradient's bit for bit.
+
+    Args:
+        momentum: ``(n,)`` float32 momentum, updated in place. grad: ``(n,)`` float32 or bfloat16 gradient.
+        beta: momentum coefficient in ``[0, 1)``. compiled: one compiled pass (accelerators,
+            :func:`use_compiled_elementwise`), else eager. backend: ``torch.compile``'s backend.
+
+    Raises:
+        ValueError: the shapes differ, or the momentum is not float32.
+    """
+    if momentum.shape != grad.shape or momentum.dim() != 1:
+        raise ValueError(f"momentum {tuple(momentum.shape)} and grad {tuple(grad.shape)} must be the same 1-D shape")
+    if momentum.dtype != torch.float32:
+        raise ValueError(f"momentum_step_ takes float32 momentum, got {momentum.dtype}")
+    if compiled:
+        _compiled(_momentum_graph_, backend)(momentum, grad, float(beta), False)
+    elif grad.dtype == torch.float32:
+        momentum.lerp_(grad, 1 - beta)
+    else:
+        for start in range(0, grad.numel(), CHUNK_ELEMENTS):
+            momentum[start:start + CHUNK_ELEMENTS].lerp_(grad[start:start + CHUNK_ELEMENTS].float(), 1 - beta)
 
 
 def set_aside(ranges: Sequence[tuple[int, int]], *flats: torch.Tensor) -> Callable[[], None]:

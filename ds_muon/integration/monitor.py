@@ -18,7 +18,8 @@ engine's global sample count after this step, DeepSpeed's own x axis):
   unless ``qk_clip.monitor_per_head`` is off, ``Train/ds_muon/qk_clip/max_logit/<module>/head_<h>`` per query
   head (``S_h``; ``-inf`` for a head that saw no allowed key);
 * with the overlapped step on (``overlap_backward``): ``Train/ds_muon/overlap/commits`` (of them
-  ``Train/ds_muon/overlap/commits_idle_blocks``: with blocks that had no gradient set aside),
+  ``Train/ds_muon/overlap/commits_idle_blocks``: with blocks that had no gradient set aside;
+  ``Train/ds_muon/overlap/commits_from_grad``: reading ZeRO-3's bf16 gradient in place),
   ``Train/ds_muon/overlap/fallback_<reason>`` (``clip``, ``overflow``, ``not_ready``, ``loss_scale``) and the
   CUDA-graph counters (``Train/ds_muon/overlap/graph_*``): Muon sub-group steps since the start that applied the
   update computed in backward, those that recomputed it, and the graphs' captures and replays.

@@ -94,8 +94,9 @@ class OverlapHooks:
 
     Attributes:
         speculative: the :class:`~ds_muon.sharded.overlap.SpeculativeMuon`, or None (overlap off).
-        overlap_stats: ``{"commits": n, "commits_idle_blocks": n, "fallback_clip": n, "fallback_overflow": n,
-            "fallback_not_ready": n, "fallback_loss_scale": n, "graph_captures": n, "graph_replays": n,
+        overlap_stats: ``{"commits": n, "commits_idle_blocks": n, "commits_from_grad": n, "fallback_clip": n,
+            "fallback_overflow": n, "fallback_not_ready": n, "fallback_loss_scale": n, "graph_captures": n,
+            "graph_replays": n,
             "graph_recaptures_<grad|momentum|loss_scale>": n}`` since construction
             (all zero with overlap off; :meth:`~ds_muon.sharded.overlap.SpeculativeMuon.stats`).
     """
@@ -105,6 +106,7 @@ class OverlapHooks:
     _overlap_index: dict = {}
     _overlap_clip: Optional[bool] = None
     _overlap_clip_ahead: Optional[tuple] = None  # (loss scale, HostCopy of the clip decision) of this step
+    _grads_in_place: dict = {}  # replaced by a fresh dict at each step (step)
 
     def _build_steps(self) -> None:
         super()._build_steps()
@@ -240,11 +242,13 @@ class OverlapHooks:
         """DeepSpeed's, with the side stream joined first; a speculation left uncommitted (a step skipped for an
         fp16 overflow) is dropped and counted."""
         self._overlap_clip = self._overlap_clip_ahead = None
+        self._grads_in_place = {}  # sub-group -> its gradient slice, for a commit that reads it in place (ZeRO-3)
         if self.speculative is not None:
             self.speculative.join()
         try:
             return super().step(closure)
         finally:
+            self._grads_in_place = {}
             if self.speculative is not None:
                 self.speculative.discard("overflow" if self.overflow else "not_ready")
 
@@ -293,11 +297,29 @@ class OverlapHooks:
         norm_read = getattr(self, "dtype", None) != torch.bfloat16 or bool(getattr(self, "check_grad_overflow", False))
         return norm_read and getattr(self, "_global_grad_norm", None) is not None and not self._clip_fired()
 
+    def _commits_in_place(self, i: int) -> bool:
+        """Whether Muon sub-group ``i``'s step will commit its speculation reading its gradient where it lies (ZeRO-3's
+        bf16 slice, asked while DeepSpeed's step prepares the gradient): the speculation will commit
+        (:meth:`~ds_muon.sharded.overlap.SpeculativeMuon.would_commit`, with this step's clip decision and loss
+        scale), DeepSpeed's unscale multiplies by exactly 1 (:meth:`_grad_scale_is_one`: it is skipped, so nothing
+        writes the gradient before the commit) and the momentum is float32."""
+        return (self.speculative is not None and self._stepping and i in self.muon_steps
+                and self._param_group(i).get("momentum_dtype", "float32") == "float32"
+                and self._grad_scale_is_one()
+                and self.speculative.would_commit(i, self._clip_fired(), float(self.loss_scale)))
+
     def _commit_speculation(self, i: int, fp32: torch.Tensor, momentum: torch.Tensor, had: Optional[torch.Tensor],
                             group: dict) -> bool:
-        """Commit sub-group ``i``'s speculation where exact (:meth:`~ds_muon.sharded.overlap.SpeculativeMuon.commit`);
-        False: the ordinary Muon step runs (the same no-gradient flags). Arguments as
+        """Commit sub-group ``i``'s speculation where exact (:meth:`~ds_muon.sharded.overlap.SpeculativeMuon.commit`),
+        from the gradient slice kept in place (:meth:`_commits_in_place`) where there is one, else from
+        ``fp32.grad``; False: the ordinary Muon step runs (the same no-gradient flags), on ``fp32.grad`` converted
+        from the slice now where ``.grad`` held its placeholder. Arguments as
         :meth:`ds_muon.integration.zero_common.DsMuonZeroSteps._commit_speculation`."""
-        return self.speculative is not None and self.speculative.commit(i, fp32, fp32.grad, momentum, had,
-                                                                        self._clip_fired(), group,
-                                                                        float(self.loss_scale))
+        in_place = self._grads_in_place.pop(i, None)
+        grad = fp32.grad if in_place is None else in_place
+        if self.speculative is not None and self.speculative.commit(i, fp32, grad, momentum, had, self._clip_fired(),
+                                                                     group, float(self.loss_scale)):
+            return True
+        if in_place is not None:
+            fp32.grad = in_place.to(fp32.dtype)
+        return False

@@ -139,8 +139,11 @@ class MuonZeroOptimizer(ZeroCheckpointing, OverlapHooks, DsMuonZeroSteps, DeepSp
         saved), else the slice converted once (4 bytes per element, 2 saved). The values are DeepSpeed's either
         way (``tests/dist/test_step_overrides.py``, bit for bit). With the view the step may overwrite the buffer
         (DeepSpeed's unscale and clip, the Muon step's ``o``): :meth:`_step_scope` zeroes it after every step,
-        applied or skipped, before the next backward writes it. Elsewhere (a layout DeepSpeed changed, outside a
-        step) DeepSpeed's copy.
+        applied or skipped, before the next backward writes it. Where the overlapped step will commit this
+        sub-group from the bf16 slice itself (:meth:`~ds_muon.integration.overlap.OverlapHooks._commits_in_place`),
+        no copy at all: the slice is kept for the commit and ``.grad`` is a zero-stride float32 placeholder until
+        then (6 bytes per element less than the converted copy, counting its write and read). Elsewhere (a layout
+        DeepSpeed changed, outside a step) DeepSpeed's copy.
         """
         views = self.averaged_gradients.get(sub_group_id)  # DeepSpeed's ZeRO-3 keeps a dict
         where = self._grad_slices.get(sub_group_id)
@@ -154,7 +157,13 @@ class MuonZeroOptimizer(ZeroCheckpointing, OverlapHooks, DsMuonZeroSteps, DeepSp
         if views[0].data_ptr() != start or views[-1].data_ptr() + views[-1].numel() * size != start + numel * size:
             return super()._prepare_fp32_grad_for_sub_group(sub_group_id)
         grad = buffer.narrow(0, offset, numel)
-        fp32.grad = grad if grad.dtype == fp32.dtype else grad.to(fp32.dtype)
+        if grad.dtype != fp32.dtype and self._commits_in_place(sub_group_id):
+            # the commit reads the slice itself (SpeculativeMuon.commit): no float32 copy; .grad holds a zero-stride
+            # placeholder of the right shape meanwhile (DeepSpeed's unscale is skipped: the factor is 1)
+            self._grads_in_place[sub_group_id] = grad
+            fp32.grad = torch.zeros((), dtype=fp32.dtype, device=fp32.device).expand(numel)
+        else:
+            fp32.grad = grad if grad.dtype == fp32.dtype else grad.to(fp32.dtype)
         self.averaged_gradients[sub_group_id] = None
 
     def _name(self, p) -> str:

@@ -20,8 +20,8 @@ from typing import Callable, Optional
 import torch
 from torch.profiler import record_function
 
-from ..core.muon_update import (apply_update_, fused_apply_update_, fused_momentum_update_, momentum_update_,
-                                scaled_orthogonalizer, set_aside)
+from ..core.muon_update import (apply_update_, fused_apply_update_, fused_momentum_update_, momentum_step_,
+                                momentum_update_, scaled_orthogonalizer, set_aside)
 from .blocks import BlockMap
 from .collectives import named_collective
 from .exchange import OwnerExchange
@@ -96,6 +96,14 @@ class MuonShardStep:
             kernel = fused_momentum_update_ if self.compiled_elementwise else momentum_update_
             return kernel(momentum, g, group["momentum"], group["nesterov"])
 
+    def momentum_step(self, g: torch.Tensor, momentum: torch.Tensor, group: dict) -> None:
+        """The momentum step of :meth:`prepare` alone, ``m <- beta*m + (1-beta)*g`` in place, ``g`` read only and
+        possibly bfloat16 (:func:`ds_muon.core.muon_update.momentum_step_`: the same momentum as :meth:`prepare`'s
+        from the float32 gradient): for a commit whose update was orthogonalized in backward. ``momentum``:
+        ``(n,)`` float32."""
+        with record_function("ds_muon/momentum"):
+            momentum_step_(momentum, g, group["momentum"], self.compiled_elementwise)
+
     def orthogonalize(self, u: torch.Tensor, o: torch.Tensor, group: dict) -> None:
         """``o <- NS(u) * scale`` for every matrix of the sub-group: the owner exchange (all_to_all of ``u``'s
         chunks to each matrix's owner rank, Newton–Schulz batched by view there, all_to_all back). ``o``
@@ -110,7 +118,8 @@ class MuonShardStep:
 
     def finalize(self, fp32: torch.Tensor, o: torch.Tensor, group: dict) -> None:
         """``p <- p*(1 - lr*wd) - lr*o`` in place (decoupled weight decay, Loshchilov & Hutter, arXiv 1711.05101)
-        with the group's current ``lr`` and ``weight_decay``."""
+        with the group's current ``lr`` and ``weight_decay``; ``o`` float32, or bfloat16 (a stash read directly,
+        upcast exactly)."""
         with record_function("ds_muon/apply_update"):
             kernel = fused_apply_update_ if self.compiled_elementwise else apply_update_
             kernel(fp32, o, group["lr"], group["weight_decay"])

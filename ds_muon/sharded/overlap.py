@@ -127,7 +127,7 @@ class SpeculativeMuon:
                  capture: Optional[Callable[[Callable[[], None]], Callable[[], None]]] = None) -> None:
         self.steps, self.exchanges, self.stream = steps, exchanges, stream
         self.graphs, self._capture = graphs, capture or self._cuda_graph
-        self.commits = self.commits_idle_blocks = self.captures = self.replays = 0
+        self.commits = self.commits_idle_blocks = self.commits_from_grad = self.captures = self.replays = 0
         self.fallbacks: Counter = Counter({r: 0 for r in FALLBACK_REASONS})
         self._state: dict[int, _SubGroupState] = {}
         self._run_cache: dict[tuple[int, int], list[tuple[int, int]]] = {}
@@ -140,12 +140,14 @@ class SpeculativeMuon:
         self._pool = None
 
     def stats(self) -> dict:
-        """``{"commits": int, "commits_idle_blocks": int, "fallback_<reason>": int, ...,
+        """``{"commits": int, "commits_idle_blocks": int, "commits_from_grad": int (of the commits, those that read
+        a narrower gradient in place, :meth:`commit`), "fallback_<reason>": int, ...,
         "graph_captures": int, "graph_replays": int,
         "graph_recaptures_<what>": int, ...}`` since construction (for the monitor and benchmarks). A recapture is a
         capture of a bucket that had a graph whose key changed, counted under each part of the key that did
         (``grad``, ``momentum``: an address; ``loss_scale``); ``graph_captures`` counts it once."""
         return {"commits": self.commits, "commits_idle_blocks": self.commits_idle_blocks,
+                "commits_from_grad": self.commits_from_grad,
                 **{f"fallback_{r}": n for r, n in self.fallbacks.items()},
                 "graph_captures": self.captures, "graph_replays": self.replays,
                 **{f"graph_recaptures_{w}": n for w, n in self.recaptures.items()}}
@@ -399,6 +401,14 @@ class SpeculativeMuon:
             self._uncovered[i] = runs
         return runs
 
+    def would_commit(self, i: int, clipped: bool, loss_scale: float) -> bool:
+        """Whether :meth:`commit` of sub-group ``i`` would apply its speculation with these arguments (complete,
+        not clipped, the loss scale it divided by), asked before the step builds the gradient it reads; counts
+        nothing."""
+        st = self._state.get(i)
+        return (st is not None and st.complete and not clipped
+                and (st.loss_scale is None or st.loss_scale == loss_scale))
+
     def join(self) -> None:
         """Make the current stream wait for the speculative work (call before the first commit)."""
         if self.stream is not None and self._state:
@@ -416,8 +426,13 @@ class SpeculativeMuon:
         around both (:meth:`MuonShardStep.set_aside`, as the ordinary step does). The same decision on every rank
         (its inputs are agreed: the global norm, the agreed flags, the same reduce sequence).
 
+        Where ``grad`` is narrower than ``fp32`` (ZeRO-3's bf16 gradient slice, read in place: no float32 copy of
+        it is made for such a commit) the momentum reads it and the update reads ``o`` from the stashes, both upcast
+        exactly (:meth:`MuonShardStep.momentum_step`, :meth:`MuonShardStep.finalize`), and ``grad`` is left as is.
+
         Args:
-            fp32: ``(n,)`` float32 partition. grad: ``(n,)`` float32 final gradient (overwritten).
+            fp32: ``(n,)`` float32 partition. grad: ``(n,)`` final gradient: float32 (overwritten), or bfloat16
+                (read only; then the momentum must be float32).
             momentum: ``(n,)`` momentum. had: the agreed no-gradient flags (None: all had).
             clipped: whether the gradient clipping fired this step.
             loss_scale: the loss scale the step unscaled ``grad`` by (1.0 without fp16).
@@ -447,14 +462,24 @@ class SpeculativeMuon:
             if self.stream is not None:  # read on the step's stream (a no-op where that is the home stream)
                 stash.record_stream(torch.cuda.current_stream())
             lo0, runs = self._stretch(i, k)[0], self._runs(i, k)
-            dst += [grad.narrow(0, lo, n) for lo, n in runs]
+            dst += runs
             src += [stash.narrow(0, lo - lo0, n) for lo, n in runs]
-        step.prepare(grad, momentum, group)
-        for lo, n in self._uncovered_runs(i):
-            grad.narrow(0, lo, n).zero_()
-        # o: the fp32 values the ordinary exchange writes (the stashes hold the wire dtype's); one launch
-        torch._foreach_copy_(dst, src)
-        step.finalize(fp32, grad, group)
+        if grad.dtype != fp32.dtype:
+            # the gradient as accumulated (bf16), read in place: the momentum from it, o straight from the stashes
+            # (both upcast exactly), no float32 copy of either: the ordinary path's values bit for bit
+            step.momentum_step(grad, momentum, group)
+            for (lo, n), o in zip(dst, src):
+                step.finalize(fp32.narrow(0, lo, n), o, group)
+            for lo, n in self._uncovered_runs(i):  # the partition's padding: o = 0 there, as in the ordinary step
+                step.finalize(fp32.narrow(0, lo, n), fp32.new_zeros(n), group)
+            self.commits_from_grad += 1
+        else:
+            step.prepare(grad, momentum, group)
+            for lo, n in self._uncovered_runs(i):
+                grad.narrow(0, lo, n).zero_()
+            # o: the fp32 values the ordinary exchange writes (the stashes hold the wire dtype's); one launch
+            torch._foreach_copy_([grad.narrow(0, lo, n) for lo, n in dst], src)
+            step.finalize(fp32, grad, group)
         if put_back is not None:
             put_back()
             self.commits_idle_blocks += 1

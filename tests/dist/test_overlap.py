@@ -268,6 +268,11 @@ def test_overlap_exact(world_size, tmp_path):
     assert check_unscale_calls(r) == r["clip_never"]["unscale_calls"], r["clip_never"]
     assert r["bf16_momentum"]["momentum_dtypes"] == ["torch.bfloat16"], r["bf16_momentum"]
     assert r["plain"]["momentum_dtypes"] == ["torch.float32"], r["plain"]
+    # with bf16 gradients and fp32 momentum every commit reads the gradient slice in place (no float32 copy); with
+    # fp32 gradients, or bf16 momentum, none does
+    assert r["bf16"]["stats"]["commits_from_grad"] == r["bf16"]["stats"]["commits"] > 0, r["bf16"]["stats"]
+    for name in ("plain", "gas2", "clip_never", "bf16_momentum", "mixtral_top1"):
+        assert r[name]["stats"]["commits_from_grad"] == 0, (name, r[name]["stats"])
     for name in ("gas2", "bf16", "bf16_momentum", "no_nesterov", "small_buckets", "small_ipg_subgroups", "resume"):
         assert r[name]["stats"]["commits"] > 0, (name, r[name])
     # the idle expert's steps committed with the block set aside (2 of 4 steps), not recomputed

@@ -181,3 +181,34 @@ def test_scaled_orthogonalizer_is_newton_schulz_times_the_update_scale(method, s
         got = fn(blocks)
         assert got.dtype == (out_dtype or dtype), (got.dtype, out_dtype, dtype)
         assert torch.equal(got, want), (shape, (got.float() - want.float()).abs().max())
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_commit_reads_a_bf16_gradient_and_stash_in_place_bit_for_bit(compiled: bool, monkeypatch) -> None:
+    """The overlapped commit's in-place path (ZeRO-3's bf16 gradient slice, the bf16 stash): ``momentum_step_`` gives
+    the momentum that the ordinary step's kernel gives from the float32 copy of the same gradient, leaving the
+    gradient as it is; ``fused_apply_update_`` / ``apply_update_`` with a bf16 update give the float32 update's
+    weights, bit for bit (compiled: torch.compile's graphs with the eager backend, the CPU stand-in); the eager
+    momentum path works in fp32 chunks; bad input is named."""
+    monkeypatch.setattr(momentum_mod, "CHUNK_ELEMENTS", 64)
+    m0, g0 = _data(1000, seed=3)
+    g16 = g0.to(torch.bfloat16)
+    ordinary = momentum_mod.fused_momentum_update_ if compiled else momentum_update_
+    kwargs = {"backend": "eager"} if compiled else {}
+    for nesterov in (True, False):
+        want, g32 = m0.clone(), g16.float()
+        ordinary(want, g32, 0.95, nesterov, **kwargs)
+        got, kept = m0.clone(), g16.clone()
+        momentum_mod.momentum_step_(got, kept, 0.95, compiled, **kwargs)
+        assert torch.equal(got, want) and torch.equal(kept, g16), nesterov
+    p0 = torch.randn(1000, generator=torch.Generator().manual_seed(4))
+    o16 = (0.3 * g0).to(torch.bfloat16)
+    apply = momentum_mod.fused_apply_update_ if compiled else momentum_mod.apply_update_
+    want, got = p0.clone(), p0.clone()
+    apply(want, o16.float(), 0.02, 0.1, **kwargs)
+    apply(got, o16, 0.02, 0.1, **kwargs)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="float32 momentum"):
+        momentum_mod.momentum_step_(m0.to(torch.bfloat16), g16, 0.95, compiled)
+    with pytest.raises(ValueError, match="same 1-D shape"):
+        momentum_mod.momentum_step_(m0, g16[:10], 0.95, compiled)
