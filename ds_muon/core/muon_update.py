@@ -24,8 +24,9 @@ from .newton_schulz import orthogonalize
 from .ns_compile import AUTOTUNE_COMPILE, compile_in_process, compiled_orthogonalize
 
 
-# Elements per chunk when the momentum is stored in a narrower dtype than the gradient: the fp32
-# working copy of one chunk is the only temporary (64 MiB), never one of the whole shard.
+# Elements per chunk when the momentum is stored in a narrower dtype than the gradient, or the gradient in a
+# narrower one than the momentum (momentum_step_): the fp32 working copy of one chunk is the only temporary
+# (64 MiB), never one of the whole shard.
 CHUNK_ELEMENTS = 1 << 24
 
 

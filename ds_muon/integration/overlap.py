@@ -106,7 +106,7 @@ class OverlapHooks:
     _overlap_index: dict = {}
     _overlap_clip: Optional[bool] = None
     _overlap_clip_ahead: Optional[tuple] = None  # (loss scale, HostCopy of the clip decision) of this step
-    _grads_in_place: dict = {}  # replaced by a fresh dict at each step (step)
+    _grads_in_place: Optional[dict] = None  # sub-group -> gradient slice read in place, set per step (step)
 
     def _build_steps(self) -> None:
         super()._build_steps()
@@ -302,10 +302,11 @@ class OverlapHooks:
         bf16 slice, asked while DeepSpeed's step prepares the gradient): the speculation will commit
         (:meth:`~ds_muon.sharded.overlap.SpeculativeMuon.would_commit`, with this step's clip decision and loss
         scale), DeepSpeed's unscale multiplies by exactly 1 (:meth:`_grad_scale_is_one`: it is skipped, so nothing
-        writes the gradient before the commit) and the momentum is float32."""
+        writes the gradient before the commit), the momentum is float32, and the sub-group's no-gradient flags are
+        agreed already (:meth:`_blocks_with_gradient` would otherwise read them from ``.grad``, the placeholder)."""
         return (self.speculative is not None and self._stepping and i in self.muon_steps
                 and self._param_group(i).get("momentum_dtype", "float32") == "float32"
-                and self._grad_scale_is_one()
+                and self.gradient_flags.agreed(i) and self._grad_scale_is_one()
                 and self.speculative.would_commit(i, self._clip_fired(), float(self.loss_scale)))
 
     def _commit_speculation(self, i: int, fp32: torch.Tensor, momentum: torch.Tensor, had: Optional[torch.Tensor],
@@ -315,7 +316,7 @@ class OverlapHooks:
         ``fp32.grad``; False: the ordinary Muon step runs (the same no-gradient flags), on ``fp32.grad`` converted
         from the slice now where ``.grad`` held its placeholder. Arguments as
         :meth:`ds_muon.integration.zero_common.DsMuonZeroSteps._commit_speculation`."""
-        in_place = self._grads_in_place.pop(i, None)
+        in_place = (self._grads_in_place or {}).pop(i, None)
         grad = fp32.grad if in_place is None else in_place
         if self.speculative is not None and self.speculative.commit(i, fp32, grad, momentum, had, self._clip_fired(),
                                                                      group, float(self.loss_scale)):

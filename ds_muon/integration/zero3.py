@@ -10,8 +10,10 @@ checkpoint overrides (:mod:`ds_muon.integration.zero3_checkpoint`). Checked agai
 
 When the parent's ``step()`` calls ``_optimizer_step(sub_group_id)``, the sub-group's gradient in
 ``fp32_partitioned_groups_flat[i].grad`` is final: accumulated over micro-batches, reduced (reduce-scatter or
-all-reduce, whichever the config says), unscaled and clipped on the raw global norm. Every rank calls it for
-every sub-group in the same order, so the owner exchange's collectives are safe there.
+all-reduce, whichever the config says), unscaled and clipped on the raw global norm; except for a Muon sub-group
+the overlapped step commits from the bf16 gradient slice in place, whose ``.grad`` is a zero-stride placeholder
+and whose gradient the commit reads from the slice (:meth:`MuonZeroOptimizer._prepare_fp32_grad_for_sub_group`).
+Every rank calls it for every sub-group in the same order, so the owner exchange's collectives are safe there.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from ..sharded.collectives import named_collective
 from ..sharded.exchange import BufferPool
 from ..partitions import chunked_pieces
 from ..sharded.muon_step import MuonShardStep
+from ..sharded.overlap import NARROW_GRADS
 from ..sharded.ownership import ParamInfo
 from .faults import first_non_finite_grad
 from .inner import DsMuonInner
@@ -157,7 +160,7 @@ class MuonZeroOptimizer(ZeroCheckpointing, OverlapHooks, DsMuonZeroSteps, DeepSp
         if views[0].data_ptr() != start or views[-1].data_ptr() + views[-1].numel() * size != start + numel * size:
             return super()._prepare_fp32_grad_for_sub_group(sub_group_id)
         grad = buffer.narrow(0, offset, numel)
-        if grad.dtype != fp32.dtype and self._commits_in_place(sub_group_id):
+        if grad.dtype in NARROW_GRADS and self._commits_in_place(sub_group_id):
             # the commit reads the slice itself (SpeculativeMuon.commit): no float32 copy; .grad holds a zero-stride
             # placeholder of the right shape meanwhile (DeepSpeed's unscale is skipped: the factor is 1)
             self._grads_in_place[sub_group_id] = grad

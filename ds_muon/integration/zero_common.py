@@ -389,7 +389,8 @@ class DsMuonZeroSteps:
         :class:`ds_muon.integration.overlap.OverlapHooks`); here never.
 
         Args:
-            fp32: ``(n,)`` float32 partition (its ``.grad`` the final gradient). momentum: ``(n,)`` float32 or
+            fp32: ``(n,)`` float32 partition (its ``.grad`` the final gradient, or at ZeRO-3 a placeholder where
+                the overlapped step reads the bf16 slice in place). momentum: ``(n,)`` float32 or
                 bfloat16. had: ``(n_blocks,)`` bool agreed no-gradient flags, or None (all had). group: the param group.
         """
         return False

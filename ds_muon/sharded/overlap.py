@@ -66,6 +66,8 @@ __all__ = ["SpeculativeMuon", "FALLBACK_REASONS", "RUN_ELEMENTS"]
 #: the longest stretch of the shard one speculative momentum call covers (elements): its momentum copy, a
 #: temporary of ``RUN_ELEMENTS * 4`` bytes at most (64 MiB), lives on the side stream during backward.
 RUN_ELEMENTS = 1 << 24
+#: Gradient dtypes a commit reads in place, without a float32 copy (ZeRO-3's bf16 or fp16 gradient buffer).
+NARROW_GRADS = (torch.bfloat16, torch.float16)
 
 #: why a sub-group's step fell back to the ordinary path: the clip coefficient was not 1, the step was skipped for
 #: an fp16 overflow (or never came), the sub-group's speculation was not complete (a parameter without gradient,
@@ -118,7 +120,8 @@ class SpeculativeMuon:
 
     Attributes:
         commits: sub-group steps that applied a stash; commits_idle_blocks: those of them that set aside blocks
-            without gradient. fallbacks: ``Counter`` over :data:`FALLBACK_REASONS`.
+            without gradient; commits_from_grad: those of them that read a narrow gradient in place
+            (:data:`NARROW_GRADS`). fallbacks: ``Counter`` over :data:`FALLBACK_REASONS`.
         captures, replays: buckets captured as a graph, and bucket speculations run by replaying one.
     """
 
@@ -431,14 +434,18 @@ class SpeculativeMuon:
         exactly (:meth:`MuonShardStep.momentum_step`, :meth:`MuonShardStep.finalize`), and ``grad`` is left as is.
 
         Args:
-            fp32: ``(n,)`` float32 partition. grad: ``(n,)`` final gradient: float32 (overwritten), or bfloat16
-                (read only; then the momentum must be float32).
+            fp32: ``(n,)`` float32 partition. grad: ``(n,)`` final gradient: float32 (overwritten), or bfloat16 /
+                float16 (:data:`NARROW_GRADS`; read only; then the momentum must be float32).
             momentum: ``(n,)`` momentum. had: the agreed no-gradient flags (None: all had).
             clipped: whether the gradient clipping fired this step.
             loss_scale: the loss scale the step unscaled ``grad`` by (1.0 without fp16).
 
         Returns:
             True: committed (the caller must not step); False: the caller runs the ordinary step.
+
+        Raises:
+            ValueError: ``grad`` is neither ``fp32``'s dtype nor one of :data:`NARROW_GRADS`; from
+                :meth:`MuonShardStep.momentum_step`, a narrow ``grad`` with momentum that is not float32.
         """
         st = self._state.pop(i, None)
         if st is None or not st.complete:
@@ -452,9 +459,14 @@ class SpeculativeMuon:
         if reason is not None:
             self.fallbacks[reason] += 1
             return False
+        narrow = grad.dtype in NARROW_GRADS
+        if not narrow and grad.dtype != fp32.dtype:
+            raise ValueError(f"ds_muon: the commit of sub-group {i} got a {grad.dtype} gradient for a {fp32.dtype} "
+                             f"partition; it reads {fp32.dtype} or, in place, a narrower one ({NARROW_GRADS})")
         if had is not None and not bool(had.any()):  # as the ordinary step: nothing changes, no exchange
             self.commits += 1
             self.commits_idle_blocks += 1
+            self.commits_from_grad += narrow
             return True
         step, dst, src = self.steps[i], [], []
         put_back = step.set_aside(had, momentum, fp32)  # None where every block had a gradient
@@ -464,7 +476,7 @@ class SpeculativeMuon:
             lo0, runs = self._stretch(i, k)[0], self._runs(i, k)
             dst += runs
             src += [stash.narrow(0, lo - lo0, n) for lo, n in runs]
-        if grad.dtype != fp32.dtype:
+        if narrow:
             # the gradient as accumulated (bf16), read in place: the momentum from it, o straight from the stashes
             # (both upcast exactly), no float32 copy of either: the ordinary path's values bit for bit
             step.momentum_step(grad, momentum, group)

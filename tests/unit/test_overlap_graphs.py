@@ -338,6 +338,53 @@ def test_commit_zeroes_what_no_bucket_covers() -> None:
     assert torch.equal(got[pad], p[pad] * (1 - group["lr"] * group["weight_decay"]))
 
 
+@pytest.mark.parametrize("pad", [0, 3])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_commit_from_a_bf16_gradient_in_place_equals_the_ordinary_step(pad, nesterov, monkeypatch) -> None:
+    """ZeRO-3's in-place commit (a bf16 gradient slice, read and left as it is): with runs cut at 7 elements (so the
+    stash is read at many offsets) and, with ``pad``, padding after every matrix (weights there decay only), the
+    commit equals the ordinary step on the float32 copy of the gradient, bit for bit, momentum and weights, and
+    counts as ``commits_from_grad``; a gradient of another dtype that is not narrower is refused."""
+    import math
+
+    from ds_muon.partitions import flat_pieces
+    from ds_muon.sharded import overlap
+    monkeypatch.setattr(overlap, "RUN_ELEMENTS", 7)
+    offsets, at = [], 0
+    for shape in SHAPES:
+        offsets.append(at)
+        at += math.prod(shape) + pad
+    infos = [ParamInfo(f"w{k}", shape, math.prod(shape), None, flat_pieces(o, math.prod(shape), at, 1))
+             for k, (shape, o) in enumerate(zip(SHAPES, offsets))]
+    plan = build_bucketed_plan(infos, 1, 80, order="reverse", shard_numel=at)
+    exchange = OwnerExchange(None, torch.bfloat16, torch.float32, torch.device("cpu"))
+    step = MuonShardStep("sub-group 0", plan, build_block_map(plan.slots, 0, at), exchange, GROUP,
+                         ns_compile=False, ns_autotune=False)
+    spec, group = SpeculativeMuon({0: step}, {0: exchange}), dict(GROUP, nesterov=nesterov)
+    gen = torch.Generator().manual_seed(1)
+    g16 = torch.randn(at, generator=gen).bfloat16()
+    p, m = torch.randn(at, generator=gen), torch.randn(at, generator=gen)
+    for lo, n in spec._uncovered_runs(0):  # ZeRO-3's padding: zero gradient and momentum
+        g16[lo:lo + n], m[lo:lo + n] = 0, 0
+    assert bool(spec._uncovered_runs(0)) == bool(pad)
+    spec.mark_final([(0, s.index) for b in reversed(plan.buckets) for s in b.slots], lambda i: g16,
+                    lambda i: m, lambda i: group, 1.0)
+    assert max(len(spec._runs(0, k)) for k in range(len(plan.buckets))) > 2
+    assert spec.would_commit(0, False, 1.0) and not spec.would_commit(0, True, 1.0)
+    assert not spec.would_commit(0, False, 2.0)
+    want_p, want_m, g = p.clone(), m.clone(), g16.float()
+    step.orthogonalize(step.prepare(g, want_m, group), g, group)
+    step.finalize(want_p, g, group)
+    got_p, got_m, kept = p.clone(), m.clone(), g16.clone()
+    assert spec.commit(0, got_p, kept, got_m, None, False, group)
+    assert torch.equal(kept, g16) and torch.equal(got_m, want_m) and torch.equal(got_p, want_p)
+    assert spec.stats()["commits_from_grad"] == spec.stats()["commits"] == 1
+    spec.mark_final([(0, s.index) for b in reversed(plan.buckets) for s in b.slots], lambda i: g16.double(),
+                    lambda i: m, lambda i: group, 1.0)
+    with pytest.raises(ValueError, match="narrower"):
+        spec.commit(0, p.clone(), g16.double(), m.clone(), None, False, group)
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 def test_commit_falls_back_when_the_step_unscales_by_another_loss_scale(graphs) -> None:
     """fp16's dynamic loss scale grows at a step without overflow after ``loss_scale_window`` steps, and DeepSpeed
