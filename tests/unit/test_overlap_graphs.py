@@ -304,24 +304,33 @@ def test_stashes_live_from_their_bucket_to_the_commit() -> None:
     assert not spec.active() and not spec._state
 
 
-def test_commit_zeroes_what_no_bucket_covers() -> None:
-    """A flat partition with padding after every matrix (ZeRO-1/2's layout): the commit's ``o`` is 0 on the padding
-    (whatever the gradient buffer holds there), so those elements only decay, and every matrix's elements get the
-    ordinary step's update."""
+def _padded(pad: int, bucket: int, wire: torch.dtype) -> tuple[SpeculativeMuon, MuonShardStep, list[int], int]:
+    """One sub-group of :data:`SHAPES` laid out flat with ``pad`` elements of padding after every matrix
+    (ZeRO-1/2's layout; 0: ZeRO-3's at one rank), owner-plan buckets of ``bucket`` elements in reverse order, a
+    ``wire``-dtype exchange: ``(speculation, step, each matrix's offset, partition elements)``."""
     import math
 
     from ds_muon.partitions import flat_pieces
     offsets, at = [], 0
     for shape in SHAPES:
         offsets.append(at)
-        at += math.prod(shape) + 3
+        at += math.prod(shape) + pad
     infos = [ParamInfo(f"w{k}", shape, math.prod(shape), None, flat_pieces(o, math.prod(shape), at, 1))
              for k, (shape, o) in enumerate(zip(SHAPES, offsets))]
-    plan = build_bucketed_plan(infos, 1, 40, order="reverse", shard_numel=at)
-    exchange = OwnerExchange(None, torch.float32, torch.float32, torch.device("cpu"))
+    plan = build_bucketed_plan(infos, 1, bucket, order="reverse", shard_numel=at)
+    exchange = OwnerExchange(None, wire, torch.float32, torch.device("cpu"))
     step = MuonShardStep("sub-group 0", plan, build_block_map(plan.slots, 0, at), exchange, GROUP,
                          ns_compile=False, ns_autotune=False)
-    spec, group = SpeculativeMuon({0: step}, {0: exchange}), dict(GROUP)
+    return SpeculativeMuon({0: step}, {0: exchange}), step, offsets, at
+
+
+def test_commit_zeroes_what_no_bucket_covers() -> None:
+    """A flat partition with padding after every matrix (ZeRO-1/2's layout): the commit's ``o`` is 0 on the padding
+    (whatever the gradient buffer holds there), so those elements only decay, and every matrix's elements get the
+    ordinary step's update."""
+    import math
+    spec, step, offsets, at = _padded(3, 40, torch.float32)
+    plan, group = step.plan, dict(GROUP)
     assert spec._uncovered_runs(0) == [(o + math.prod(shape), 3) for shape, o in zip(SHAPES, offsets)]
     grad, p = torch.randn(at), torch.randn(at)
     spec.mark_final([(0, s.index) for b in reversed(plan.buckets) for s in b.slots], lambda i: grad,
@@ -345,22 +354,10 @@ def test_commit_from_a_bf16_gradient_in_place_equals_the_ordinary_step(pad, nest
     stash is read at many offsets) and, with ``pad``, padding after every matrix (weights there decay only), the
     commit equals the ordinary step on the float32 copy of the gradient, bit for bit, momentum and weights, and
     counts as ``commits_from_grad``; a gradient of another dtype that is not narrower is refused."""
-    import math
-
-    from ds_muon.partitions import flat_pieces
     from ds_muon.sharded import overlap
     monkeypatch.setattr(overlap, "RUN_ELEMENTS", 7)
-    offsets, at = [], 0
-    for shape in SHAPES:
-        offsets.append(at)
-        at += math.prod(shape) + pad
-    infos = [ParamInfo(f"w{k}", shape, math.prod(shape), None, flat_pieces(o, math.prod(shape), at, 1))
-             for k, (shape, o) in enumerate(zip(SHAPES, offsets))]
-    plan = build_bucketed_plan(infos, 1, 80, order="reverse", shard_numel=at)
-    exchange = OwnerExchange(None, torch.bfloat16, torch.float32, torch.device("cpu"))
-    step = MuonShardStep("sub-group 0", plan, build_block_map(plan.slots, 0, at), exchange, GROUP,
-                         ns_compile=False, ns_autotune=False)
-    spec, group = SpeculativeMuon({0: step}, {0: exchange}), dict(GROUP, nesterov=nesterov)
+    spec, step, _, at = _padded(pad, 80, torch.bfloat16)
+    plan, group = step.plan, dict(GROUP, nesterov=nesterov)
     gen = torch.Generator().manual_seed(1)
     g16 = torch.randn(at, generator=gen).bfloat16()
     p, m = torch.randn(at, generator=gen), torch.randn(at, generator=gen)
