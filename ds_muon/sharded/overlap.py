@@ -61,7 +61,7 @@ from torch.profiler import record_function
 from .muon_step import MuonShardStep
 from .exchange import BufferPool, OwnerExchange
 
-__all__ = ["SpeculativeMuon", "FALLBACK_REASONS", "RUN_ELEMENTS"]
+__all__ = ["SpeculativeMuon", "FALLBACK_REASONS", "RUN_ELEMENTS", "NARROW_GRADS"]
 
 #: the longest stretch of the shard one speculative momentum call covers (elements): its momentum copy, a
 #: temporary of ``RUN_ELEMENTS * 4`` bytes at most (64 MiB), lives on the side stream during backward.
