@@ -30,6 +30,12 @@ from .ns_compile import AUTOTUNE_COMPILE, compile_in_process, compiled_orthogona
 CHUNK_ELEMENTS = 1 << 24
 
 
+def _check_same_1d(momentum: torch.Tensor, grad: torch.Tensor) -> None:
+    """Raise ValueError unless ``momentum`` and ``grad`` are 1-D of the same shape (the momentum steps' contract)."""
+    if momentum.shape != grad.shape or momentum.dim() != 1:
+        raise ValueError(f"momentum {tuple(momentum.shape)} and grad {tuple(grad.shape)} must be the same 1-D shape")
+
+
 def momentum_update_(momentum: torch.Tensor, grad: torch.Tensor, beta: float, nesterov: bool) -> torch.Tensor:
     r"""``m <- beta m + (1 - beta) g`` and the update Newton–Schulz orthogonalizes, in place.
 
@@ -58,8 +64,7 @@ def momentum_update_(momentum: torch.Tensor, grad: torch.Tensor, beta: float, ne
         ValueError: the shapes differ, ``grad`` is not float32, or the momentum dtype is not one of
             ``MOMENTUM_DTYPES``.
     """
-    if momentum.shape != grad.shape or momentum.dim() != 1:
-        raise ValueError(f"momentum {tuple(momentum.shape)} and grad {tuple(grad.shape)} must be the same 1-D shape")
+    _check_same_1d(momentum, grad)
     if grad.dtype != torch.float32:
         raise ValueError(f"grad must be float32, got {grad.dtype}")
     if momentum.dtype == torch.float32:
@@ -212,17 +217,17 @@ def momentum_step_(momentum: torch.Tensor, grad: torch.Tensor, beta: float, comp
     Raises:
         ValueError: the shapes differ, or the momentum is not float32.
     """
-    if momentum.shape != grad.shape or momentum.dim() != 1:
-        raise ValueError(f"momentum {tuple(momentum.shape)} and grad {tuple(grad.shape)} must be the same 1-D shape")
+    _check_same_1d(momentum, grad)
     if momentum.dtype != torch.float32:
         raise ValueError(f"momentum_step_ takes float32 momentum, got {momentum.dtype}")
     if compiled:
         _compiled(_momentum_graph_, backend)(momentum, grad, float(beta), False)
     elif grad.dtype == torch.float32:
-        momentum.lerp_(grad, 1 - beta)
+        _momentum_fp32_(momentum, grad, beta, False)
     else:
         for start in range(0, grad.numel(), CHUNK_ELEMENTS):
-            momentum[start:start + CHUNK_ELEMENTS].lerp_(grad[start:start + CHUNK_ELEMENTS].float(), 1 - beta)
+            _momentum_fp32_(momentum[start:start + CHUNK_ELEMENTS], grad[start:start + CHUNK_ELEMENTS].float(), beta,
+                            False)
 
 
 def set_aside(ranges: Sequence[tuple[int, int]], *flats: torch.Tensor) -> Callable[[], None]:

@@ -468,19 +468,19 @@ class SpeculativeMuon:
             self.commits_idle_blocks += 1
             self.commits_from_grad += narrow
             return True
-        step, dst, src = self.steps[i], [], []
+        step, spans, stashed = self.steps[i], [], []  # every bucket's runs of the shard, and their o in its stash
         put_back = step.set_aside(had, momentum, fp32)  # None where every block had a gradient
         for k, stash in st.stashes.items():
             if self.stream is not None:  # read on the step's stream (a no-op where that is the home stream)
                 stash.record_stream(torch.cuda.current_stream())
             lo0, runs = self._stretch(i, k)[0], self._runs(i, k)
-            dst += runs
-            src += [stash.narrow(0, lo - lo0, n) for lo, n in runs]
+            spans += runs
+            stashed += [stash.narrow(0, lo - lo0, n) for lo, n in runs]
         if narrow:
             # the gradient as accumulated (bf16), read in place: the momentum from it, o straight from the stashes
             # (both upcast exactly), no float32 copy of either: the ordinary path's values bit for bit
             step.momentum_step(grad, momentum, group)
-            for (lo, n), o in zip(dst, src):
+            for (lo, n), o in zip(spans, stashed):
                 step.finalize(fp32.narrow(0, lo, n), o, group)
             for lo, n in self._uncovered_runs(i):  # the partition's padding: o = 0 there, as in the ordinary step
                 step.finalize(fp32.narrow(0, lo, n), fp32.new_zeros(n), group)
@@ -490,7 +490,7 @@ class SpeculativeMuon:
             for lo, n in self._uncovered_runs(i):
                 grad.narrow(0, lo, n).zero_()
             # o: the fp32 values the ordinary exchange writes (the stashes hold the wire dtype's); one launch
-            torch._foreach_copy_([grad.narrow(0, lo, n) for lo, n in dst], src)
+            torch._foreach_copy_([grad.narrow(0, lo, n) for lo, n in spans], stashed)
             step.finalize(fp32, grad, group)
         if put_back is not None:
             put_back()
