@@ -321,12 +321,18 @@ def peak_allocations(trace: list, baseline: int = 0, start: int = 0, top: int = 
             "other_gib": sum(size for _, (size, _, _) in ranked[top:]) / 2**30, "entry": best_at}
 
 
+def _requested_bytes(device, key: str) -> int:
+    """The caching allocator's ``requested_bytes.all.<key>`` on ``device`` (``"current"`` or ``"peak"``), bytes."""
+    import torch
+    return int(torch.cuda.memory_stats(device).get(f"requested_bytes.all.{key}", 0))
+
+
 def start_memory_history(device) -> int:
     """``bench.memory_peak``: start recording the caching allocator's history on ``device`` (Python frames, up to
     :data:`MEMORY_HISTORY_ENTRIES` entries), before the engine is built, so that its buffers are named too; returns
     the requested bytes already held (the replay's baseline). CUDA only."""
     import torch
-    held = int(torch.cuda.memory_stats(device).get("requested_bytes.all.current", 0))
+    held = _requested_bytes(device, "current")
     torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
                                              max_entries=MEMORY_HISTORY_ENTRIES, clear_history=True)
     return held
@@ -353,9 +359,6 @@ def recorded_peak(engine, x, device, phase: str, baseline: int) -> dict:
     import torch
     record = torch.cuda.memory._record_memory_history
 
-    def requested(key: str) -> int:
-        return int(torch.cuda.memory_stats(device).get(f"requested_bytes.all.{key}", 0))
-
     def fwd_bwd():
         engine.backward(engine(x[:, :-1], x[:, 1:]))
 
@@ -368,7 +371,7 @@ def recorded_peak(engine, x, device, phase: str, baseline: int) -> dict:
         addr = marker.data_ptr()
         del marker
         torch.cuda.reset_peak_memory_stats(device)
-        return addr, requested("current")
+        return addr, _requested_bytes(device, "current")
 
     try:
         if phase == "fwd_bwd":
@@ -379,7 +382,7 @@ def recorded_peak(engine, x, device, phase: str, baseline: int) -> dict:
             addr, held = mark()
             engine.step()
         torch.cuda.synchronize()
-        requested_peak, max_allocated = requested("peak"), torch.cuda.max_memory_allocated(device)
+        requested_peak, max_allocated = _requested_bytes(device, "peak"), torch.cuda.max_memory_allocated(device)
         traces = torch.cuda.memory._snapshot(device)["device_traces"]
     finally:
         record(enabled=None)
