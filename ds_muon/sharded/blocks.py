@@ -8,8 +8,9 @@ are contiguous in the flattened parameter, so on a rank's shard a block is at mo
 range per parameter piece.
 
 Used to find the blocks that got no gradient in a step (:mod:`ds_muon.sharded.no_grad`; docs/how-it-works.md,
-"Steps with no gradient") and by Adam-mini's block sums (:mod:`ds_muon.sharded.adam_mini_step`): one ``segment_reduce`` over the shard gives, per segment, the largest
-``|gradient|``, and the segments map to blocks.
+"Steps with no gradient") and by Adam-mini's block sums (:mod:`ds_muon.sharded.adam_mini_step`):
+``segment_reduce`` over the shard gives per-segment values (the largest and smallest gradient element; Adam-mini's
+sums of squares), and the segments map to blocks.
 """
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ Layer ``sharded`` (torch.distributed, no DeepSpeed). A block (one matrix of a pa
 Newton–Schulz view, e.g. one expert) has no gradient when its gradient is exactly zero in every
 element on every rank (DeepSpeed leaves zeros where no gradient arrived); the oracle
 :class:`ds_muon.MuonAdamW` applies the same rule to whole tensors (docs/how-it-works.md, "Steps with
-no gradient"). Per sub-group: one ``segment_reduce`` over the local gradient shard, one byte per block,
+no gradient"). Per sub-group: two ``segment_reduce`` passes over the local gradient shard (its largest and smallest
+element per segment, no temporary of the shard's size), one byte per block,
 and one all_reduce(MAX) shared by every sub-group whose gradient is in memory at once. The agreed flags reach the
 host without a wait of their own (:class:`~ds_muon.sharded.host_copy.HostCopy`): agreed before a host sync the step
 makes anyway (DeepSpeed's read of the global gradient norm, docs/design.md "Host syncs of the step"), taking them
@@ -47,8 +48,11 @@ class GradientFlags:
         return i in self._agreed
 
     def local(self, i: int, grad: Optional[torch.Tensor]) -> torch.Tensor:
-        """``(n_blocks,)`` uint8 on ``grad``'s device: 1 where this rank's shard of the block holds a non-zero
-        gradient element (one ``segment_reduce`` over ``grad``, ``(shard numel,)``); all 0 for ``grad=None``."""
+        """``(n_blocks,)`` uint8 on ``grad``'s device: 1 where this rank's shard of the block holds a non-zero (or
+        NaN) gradient element, all 0 for ``grad=None``. Two ``segment_reduce`` passes over ``grad`` (``(shard
+        numel,)``, any float dtype), its largest and smallest element per segment (a segment is non-zero where either
+        is: the same flags as ``max |g| != 0``, NaN included, as both reductions propagate it), so no temporary of
+        the shard's size is made (``grad.abs()`` was one: 4 bytes per element of an fp32 partition at the step)."""
         bm = self._maps[i]
         if grad is None:
             return torch.zeros(bm.n_blocks, dtype=torch.uint8, device=self._device)
@@ -60,9 +64,10 @@ class GradientFlags:
                 torch.tensor(real, dtype=torch.int64, device=grad.device),
                 torch.tensor([bm.block_of_segment[k] for k in real], dtype=torch.int64, device=grad.device))
         lengths, real, ids = index
-        largest = torch.segment_reduce(grad.abs(), "max", lengths=lengths, unsafe=True, initial=0)
+        nonzero = (torch.segment_reduce(grad, "max", lengths=lengths, unsafe=True, initial=0).ne(0)
+                   | torch.segment_reduce(grad, "min", lengths=lengths, unsafe=True, initial=0).ne(0))
         flags = torch.zeros(bm.n_blocks, dtype=torch.uint8, device=grad.device)
-        return flags.scatter_reduce_(0, ids, largest[real].ne(0).to(torch.uint8), "amax")
+        return flags.scatter_reduce_(0, ids, nonzero[real].to(torch.uint8), "amax")
 
     def agree(self, grads: Mapping[int, Optional[torch.Tensor]], group: Optional[dist.ProcessGroup]) -> None:
         """Agree on the flags of the sub-groups ``grads`` (``{sub_group: its (shard numel,) local gradient, any

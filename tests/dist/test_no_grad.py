@@ -151,6 +151,38 @@ def test_block_map_tiles_every_block_exactly_once():
         assert covered == {0: 35, 1: 35, 2: 35, 3: 22, 4: 3, 5: 3}, (world, covered)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_local_flags_are_max_abs_nonzero_per_block(dtype):
+    """``GradientFlags.local`` (two segment reductions, no ``|g|`` temporary) flags exactly the blocks whose shard
+    holds an element with ``|g| != 0``, NaN included: blocks of positive-only, negative-only, zero, ``-0.0``, NaN,
+    one non-zero element, split over ranks, beside padding. A flag from the largest element alone misses the
+    negative-only block."""
+    from ds_muon.sharded.no_grad import GradientFlags
+    infos = [ParamInfo("a", (6, 4, 3), 72), ParamInfo("b", (5, 2), 10), ParamInfo("c", (3, 2, 2), 12)]
+    fills = [lambda g: g.abs_(), lambda g: g.abs_().neg_(), lambda g: g.zero_(), lambda g: g.zero_().neg_(),
+             lambda g: g.zero_().index_fill_(0, torch.tensor([1]), float("nan")),
+             lambda g: g.zero_().index_fill_(0, torch.tensor([len(g) - 1]), -1e-3), lambda g: g, lambda g: g.zero_(),
+             lambda g: g.zero_().neg_(), lambda g: g.abs_().neg_()]
+    for world in (1, 2, 3):
+        plan = build_plan(infos, world)
+        for rank in range(world):
+            bm = build_block_map(plan.slots, rank, plan.shard_numel)
+            grad = torch.randn(plan.shard_numel).to(dtype)
+            expected = torch.zeros(bm.n_blocks, dtype=torch.uint8)
+            start = 0
+            for length, block in zip(bm.lengths, bm.block_of_segment):
+                seg = grad.narrow(0, start, length)
+                if block == PADDING:
+                    seg.zero_()
+                else:
+                    fills[block % len(fills)](seg)
+                    expected[block] |= bool((seg.float().abs() != 0).any())  # NaN != 0
+                start += length
+            got = GradientFlags({0: bm}, torch.device("cpu")).local(0, grad)
+            assert got.dtype == torch.uint8 and torch.equal(got, expected), (world, rank, dtype, got, expected)
+            assert expected.any() and not expected.all()
+
+
 # ------------------------------------------------------------------------------------------------
 # ZeRO-3 against the oracle, W = 2 and 3
 # ------------------------------------------------------------------------------------------------
