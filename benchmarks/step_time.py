@@ -54,6 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # ds_muon_eager: ns_compile false; ds_muon_gram: ns_method "gram" (Gram Newton–Schulz, fp16, bf16 exchange);
@@ -1715,6 +1716,46 @@ def memory_peak_text(m: dict) -> str:
             + (f"; other {m['other_gib']:.2f}" if m["other_gib"] else ""))
 
 
+#: The parts of an arm's step over AdamW's that :func:`gap_by_cause` separates, in the table's order: (key, label).
+GAP_CAUSES = (("fwd", "forward host"), ("bwd_waits", "backward's host waiting on the GPU"),
+              ("bwd_other", "backward's other host time"),
+              ("spill", "side-stream work past backward (fwd+bwd wall clock less its CUDA events)"),
+              ("opt", "optimizer step"))
+
+
+def gap_by_cause(arm: dict, base: dict) -> Optional[dict]:
+    """``arm``'s step over ``base``'s (AdamW's, the same run) split by where the time goes, from the medians.
+
+    The step is fwd+bwd plus the optimizer step; fwd+bwd's CUDA events end with backward's last main-stream kernel,
+    which the host's forward and backward time tracks at W=1, and its wall clock also waits for the side stream
+    (the overlapped Muon step), so: step = forward host + backward's waits on the GPU + backward's other host time
+    + (fwd+bwd wall clock - its CUDA events) + optimizer step, each a median, so their sum is close to the medians'
+    gap, not equal (the ``sum`` key). Units: seconds.
+
+    Returns:
+        ``{"gap": s, "sum": s, **{key: s for key, _ in GAP_CAUSES}}``, or None where either arm lacks a key (no
+        CUDA events on the CPU, results from before the phase split).
+    """
+    need = ("step_s", "fwd_host_s", "bwd_host_s", "bwd_wait_s", "fwd_bwd_s", "fwd_bwd_s_events", "opt_step_s")
+    if any(k not in arm or k not in base for k in need):
+        return None
+
+    def parts(v: dict) -> dict:
+        return {"fwd": v["fwd_host_s"], "bwd_waits": v["bwd_wait_s"], "bwd_other": v["bwd_host_s"] - v["bwd_wait_s"],
+                "spill": v["fwd_bwd_s"] - v["fwd_bwd_s_events"], "opt": v["opt_step_s"]}
+
+    mine, theirs = parts(arm), parts(base)
+    out = {k: mine[k] - theirs[k] for k, _ in GAP_CAUSES}
+    return {"gap": arm["step_s"] - base["step_s"], "sum": sum(out.values()), **out}
+
+
+def gap_text(name: str, gap: dict) -> str:
+    """One line of :func:`print_table`: :func:`gap_by_cause`'s parts, each with its share of the gap."""
+    share = (lambda x: f" ({100 * x / gap['gap']:.0f}%)") if abs(gap["gap"]) > 1e-9 else (lambda x: "")
+    return (f"{name} - AdamW step {gap['gap']:+.4f} s by cause (medians of this run; the parts sum to "
+            f"{gap['sum']:+.4f} s): " + ", ".join(f"{label} {gap[k]:+.4f}{share(gap[k])}" for k, label in GAP_CAUSES))
+
+
 def print_table(results: dict) -> None:
     ok = {k: v for k, v in results.items() if "error" not in v}
     rounds = max([v.get("rounds", 1) for v in results.values()] or [1])
@@ -1778,6 +1819,10 @@ def print_table(results: dict) -> None:
             f"{k} {v['fwd_bwd_s'] / base['fwd_bwd_s']:.3f}x"
             + (f" ({v['fwd_bwd_s_events'] / base['fwd_bwd_s_events']:.3f}x)" if "fwd_bwd_s_events" in v
                and "fwd_bwd_s_events" in base else "") for k, v in ok.items() if v is not base))
+        for k, v in ok.items():  # what each arm's step spends over AdamW's, and where (issue 40's shares)
+            gap = gap_by_cause(v, base) if v is not base else None
+            if gap is not None:
+                print(gap_text(k, gap))
     for k, v in results.items():  # the overlapped Muon step: how often it committed, how often it fell back
         stats = [r["overlap_stats"] for r in v.get("round_results", ()) if r.get("overlap_stats")]
         if stats and any(stats[0].values()):

@@ -893,3 +893,30 @@ def test_stream_priority_is_checked_and_makes_a_priority_stream_current(monkeypa
     monkeypatch.setattr(torch.cuda, "set_stream", current.append)
     stream = step_time.use_priority_stream(torch.device("cuda", 0), -2)
     assert made == [(torch.device("cuda", 0), -2)] and current == [stream]
+
+
+def test_gap_by_cause_splits_the_step_over_adamws_into_phases_that_add_up(capsys) -> None:
+    """``gap_by_cause``: a Muon arm's step over AdamW's = forward host + backward's waits on the GPU + backward's
+    other host time + the side stream's spill (fwd+bwd wall clock less its CUDA events) + the optimizer step, each
+    the arm's median less AdamW's; None without CUDA events (the CPU). The table prints it for every arm."""
+    adamw = dict(step_s=0.20, fwd_host_s=0.08, bwd_host_s=0.09, bwd_wait_s=0.0, fwd_bwd_s=0.17,
+                 fwd_bwd_s_events=0.17, opt_step_s=0.03)
+    muon = dict(step_s=0.25, fwd_host_s=0.081, bwd_host_s=0.12, bwd_wait_s=0.02, fwd_bwd_s=0.22,
+                fwd_bwd_s_events=0.201, opt_step_s=0.028)
+    gap = step_time.gap_by_cause(muon, adamw)
+    expected = dict(gap=0.05, fwd=0.001, bwd_waits=0.02, bwd_other=0.01, spill=0.019, opt=-0.002, sum=0.048)
+    assert gap.keys() == expected.keys() and all(abs(gap[k] - v) < 1e-12 for k, v in expected.items()), gap
+    assert step_time.gap_by_cause({k: v for k, v in muon.items() if k != "fwd_bwd_s_events"}, adamw) is None
+
+    arms = {}
+    for arm, v in (("adamw", adamw), ("ds_muon", muon)):
+        r = _result(arm, [v["step_s"]] * 3, [v["fwd_bwd_s"]] * 3)
+        for key in ("fwd_host_s", "bwd_host_s", "bwd_wait_s", "fwd_bwd_s_events", "opt_step_s"):
+            r["samples"][key], r[key] = [v[key]] * 3, v[key]
+        arms[arm] = [r]
+    step_time.print_table(step_time.aggregate_arms(arms, 4, 3))
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("ds_muon - AdamW step"))
+    assert line.startswith("ds_muon - AdamW step +0.0500 s by cause (medians of this run; the parts sum to +0.0480 s)")
+    assert ("forward host +0.0010 (2%), backward's host waiting on the GPU +0.0200 (40%), backward's other host time "
+            "+0.0100 (20%), side-stream work past backward (fwd+bwd wall clock less its CUDA events) +0.0190 (38%), "
+            "optimizer step -0.0020 (-4%)") in line
