@@ -154,15 +154,18 @@ def test_block_map_tiles_every_block_exactly_once():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_local_flags_are_max_abs_nonzero_per_block(dtype):
     """``GradientFlags.local`` (two segment reductions, no ``|g|`` temporary) flags exactly the blocks whose shard
-    holds an element with ``|g| != 0``, NaN included: blocks of positive-only, negative-only, zero, ``-0.0``, NaN,
-    one non-zero element, split over ranks, beside padding. A flag from the largest element alone misses the
+    holds an element with ``|g| != 0``, NaN included: blocks of positive-only, negative-only, zero, ``-0.0``, NaN
+    (alone and among non-zeros), ``-inf``, one non-zero element, split over ranks, beside padding. A flag from the largest element alone misses the
     negative-only block."""
     from ds_muon.sharded.no_grad import GradientFlags
-    infos = [ParamInfo("a", (6, 4, 3), 72), ParamInfo("b", (5, 2), 10), ParamInfo("c", (3, 2, 2), 12)]
+    infos = [ParamInfo("a", (6, 4, 3), 72), ParamInfo("b", (5, 2), 10), ParamInfo("c", (3, 2, 2), 12),
+             ParamInfo("d", (4, 2, 2), 16)]
     fills = [lambda g: g.abs_(), lambda g: g.abs_().neg_(), lambda g: g.zero_(), lambda g: g.zero_().neg_(),
              lambda g: g.zero_().index_fill_(0, torch.tensor([1]), float("nan")),
              lambda g: g.zero_().index_fill_(0, torch.tensor([len(g) - 1]), -1e-3), lambda g: g, lambda g: g.zero_(),
-             lambda g: g.zero_().neg_(), lambda g: g.abs_().neg_()]
+             lambda g: g.zero_().neg_(), lambda g: g.abs_().neg_(),
+             lambda g: g.index_fill_(0, torch.tensor([len(g) // 2]), float("nan")),  # NaN among non-zeros
+             lambda g: g.zero_().index_fill_(0, torch.tensor([0]), float("-inf"))]
     for world in (1, 2, 3):
         plan = build_plan(infos, world)
         for rank in range(world):
