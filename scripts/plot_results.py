@@ -1,12 +1,16 @@
 """Draw the result charts in docs/img/ from the JSON stored in benchmarks/results/.
 
     pip install -e ".[plot]"          # matplotlib
-    python scripts/plot_results.py    # writes docs/img/loss_vs_tokens.png and docs/img/step_time_memory.png
+    python scripts/plot_results.py    # writes docs/img/loss_vs_tokens.png, step_time_memory.png, step_time_w1.png
 
 * ``loss_vs_tokens.png``: training loss (and validation loss, as markers) against tokens seen, ds_muon's Muon and
   Adam-mini against AdamW on the same model, data and seed, each run labelled and coloured by :data:`RUNS`; the
   PNG holds a digest of the data it shows (:func:`loss_digest`, checked by tests/unit/test_charts.py). Input: every ``benchmarks/results/loss_*.json``
   written by ``examples/train.py --log-json`` (one panel per ``model``/``device`` pair found).
+* ``step_time_w1.png``: the one-GPU runs the README's results table quotes (:data:`W1_RUNS`, each a
+  ``benchmarks/step_time.py --rounds 3 --rotate`` JSON with AdamW, DeepSpeed's built-in Muon and ds_muon): median
+  step time split into forward+backward and optimizer step, and peak memory, per model; the PNG holds a digest of
+  the numbers it shows (:func:`w1_digest`, checked by tests/unit/test_charts.py).
 * ``step_time_memory.png``: median step time (split into forward+backward and optimizer step) and
   peak memory per rank, for each benchmark run of ``benchmarks/results/step_time_h200.json`` (the
   run-5 table of docs/benchmarks.md: AdamW, DeepSpeed's built-in Muon, ds_muon).
@@ -27,6 +31,12 @@ COLORS = {"AdamW": "tab:orange", "built-in Muon": "tab:green", "ds_muon": "tab:b
 RUNS = {"adamw": ("AdamW", "tab:orange"), "ds_muon": ("ds_muon (Muon)", "tab:blue"),
         "adam_mini": ("ds_muon Adam-mini (default blocks)", "tab:purple"),
         "adam_mini_neuron": ("ds_muon Adam-mini (neuron blocks)", "tab:red")}
+#: The one-GPU runs of ``step_time_w1.png``: (model label, file in benchmarks/results/, one H100 each).
+W1_RUNS = (("934M", "step_time_w1_934m_targets_rotated_h100_2026-12-06s12.json"),
+           ("2.9B", "step_time_w1_2.9b_targets_rotated_h100_2026-12-06s12.json"),
+           ("MoE-1.5B", "step_time_w1_moe-1.5b_targets_rotated_h100_2026-12-06s11.json"))
+#: ``step_time.py`` arm name (before its first ``:``) -> the chart's optimizer label (a key of :data:`COLORS`).
+W1_ARMS = {"adamw": "AdamW", "builtin_muon": "built-in Muon", "ds_muon": "ds_muon"}
 #: PNG text key that holds :func:`loss_digest` of the data a chart was drawn from.
 DIGEST_KEY = "ds_muon-data-digest"
 
@@ -146,6 +156,55 @@ def plot_step_time(path: str, out: str) -> None:
     print(f"wrote {out}")
 
 
+def w1_rows(results_dir: str) -> list[dict]:
+    """One row per (model, optimizer) of :data:`W1_RUNS`: ``model``, ``optimizer`` (a :data:`COLORS` key),
+    ``fwd_bwd_s``, ``opt_step_s``, ``step_s`` (medians over all rounds, s) and ``peak_gib`` (GiB per rank); the
+    first arm of each optimizer in the file. Raises SystemExit where a file lacks one of the three optimizers."""
+    rows = []
+    for model, name in W1_RUNS:
+        path = os.path.join(results_dir, name)
+        arms = json.load(open(path, encoding="utf-8"))
+        for prefix, label in W1_ARMS.items():
+            arm = next((v for k, v in arms.items() if k.split(":")[0] == prefix and "error" not in v), None)
+            if arm is None:
+                raise SystemExit(f"{path}: no {prefix} arm")
+            rows.append({"model": model, "optimizer": label, "fwd_bwd_s": arm["fwd_bwd_s"],
+                         "opt_step_s": arm["opt_step_s"], "step_s": arm["step_s"], "peak_gib": arm["peak_gib"]})
+    return rows
+
+
+def w1_digest(rows: list[dict]) -> str:
+    """SHA-256 of what ``step_time_w1.png`` shows (every row of :func:`w1_rows`, in order)."""
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
+
+
+def plot_step_time_w1(results_dir: str, out: str) -> None:
+    plt = _pyplot()
+    rows = w1_rows(results_dir)
+    models = [m for m, _ in W1_RUNS]
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4))
+    width = 0.27
+    for k, opt in enumerate(COLORS):
+        mine = [next(r for r in rows if r["model"] == m and r["optimizer"] == opt) for m in models]
+        xs = [i + (k - 1) * width for i in range(len(models))]
+        fwd = [r["fwd_bwd_s"] for r in mine]
+        ax_t.bar(xs, fwd, width, color=COLORS[opt], alpha=0.45)
+        ax_t.bar(xs, [r["opt_step_s"] for r in mine], width, bottom=fwd, color=COLORS[opt], label=opt)
+        for x, r in zip(xs, mine):
+            ax_t.text(x, r["fwd_bwd_s"] + r["opt_step_s"], f"{r['step_s']:.2f}", ha="center", va="bottom", fontsize=7)
+        ax_m.bar(xs, [r["peak_gib"] for r in mine], width, color=COLORS[opt], label=opt)
+    for ax, ylabel in ((ax_t, "step time, s (light: fwd+bwd, dark: optimizer step)"), (ax_m, "peak memory, GiB")):
+        ax.set_xticks(range(len(models)), models)
+        ax.set_ylabel(ylabel)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("one H100, W=1, torch 2.11, deepspeed 0.19.8, bf16, ZeRO-3, micro-batch 4x1024; medians of 3 rotated "
+                 "rounds (2026-12-06)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110, metadata={DIGEST_KEY: w1_digest(rows)})
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "results"))
@@ -155,6 +214,7 @@ def main() -> None:
     os.makedirs(args.out_dir, exist_ok=True)
     plot_loss(args.results, os.path.join(args.out_dir, "loss_vs_tokens.png"), args.window)
     plot_step_time(os.path.join(args.results, "step_time_h200.json"), os.path.join(args.out_dir, "step_time_memory.png"))
+    plot_step_time_w1(args.results, os.path.join(args.out_dir, "step_time_w1.png"))
 
 
 if __name__ == "__main__":
