@@ -1719,22 +1719,31 @@ def memory_peak_text(m: dict) -> str:
 #: The parts of an arm's step over AdamW's that :func:`gap_by_cause` separates, in the table's order: (key, label).
 GAP_CAUSES = (("fwd", "forward host"), ("bwd_waits", "backward's host waiting on the GPU"),
               ("bwd_other", "backward's other host time"),
-              ("spill", "side-stream work past backward (fwd+bwd wall clock less its CUDA events)"),
+              ("main_tail", "main stream past backward's host return (fwd+bwd CUDA events less the host's forward "
+                            "and backward)"),
+              ("spill", "side-stream work past the main stream (fwd+bwd wall clock less its CUDA events)"),
               ("opt", "optimizer step"))
+
+#: Below this gap (s) :func:`gap_text` prints no shares (an arm of AdamW against AdamW: a share of noise).
+GAP_SHARE_MIN_S = 1e-3
 
 
 def gap_by_cause(arm: dict, base: dict) -> Optional[dict]:
-    """``arm``'s step over ``base``'s (AdamW's, the same run) split by where the time goes, from the medians.
+    """``arm``'s step over ``base``'s (AdamW's, the same run) split by where the time goes, from the medians (s).
 
-    The step is fwd+bwd plus the optimizer step; fwd+bwd's CUDA events end with backward's last main-stream kernel,
-    which the host's forward and backward time tracks at W=1, and its wall clock also waits for the side stream
-    (the overlapped Muon step), so: step = forward host + backward's waits on the GPU + backward's other host time
-    + (fwd+bwd wall clock - its CUDA events) + optimizer step, each a median, so their sum is close to the medians'
-    gap, not equal (the ``sum`` key). Units: seconds.
+    Per timed step, step = fwd+bwd + optimizer step, and fwd+bwd's wall clock (a device sync at its end) = the host's
+    forward + the host's backward (its waits on the GPU apart, ``bwd_wait_s``) + what the main stream still runs
+    after backward returns (fwd+bwd's CUDA events less the host's forward and backward; about 0 where backward
+    ends by waiting on the GPU, as ZeRO-3's does) + what the side stream (the overlapped Muon step) runs past the
+    main stream (the wall clock less the CUDA events). That is exact step by step; each part here is the arm's
+    median less ``base``'s, so the parts' sum (``sum``) is close to the medians' gap (``gap``), not equal.
+
+    Args:
+        arm, base: :func:`aggregate_arms` entries (medians over all rounds, s).
 
     Returns:
-        ``{"gap": s, "sum": s, **{key: s for key, _ in GAP_CAUSES}}``, or None where either arm lacks a key (no
-        CUDA events on the CPU, results from before the phase split).
+        ``{"gap": s, "sum": s, **{key: s for key, _ in GAP_CAUSES}}``, or None where either lacks a key (no CUDA
+        events on the CPU, results from before the phase split).
     """
     need = ("step_s", "fwd_host_s", "bwd_host_s", "bwd_wait_s", "fwd_bwd_s", "fwd_bwd_s_events", "opt_step_s")
     if any(k not in arm or k not in base for k in need):
@@ -1742,6 +1751,7 @@ def gap_by_cause(arm: dict, base: dict) -> Optional[dict]:
 
     def parts(v: dict) -> dict:
         return {"fwd": v["fwd_host_s"], "bwd_waits": v["bwd_wait_s"], "bwd_other": v["bwd_host_s"] - v["bwd_wait_s"],
+                "main_tail": v["fwd_bwd_s_events"] - v["fwd_host_s"] - v["bwd_host_s"],
                 "spill": v["fwd_bwd_s"] - v["fwd_bwd_s_events"], "opt": v["opt_step_s"]}
 
     mine, theirs = parts(arm), parts(base)
@@ -1750,8 +1760,10 @@ def gap_by_cause(arm: dict, base: dict) -> Optional[dict]:
 
 
 def gap_text(name: str, gap: dict) -> str:
-    """One line of :func:`print_table`: :func:`gap_by_cause`'s parts, each with its share of the gap."""
-    share = (lambda x: f" ({100 * x / gap['gap']:.0f}%)") if abs(gap["gap"]) > 1e-9 else (lambda x: "")
+    """One line of :func:`print_table`: :func:`gap_by_cause`'s parts in seconds, each with its share of the gap
+    (no shares where the gap is under :data:`GAP_SHARE_MIN_S` or under the parts' distance from it)."""
+    shares = abs(gap["gap"]) >= max(GAP_SHARE_MIN_S, abs(gap["gap"] - gap["sum"]))
+    share = (lambda x: f" ({100 * x / gap['gap']:.0f}%)") if shares else (lambda x: "")
     return (f"{name} - AdamW step {gap['gap']:+.4f} s by cause (medians of this run; the parts sum to "
             f"{gap['sum']:+.4f} s): " + ", ".join(f"{label} {gap[k]:+.4f}{share(gap[k])}" for k, label in GAP_CAUSES))
 

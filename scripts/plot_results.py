@@ -31,10 +31,12 @@ COLORS = {"AdamW": "tab:orange", "built-in Muon": "tab:green", "ds_muon": "tab:b
 RUNS = {"adamw": ("AdamW", "tab:orange"), "ds_muon": ("ds_muon (Muon)", "tab:blue"),
         "adam_mini": ("ds_muon Adam-mini (default blocks)", "tab:purple"),
         "adam_mini_neuron": ("ds_muon Adam-mini (neuron blocks)", "tab:red")}
-#: The one-GPU runs of ``step_time_w1.png``: (model label, file in benchmarks/results/, one H100 each).
-W1_RUNS = (("934M", "step_time_w1_934m_targets_rotated_h100_2026-12-06s12.json"),
-           ("2.9B", "step_time_w1_2.9b_targets_rotated_h100_2026-12-06s12.json"),
-           ("MoE-1.5B", "step_time_w1_moe-1.5b_targets_rotated_h100_2026-12-06s11.json"))
+#: The one-GPU runs of ``step_time_w1.png``: (model label, file in benchmarks/results/, the run as the chart names
+#: it: the machine, the commit measured, the date). Each file's rounds are read from it.
+W1_RUNS = (("934M", "step_time_w1_934m_targets_rotated_h100_2026-12-06s12.json", "one H100, db8d360, 2026-12-06"),
+           ("2.9B", "step_time_w1_2.9b_targets_rotated_h100_2026-12-06s12.json", "one H100, db8d360, 2026-12-06"),
+           ("MoE-1.5B", "step_time_w1_moe-1.5b_targets_rotated_h100_2026-12-06s11.json",
+            "one H100, 609ecf1, 2026-12-06"))
 #: ``step_time.py`` arm name (before its first ``:``) -> the chart's optimizer label (a key of :data:`COLORS`).
 W1_ARMS = {"adamw": "AdamW", "builtin_muon": "built-in Muon", "ds_muon": "ds_muon"}
 #: PNG text key that holds :func:`loss_digest` of the data a chart was drawn from.
@@ -157,19 +159,26 @@ def plot_step_time(path: str, out: str) -> None:
 
 
 def w1_rows(results_dir: str) -> list[dict]:
-    """One row per (model, optimizer) of :data:`W1_RUNS`: ``model``, ``optimizer`` (a :data:`COLORS` key),
-    ``fwd_bwd_s``, ``opt_step_s``, ``step_s`` (medians over all rounds, s) and ``peak_gib`` (GiB per rank); the
-    first arm of each optimizer in the file. Raises SystemExit where a file lacks one of the three optimizers."""
+    """One row per (model, optimizer) of :data:`W1_RUNS`: ``model`` (its label and run, as the chart's x axis
+    names it), ``optimizer`` (a :data:`COLORS` key), ``fwd_bwd_s``, ``opt_step_s``, ``step_s`` (medians over all
+    rounds, s), ``rounds`` and ``peak_gib`` (GiB per rank); the first arm of each optimizer in the file.
+
+    Raises:
+        SystemExit: a file lacks one of the three optimizers. OSError, KeyError: a file of :data:`W1_RUNS` is
+            missing or is not a ``benchmarks/step_time.py --out`` JSON.
+    """
     rows = []
-    for model, name in W1_RUNS:
+    for model, name, run in W1_RUNS:
         path = os.path.join(results_dir, name)
         arms = json.load(open(path, encoding="utf-8"))
         for prefix, label in W1_ARMS.items():
             arm = next((v for k, v in arms.items() if k.split(":")[0] == prefix and "error" not in v), None)
             if arm is None:
                 raise SystemExit(f"{path}: no {prefix} arm")
-            rows.append({"model": model, "optimizer": label, "fwd_bwd_s": arm["fwd_bwd_s"],
-                         "opt_step_s": arm["opt_step_s"], "step_s": arm["step_s"], "peak_gib": arm["peak_gib"]})
+            where = run.replace(", ", "\n", 1)  # the machine on one line, the commit and date on the next
+            rows.append({"model": f"{model}\n{where}\n{arm['rounds']} rounds", "optimizer": label,
+                         "fwd_bwd_s": arm["fwd_bwd_s"], "opt_step_s": arm["opt_step_s"], "step_s": arm["step_s"],
+                         "rounds": arm["rounds"], "peak_gib": arm["peak_gib"]})
     return rows
 
 
@@ -179,10 +188,12 @@ def w1_digest(rows: list[dict]) -> str:
 
 
 def plot_step_time_w1(results_dir: str, out: str) -> None:
+    """Draw ``out`` (a PNG, with :func:`w1_digest` in its text chunk) from :func:`w1_rows`; needs matplotlib
+    (``pip install -e ".[plot]"``). Raises as :func:`w1_rows`."""
     plt = _pyplot()
     rows = w1_rows(results_dir)
-    models = [m for m, _ in W1_RUNS]
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4))
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 5))
     width = 0.27
     for k, opt in enumerate(COLORS):
         mine = [next(r for r in rows if r["model"] == m and r["optimizer"] == opt) for m in models]
@@ -193,13 +204,14 @@ def plot_step_time_w1(results_dir: str, out: str) -> None:
         for x, r in zip(xs, mine):
             ax_t.text(x, r["fwd_bwd_s"] + r["opt_step_s"], f"{r['step_s']:.2f}", ha="center", va="bottom", fontsize=7)
         ax_m.bar(xs, [r["peak_gib"] for r in mine], width, color=COLORS[opt], label=opt)
-    for ax, ylabel in ((ax_t, "step time, s (light: fwd+bwd, dark: optimizer step)"), (ax_m, "peak memory, GiB")):
-        ax.set_xticks(range(len(models)), models)
-        ax.set_ylabel(ylabel)
+    for ax, ylabel in ((ax_t, "step time, s (light: fwd+bwd, dark: optimizer step;\nds_muon's fwd+bwd holds its "
+                               "overlapped Muon step)"), (ax_m, "peak memory, GiB")):
+        ax.set_xticks(range(len(models)), models, fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=9)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("one H100, W=1, torch 2.11, deepspeed 0.19.8, bf16, ZeRO-3, micro-batch 4x1024; medians of 3 rotated "
-                 "rounds (2026-12-06)", fontsize=10)
+    fig.suptitle("W=1, torch 2.11, deepspeed 0.19.8, bf16, ZeRO-3, micro-batch 4x1024; medians over rotated rounds\n"
+                 "(AdamW, DeepSpeed's built-in Muon and ds_muon in one run per model)", fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110, metadata={DIGEST_KEY: w1_digest(rows)})
     print(f"wrote {out}")
