@@ -38,5 +38,5 @@ python -m ds_muon.integration.shm_segments || true
 # a lock every later run waits on forever (the builder removes such a lock when no process is building).
 python -m ds_muon.integration.jit_ops || echo "!! a DeepSpeed op did not build (above); the tests that need it will say so" >&2
 
-echo ">> python -m pytest $(printf '%q ' "$@")"
+echo ">> python -m pytest${*:+ $(printf '%q ' "$@")}"  # the arguments quoted as a shell would need them
 exec python -m pytest "$@"
