@@ -127,31 +127,41 @@ def png_text(path: str) -> dict[str, str]:
     return out
 
 
-def plot_step_time(path: str, out: str) -> None:
+def _step_memory_bars(groups: list, tick_labels: list[str], row_of, opt_key: str, figsize: tuple, time_label: str,
+                      memory_label: str, ylabel_size=None, totals: bool = False):
+    """The two panels of a timing chart, returned as the figure: per group (a run, a model; the x axis, labelled
+    ``tick_labels``) one bar per optimizer of :data:`COLORS` (``row_of(group, optimizer)`` -> its row, or None for no
+    bar): its ``fwd_bwd_s`` (light) under its ``opt_key`` (dark), seconds, with ``step_s`` written on top where
+    ``totals``; and its ``peak_gib``."""
     plt = _pyplot()
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=figsize)
+    width = 0.27
+    for k, opt in enumerate(COLORS):
+        placed = [(i + (k - 1) * width, row_of(g, opt)) for i, g in enumerate(groups)]
+        placed = [(x, r) for x, r in placed if r is not None]
+        xs, fwd = [x for x, _ in placed], [r["fwd_bwd_s"] for _, r in placed]
+        ax_t.bar(xs, fwd, width, color=COLORS[opt], alpha=0.45)
+        ax_t.bar(xs, [r[opt_key] for _, r in placed], width, bottom=fwd, color=COLORS[opt], label=opt)
+        for x, r in placed if totals else ():
+            ax_t.text(x, r["fwd_bwd_s"] + r[opt_key], f"{r['step_s']:.2f}", ha="center", va="bottom", fontsize=7)
+        ax_m.bar(xs, [r["peak_gib"] for _, r in placed], width, color=COLORS[opt], label=opt)
+    for ax, ylabel in ((ax_t, time_label), (ax_m, memory_label)):
+        ax.set_xticks(range(len(groups)), tick_labels, fontsize=8)
+        ax.set_ylabel(ylabel, **({} if ylabel_size is None else {"fontsize": ylabel_size}))
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    return fig
+
+
+def plot_step_time(path: str, out: str) -> None:
     data = json.load(open(path, encoding="utf-8"))
     rows = [r for r in data["rows"] if r["optimizer"] in COLORS]  # the three optimizers, not the variants
     runs = sorted({r["run"] for r in rows})
     labels = {run: next(f"{run}: {r['model']}, W={r['world_size']}" for r in rows if r["run"] == run) for run in runs}
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4))
-    width = 0.27
-    for k, opt in enumerate(COLORS):
-        xs, fwd, step, peak = [], [], [], []
-        for i, run in enumerate(runs):
-            r = next((r for r in rows if r["run"] == run and r["optimizer"] == opt), None)
-            if r is not None:
-                xs.append(i + (k - 1) * width)
-                fwd.append(r["fwd_bwd_s"])
-                step.append(r["optimizer_step_s"])
-                peak.append(r["peak_gib"])
-        ax_t.bar(xs, fwd, width, color=COLORS[opt], alpha=0.45)
-        ax_t.bar(xs, step, width, bottom=fwd, color=COLORS[opt], label=opt)
-        ax_m.bar(xs, peak, width, color=COLORS[opt], label=opt)
-    for ax, ylabel in ((ax_t, "step time, s (light: fwd+bwd, dark: optimizer step)"), (ax_m, "peak memory, GiB/rank")):
-        ax.set_xticks(range(len(runs)), [labels[r] for r in runs], fontsize=8)
-        ax.set_ylabel(ylabel)
-        ax.grid(axis="y", alpha=0.3)
-        ax.legend(fontsize=8)
+    fig = _step_memory_bars(
+        runs, [labels[r] for r in runs],
+        lambda run, opt: next((r for r in rows if r["run"] == run and r["optimizer"] == opt), None),
+        "optimizer_step_s", (12, 4), "step time, s (light: fwd+bwd, dark: optimizer step)", "peak memory, GiB/rank")
     fig.suptitle(f"{data['machine']}, {data['versions']} ({data['date']}); bf16, ZeRO-3, micro-batch 4x1024")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -190,26 +200,12 @@ def w1_digest(rows: list[dict]) -> str:
 def plot_step_time_w1(results_dir: str, out: str) -> None:
     """Draw ``out`` (a PNG, with :func:`w1_digest` in its text chunk) from :func:`w1_rows`; needs matplotlib
     (``pip install -e ".[plot]"``). Raises as :func:`w1_rows`."""
-    plt = _pyplot()
     rows = w1_rows(results_dir)
     models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 5))
-    width = 0.27
-    for k, opt in enumerate(COLORS):
-        mine = [next(r for r in rows if r["model"] == m and r["optimizer"] == opt) for m in models]
-        xs = [i + (k - 1) * width for i in range(len(models))]
-        fwd = [r["fwd_bwd_s"] for r in mine]
-        ax_t.bar(xs, fwd, width, color=COLORS[opt], alpha=0.45)
-        ax_t.bar(xs, [r["opt_step_s"] for r in mine], width, bottom=fwd, color=COLORS[opt], label=opt)
-        for x, r in zip(xs, mine):
-            ax_t.text(x, r["fwd_bwd_s"] + r["opt_step_s"], f"{r['step_s']:.2f}", ha="center", va="bottom", fontsize=7)
-        ax_m.bar(xs, [r["peak_gib"] for r in mine], width, color=COLORS[opt], label=opt)
-    for ax, ylabel in ((ax_t, "step time, s (light: fwd+bwd, dark: optimizer step;\nds_muon's fwd+bwd holds its "
-                               "overlapped Muon step)"), (ax_m, "peak memory, GiB")):
-        ax.set_xticks(range(len(models)), models, fontsize=8)
-        ax.set_ylabel(ylabel, fontsize=9)
-        ax.grid(axis="y", alpha=0.3)
-        ax.legend(fontsize=8)
+    fig = _step_memory_bars(
+        models, models, lambda m, opt: next(r for r in rows if r["model"] == m and r["optimizer"] == opt),
+        "opt_step_s", (12, 5), "step time, s (light: fwd+bwd, dark: optimizer step;\nds_muon's fwd+bwd holds its "
+        "overlapped Muon step)", "peak memory, GiB", ylabel_size=9, totals=True)
     fig.suptitle("W=1, torch 2.11, deepspeed 0.19.8, bf16, ZeRO-3, micro-batch 4x1024; medians over rotated rounds\n"
                  "(AdamW, DeepSpeed's built-in Muon and ds_muon in one run per model)", fontsize=10)
     fig.tight_layout()
