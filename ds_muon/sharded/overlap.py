@@ -408,9 +408,19 @@ class SpeculativeMuon:
         """Whether :meth:`commit` of sub-group ``i`` would apply its speculation with these arguments (complete,
         not clipped, the loss scale it divided by), asked before the step builds the gradient it reads; counts
         nothing."""
-        st = self._state.get(i)
-        return (st is not None and st.complete and not clipped
-                and (st.loss_scale is None or st.loss_scale == loss_scale))
+        return self._fallback_reason(self._state.get(i), clipped, loss_scale) is None
+
+    @staticmethod
+    def _fallback_reason(st: Optional[_SubGroupState], clipped: bool, loss_scale: float) -> Optional[str]:
+        """Why a sub-group with speculation ``st`` (None: none) cannot commit (one of :data:`FALLBACK_REASONS`), or
+        None where it can: complete, not clipped, the loss scale it divided by."""
+        if st is None or not st.complete:
+            return "not_ready"
+        if clipped:
+            return "clip"
+        if st.loss_scale is not None and st.loss_scale != loss_scale:
+            return "loss_scale"
+        return None
 
     def join(self) -> None:
         """Make the current stream wait for the speculative work (call before the first commit)."""
@@ -448,14 +458,7 @@ class SpeculativeMuon:
                 :meth:`MuonShardStep.momentum_step`, a narrow ``grad`` with momentum that is not float32.
         """
         st = self._state.pop(i, None)
-        if st is None or not st.complete:
-            reason = "not_ready"
-        elif clipped:
-            reason = "clip"
-        elif st.loss_scale is not None and st.loss_scale != loss_scale:
-            reason = "loss_scale"
-        else:
-            reason = None
+        reason = self._fallback_reason(st, clipped, loss_scale)
         if reason is not None:
             self.fallbacks[reason] += 1
             return False
